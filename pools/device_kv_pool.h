@@ -1,0 +1,56 @@
+// DeviceKVPool: the L1 tier, the engine's KV buffer in device memory, indexed by token slot,
+// with its PagedTokenAllocator. Per layer it exposes the K and V buffers (or the MLA latent
+// buffer) that attention reads, and a hook through which the attention of layer i waits until
+// that layer has been loaded (the controller installs its LayerDoneCounter there).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#include "kernels/layout_math.h"
+#include "pools/kv_geometry.h"
+#include "pools/kv_layout.h"
+#include "pools/paged_token_allocator.h"
+#include "transfer/device.h"
+
+namespace hicache {
+
+class DeviceKVPool {
+ public:
+  // Allocates num_tokens slots of device memory. Throws InvalidArgument for a bad geometry or
+  // a token count that is not a positive page multiple, DeviceError when memory is refused.
+  DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens);
+
+  const KVGeometry& geometry() const { return geometry_; }
+  const LayoutDesc& layout() const { return desc_; }
+  std::int64_t capacity_tokens() const { return allocator_.capacity_tokens(); }
+  std::size_t size_bytes() const { return memory_.size(); }
+  Device& device() const { return *device_; }
+
+  // The allocator of this pool's slots. Not thread-safe: the engine's main loop owns it.
+  PagedTokenAllocator& allocator() { return allocator_; }
+  const PagedTokenAllocator& allocator() const { return allocator_; }
+
+  // Device pointer of the [tokens][unit] buffer of `layer` for K (kv = 0) or V (kv = 1); MLA
+  // has only kv = 0, the latent buffer. Throws InvalidArgument for an index out of range.
+  std::byte* buffer(std::int32_t layer, std::int32_t kv) const;
+  std::byte* k_buffer(std::int32_t layer) const { return buffer(layer, 0); }
+  std::byte* v_buffer(std::int32_t layer) const { return buffer(layer, 1); }
+
+  // Installs the function that wait_for_layer() calls; an empty one removes it.
+  void set_layer_wait_hook(std::function<void(std::int32_t layer)> hook);
+  // Called by attention before it reads `layer`: returns once the layer's loads are complete
+  // (at once when no hook is installed).
+  void wait_for_layer(std::int32_t layer) const;
+
+ private:
+  Device* device_;
+  KVGeometry geometry_;
+  Buffer memory_;
+  LayoutDesc desc_;
+  PagedTokenAllocator allocator_;
+  std::function<void(std::int32_t)> layer_wait_hook_;
+};
+
+}  // namespace hicache

@@ -1,0 +1,199 @@
+#include "pools/host_kv_pool.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+
+std::string_view to_string(PageState state) {
+  switch (state) {
+    case PageState::kFree:
+      return "free";
+    case PageState::kReserved:
+      return "reserved";
+    case PageState::kProtected:
+      return "protected";
+    case PageState::kSynced:
+      return "synced";
+    case PageState::kBackup:
+      return "backup";
+  }
+  return "unknown";
+}
+
+std::int64_t HostPoolSize::resolve_tokens(const KVGeometry& geometry,
+                                          std::int64_t device_tokens) const {
+  const int given = (ratio != 0) + (bytes != 0) + (tokens != 0);
+  if (given != 1) {
+    throw InvalidArgument(str_cat("host pool size: give exactly one of ratio, bytes, tokens (got ",
+                                  given, ")"));
+  }
+  const std::int64_t page = geometry.page_size;
+  std::int64_t result = 0;
+  if (ratio != 0) {
+    if (!(ratio > 0) || !std::isfinite(ratio)) {
+      throw InvalidArgument(str_cat("host pool size: ratio must be > 0, got ", ratio));
+    }
+    if (device_tokens <= 0) {
+      throw InvalidArgument(str_cat("host pool size: a ratio needs the device pool's tokens, got ",
+                                    device_tokens));
+    }
+    result = static_cast<std::int64_t>(ratio * static_cast<double>(device_tokens)) / page * page;
+  } else if (bytes != 0) {
+    if (bytes < 0) throw InvalidArgument(str_cat("host pool size: bytes must be > 0, got ", bytes));
+    result = bytes / geometry.page_bytes() * page;
+  } else {
+    if (tokens < 0 || tokens % page != 0) {
+      throw InvalidArgument(str_cat("host pool size: ", tokens,
+                                    " tokens is not a positive multiple of the page size ", page));
+    }
+    result = tokens;
+  }
+  if (result < page) {
+    throw InvalidArgument(str_cat("host pool size: resolves to ", result,
+                                  " tokens, less than one page of ", page));
+  }
+  return result;
+}
+
+HostKVPool::HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
+                       std::int64_t num_tokens, const HostMemoryOptions& memory)
+    : geometry_(geometry),
+      host_layout_(layout),
+      allocator_((check_token_count(geometry, num_tokens, "HostKVPool"), num_tokens),
+                 geometry.page_size) {
+  geometry_.validate();
+  memory_ = device.alloc_host(static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens)),
+                              memory);
+  desc_ = make_host_layout(layout, geometry_, num_tokens, memory_.data());
+  states_.assign(allocator_.num_pages(), PageState::kFree);
+}
+
+std::int64_t HostKVPool::free_tokens() const {
+  std::lock_guard lock(mu_);
+  return allocator_.free_tokens();
+}
+
+std::optional<std::vector<std::int64_t>> HostKVPool::alloc(std::int64_t num_tokens) {
+  std::vector<std::int64_t> slots;
+  if (!alloc(num_tokens, slots)) return std::nullopt;
+  return slots;
+}
+
+bool HostKVPool::alloc(std::int64_t num_tokens, std::vector<std::int64_t>& slots) {
+  std::lock_guard lock(mu_);
+  const std::size_t first = slots.size();
+  if (!allocator_.alloc(num_tokens, slots)) return false;
+  for (std::size_t i = first; i < slots.size(); i += geometry_.page_size) {
+    states_[slots[i] / geometry_.page_size] = PageState::kReserved;
+  }
+  return true;
+}
+
+void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t from, PageState to,
+                            std::string_view op) {
+  scratch_.clear();
+  slots_to_pages(slots, geometry_.page_size, allocator_.num_pages(),
+                 str_cat("HostKVPool::", op), scratch_);
+  for (std::int64_t page : scratch_) {
+    if ((state_bit(states_[page]) & from) == 0) {
+      std::string wanted;
+      for (int s = 0; s < kNumPageStates; ++s) {
+        if (from & (1 << s)) {
+          wanted += wanted.empty() ? "" : " or ";
+          wanted += to_string(static_cast<PageState>(s));
+        }
+      }
+      throw StateError(str_cat("HostKVPool::", op, ": page ", page, " (slot ",
+                               page * geometry_.page_size, ") is ", to_string(states_[page]),
+                               ", needs ", wanted));
+    }
+  }
+  sorted_.assign(scratch_.begin(), scratch_.end());
+  std::sort(sorted_.begin(), sorted_.end());
+  if (auto dup = std::adjacent_find(sorted_.begin(), sorted_.end()); dup != sorted_.end()) {
+    throw StateError(str_cat("HostKVPool::", op, ": page ", *dup, " (slot ",
+                             *dup * geometry_.page_size, ") is listed twice"));
+  }
+  if (to == PageState::kFree) allocator_.free_pages(scratch_);
+  for (std::int64_t page : scratch_) states_[page] = to;
+}
+
+void HostKVPool::free(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kReserved) | state_bit(PageState::kBackup),
+             PageState::kFree, "free");
+}
+
+void HostKVPool::protect_write(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kReserved), PageState::kProtected, "protect_write");
+}
+
+void HostKVPool::protect_load(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kBackup), PageState::kProtected, "protect_load");
+}
+
+void HostKVPool::complete_io(std::span<const std::int64_t> slots, PageState to) {
+  if (to != PageState::kSynced && to != PageState::kBackup) {
+    throw InvalidArgument(str_cat("HostKVPool::complete_io: target state must be synced or "
+                                  "backup, got ",
+                                  to_string(to)));
+  }
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kProtected), to, "complete_io");
+}
+
+void HostKVPool::abort_io(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kProtected), PageState::kReserved, "abort_io");
+}
+
+void HostKVPool::mark_backup(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kSynced), PageState::kBackup, "mark_backup");
+}
+
+PageState HostKVPool::page_state(std::int64_t page) const {
+  std::lock_guard lock(mu_);
+  if (page < 0 || page >= allocator_.num_pages()) {
+    throw InvalidArgument(str_cat("HostKVPool::page_state: page ", page, " is out of range [0, ",
+                                  allocator_.num_pages(), ")"));
+  }
+  return states_[page];
+}
+
+bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState state) const {
+  std::vector<std::int64_t> pages;
+  slots_to_pages(slots, geometry_.page_size, num_pages(), "HostKVPool::all_in_state", pages);
+  std::lock_guard lock(mu_);
+  for (std::int64_t page : pages) {
+    if (states_[page] != state) return false;
+  }
+  return true;
+}
+
+std::int64_t HostKVPool::count_in_state(PageState state) const {
+  std::lock_guard lock(mu_);
+  std::int64_t n = 0;
+  for (PageState s : states_) n += s == state;
+  return n;
+}
+
+std::span<std::byte> HostKVPool::page_bytes(std::int64_t page) const {
+  if (!has_contiguous_pages()) {
+    throw StateError(str_cat("HostKVPool::page_bytes: layout ", to_string(host_layout_),
+                             " has no contiguous page; use page_first or page_first_direct"));
+  }
+  if (page < 0 || page >= num_pages()) {
+    throw InvalidArgument(str_cat("HostKVPool::page_bytes: page ", page, " is out of range [0, ",
+                                  num_pages(), ")"));
+  }
+  return {reinterpret_cast<std::byte*>(desc_.base + page * desc_.page_stride),
+          static_cast<std::size_t>(page_total_bytes(desc_))};
+}
+
+}  // namespace hicache

@@ -1,0 +1,200 @@
+// hicache-bench: the main job. Until the synthetic workload lands (issue: hicache-bench), it
+// runs a smoke round trip of the foundation and prints what it did: it builds the device and
+// host KV pools on the chosen device backend, writes pages whose bytes derive from their keys
+// into device memory, backs them up to host (L1 -> L2), loads them back into fresh device
+// pages (L2 -> L1), and verifies every byte at both ends.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+#include "pools/kv_pattern.h"
+#include "transfer/copy_plan.h"
+#include "transfer/device.h"
+#include "transfer/errors.h"
+
+namespace {
+
+using hicache::str_cat;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string device = "host";
+  std::string layout = "layer_first";
+  std::string dtype = "fp16";
+  int layers = 32, heads = 8, head_dim = 128, page_size = 64;
+  long pages = 64;  // pages moved each way (the device pool holds twice that)
+  double host_ratio = 2.0;
+};
+
+constexpr const char* kUsage = R"(usage: hicache-bench [options]
+  --device auto|host|cuda     device backend (default host)
+  --layout layer_first|page_first|page_first_direct   host layout (default layer_first)
+  --dtype fp16|bf16|fp8|fp32  KV dtype (default fp16)
+  --layers N --heads N --head-dim N --page-size N   KV geometry (default 32 8 128 64)
+  --pages N                   pages to move each way (default 64)
+  --host-ratio X              host pool size as a ratio of the device pool (default 2)
+  --help
+)";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "hicache-bench: %s\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+long parse_long(std::string_view flag, const char* text) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || v <= 0) {
+    usage_error(str_cat(flag, ": '", text, "' is not a positive integer"));
+  }
+  return v;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
+    const char* value = argv[++i];
+    if (flag == "--device") o.device = value;
+    else if (flag == "--layout") o.layout = value;
+    else if (flag == "--dtype") o.dtype = value;
+    else if (flag == "--layers") o.layers = static_cast<int>(parse_long(flag, value));
+    else if (flag == "--heads") o.heads = static_cast<int>(parse_long(flag, value));
+    else if (flag == "--head-dim") o.head_dim = static_cast<int>(parse_long(flag, value));
+    else if (flag == "--page-size") o.page_size = static_cast<int>(parse_long(flag, value));
+    else if (flag == "--pages") o.pages = parse_long(flag, value);
+    else if (flag == "--host-ratio") {
+      char* end = nullptr;
+      o.host_ratio = std::strtod(value, &end);
+      if (end == value || *end != '\0' || !(o.host_ratio > 0)) {
+        usage_error(str_cat("--host-ratio: '", value, "' is not a positive number"));
+      }
+    } else {
+      usage_error(str_cat("unknown flag: ", flag));
+    }
+  }
+  return o;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Copies pages between layouts on `stream` and waits; returns seconds.
+double move_pages(hicache::Stream& stream, const hicache::LayoutDesc& dst,
+                  const std::vector<std::int64_t>& dst_pages, const hicache::LayoutDesc& src,
+                  const std::vector<std::int64_t>& src_pages) {
+  std::vector<hicache::CopyRegion> regions;
+  hicache::append_page_copies(dst, dst_pages, src, src_pages, 0, dst.num_layers, regions);
+  const auto t0 = Clock::now();
+  stream.copy_batch_async(regions);
+  stream.synchronize();
+  return seconds_since(t0);
+}
+
+int run(const Options& o) {
+  auto device = hicache::Device::create(o.device);
+  const auto geometry = hicache::KVGeometry::mha(o.layers, o.heads, o.head_dim,
+                                                 hicache::parse_dtype(o.dtype), o.page_size);
+  const auto layout = hicache::parse_host_layout(o.layout);
+  std::printf("[hicache-bench] device: %s\n", device->name().c_str());
+  std::printf("[hicache-bench] geometry: %s\n", geometry.describe().c_str());
+
+  auto t0 = Clock::now();
+  hicache::DeviceKVPool device_pool(*device, geometry, 2 * o.pages * o.page_size);
+  const std::int64_t host_tokens = hicache::HostPoolSize{.ratio = o.host_ratio}.resolve_tokens(
+      geometry, device_pool.capacity_tokens());
+  hicache::HostKVPool host_pool(*device, geometry, layout, host_tokens);
+  std::printf("[hicache-bench] pools: device %lld tokens (%.1f MiB), host %lld tokens (%.1f MiB, "
+              "%s), created in %.3f s\n",
+              static_cast<long long>(device_pool.capacity_tokens()),
+              device_pool.size_bytes() / 1048576.0, static_cast<long long>(host_tokens),
+              host_pool.size_bytes() / 1048576.0, o.layout.c_str(), seconds_since(t0));
+
+  // Staging buffer in the device layout, CPU-addressable on every backend.
+  hicache::Buffer staging = device->alloc_host(device_pool.size_bytes());
+  hicache::LayoutDesc staging_desc = device_pool.layout();
+  staging_desc.base = reinterpret_cast<std::uint8_t*>(staging.data());
+  auto stream = device->create_stream();
+
+  // 1. The "forward pass": fill device pages with data derived from their keys.
+  auto& allocator = device_pool.allocator();
+  std::vector<std::int64_t> src_pages, host_pages, back_pages;
+  if (!allocator.alloc_pages(o.pages, src_pages)) throw hicache::Error("device pool too small");
+  for (std::int64_t page : src_pages) hicache::fill_page(staging_desc, page, 1000 + page);
+  stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
+  stream->synchronize();
+
+  // 2. L1 -> L2 backup.
+  auto host_slots = host_pool.alloc(o.pages * o.page_size);
+  if (!host_slots) throw hicache::Error("host pool too small");
+  hicache::slots_to_pages(*host_slots, o.page_size, host_pool.num_pages(), "smoke", host_pages);
+  host_pool.protect_write(*host_slots);
+  const double write_s = move_pages(*stream, host_pool.layout(), host_pages, device_pool.layout(),
+                                    src_pages);
+  host_pool.complete_io(*host_slots, hicache::PageState::kSynced);
+  long bad = 0;
+  for (std::size_t i = 0; i < host_pages.size(); ++i) {
+    bad += !hicache::verify_page(host_pool.layout(), host_pages[i], 1000 + src_pages[i]);
+  }
+  // Evict the device copy: the host now holds the only copy above storage.
+  allocator.free_pages(src_pages);
+  host_pool.mark_backup(*host_slots);
+  std::memset(staging.data(), 0, staging.size());
+  stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
+
+  // 3. L2 -> L1 load into fresh device pages.
+  if (!allocator.alloc_pages(o.pages, back_pages)) throw hicache::Error("device pool too small");
+  host_pool.protect_load(*host_slots);
+  const double load_s = move_pages(*stream, device_pool.layout(), back_pages, host_pool.layout(),
+                                   host_pages);
+  host_pool.complete_io(*host_slots, hicache::PageState::kSynced);
+  stream->copy_async(staging.data(), device_pool.layout().base, device_pool.size_bytes());
+  stream->synchronize();
+  for (std::size_t i = 0; i < back_pages.size(); ++i) {
+    bad += !hicache::verify_page(staging_desc, back_pages[i], 1000 + src_pages[i]);
+  }
+
+  const double bytes = static_cast<double>(o.pages) * geometry.page_bytes();
+  std::printf("[hicache-bench] L1->L2: %ld pages, %.1f MiB in %.4f s (%.2f GB/s)\n", o.pages,
+              bytes / 1048576.0, write_s, bytes / write_s / 1e9);
+  std::printf("[hicache-bench] L2->L1: %ld pages, %.1f MiB in %.4f s (%.2f GB/s)\n", o.pages,
+              bytes / 1048576.0, load_s, bytes / load_s / 1e9);
+  host_pool.mark_backup(*host_slots);
+  host_pool.free(*host_slots);
+  allocator.free_pages(back_pages);
+  std::printf("[hicache-bench] verified %ld pages at both ends: %ld mismatches; pools clean: %s\n",
+              2 * o.pages, bad,
+              host_pool.free_tokens() == host_pool.capacity_tokens() &&
+                      allocator.free_tokens() == allocator.capacity_tokens()
+                  ? "yes"
+                  : "no");
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = parse(argc, argv);
+  try {
+    return run(options);
+  } catch (const hicache::InvalidArgument& e) {
+    usage_error(e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hicache-bench: %s\n", e.what());
+    return 1;
+  }
+}

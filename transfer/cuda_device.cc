@@ -1,0 +1,213 @@
+#include "transfer/cuda_device.h"
+
+#include <cuda_runtime.h>
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw DeviceError(str_cat(what, " failed: ", static_cast<int>(err), " ", cudaGetErrorName(err),
+                              " (", cudaGetErrorString(err), ")"));
+  }
+}
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(int ordinal) : ordinal_(ordinal) {
+    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+
+  bool query() const override {
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) return false;
+    check(err, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() const override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  cudaEvent_t handle() const { return event_; }
+  int ordinal() const { return ordinal_; }
+
+ private:
+  int ordinal_;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaStream final : public Stream {
+ public:
+  explicit CudaStream(int ordinal) : ordinal_(ordinal) {
+    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  ~CudaStream() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0) return;
+    if (dst == nullptr || src == nullptr) {
+      throw InvalidArgument(str_cat("Stream::copy: null pointer for a copy of ", bytes, " bytes"));
+    }
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync");
+  }
+
+  void copy_batch_async(std::span<const CopyRegion> regions) override {
+    for (const CopyRegion& r : regions) {
+      if (r.bytes != 0 && (r.dst == nullptr || r.src == nullptr)) {
+        throw InvalidArgument(
+            str_cat("Stream::copy_batch: null pointer for a copy of ", r.bytes, " bytes"));
+      }
+    }
+    for (const CopyRegion& r : regions) copy_async(r.dst, r.src, r.bytes);
+  }
+
+  void launch_host_func(std::function<void()> fn) override {
+    if (!fn) throw InvalidArgument("Stream::launch_host_func: empty function");
+    auto* payload = new HostFunc{std::move(fn), this};
+    const cudaError_t err = cudaLaunchHostFunc(stream_, &CudaStream::trampoline, payload);
+    if (err != cudaSuccess) {
+      delete payload;
+      check(err, "cudaLaunchHostFunc");
+    }
+  }
+
+  void record(Event& event) override {
+    auto* cuda_event = dynamic_cast<CudaEvent*>(&event);
+    if (cuda_event == nullptr) {
+      throw InvalidArgument("Stream::record: the event belongs to another device backend");
+    }
+    check(cudaEventRecord(cuda_event->handle(), stream_), "cudaEventRecord");
+  }
+
+  void wait(const Event& event) override {
+    const auto* cuda_event = dynamic_cast<const CudaEvent*>(&event);
+    if (cuda_event == nullptr) {
+      throw InvalidArgument("Stream::wait: the event belongs to another device backend");
+    }
+    check(cudaStreamWaitEvent(stream_, cuda_event->handle(), 0), "cudaStreamWaitEvent");
+  }
+
+  void synchronize() override {
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    std::exception_ptr error;
+    {
+      std::lock_guard lock(mu_);
+      error = std::exchange(host_func_error_, nullptr);
+    }
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        throw DeviceError(str_cat("cuda stream: a host function failed: ", e.what()));
+      }
+    }
+  }
+
+  cudaStream_t handle() const { return stream_; }
+
+ private:
+  struct HostFunc {
+    std::function<void()> fn;
+    CudaStream* stream;
+  };
+
+  // Runs on the CUDA runtime's callback thread; an exception must not escape into the runtime.
+  static void CUDART_CB trampoline(void* data) {
+    std::unique_ptr<HostFunc> payload(static_cast<HostFunc*>(data));
+    try {
+      payload->fn();
+    } catch (...) {
+      std::lock_guard lock(payload->stream->mu_);
+      if (!payload->stream->host_func_error_) {
+        payload->stream->host_func_error_ = std::current_exception();
+      }
+    }
+  }
+
+  int ordinal_;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  std::exception_ptr host_func_error_;  // GUARDED_BY mu_
+};
+
+}  // namespace
+
+bool cuda_device_present(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    if (why != nullptr) {
+      *why = str_cat("cudaGetDeviceCount returned ", static_cast<int>(err), " (",
+                     cudaGetErrorName(err), ": ", cudaGetErrorString(err), ")");
+    }
+    cudaGetLastError();  // clear the non-sticky error
+    return false;
+  }
+  if (count == 0) {
+    if (why != nullptr) *why = "the CUDA runtime reports 0 devices";
+    return false;
+  }
+  return true;
+}
+
+CudaDevice::CudaDevice(int ordinal) : ordinal_(ordinal) {
+  int count = 0;
+  check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (ordinal < 0 || ordinal >= count) {
+    throw DeviceError(str_cat("CUDA device ordinal ", ordinal, " out of range: ", count,
+                              " device(s) present"));
+  }
+  check(cudaSetDevice(ordinal_), "cudaSetDevice");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, ordinal_), "cudaGetDeviceProperties");
+  name_ = str_cat(prop.name, " (sm_", prop.major, prop.minor, ", ", prop.multiProcessorCount,
+                  " SMs, ", prop.totalGlobalMem >> 30, " GiB)");
+}
+
+CudaDevice::~CudaDevice() = default;
+
+Buffer CudaDevice::alloc_device(std::size_t bytes) {
+  if (bytes == 0) throw InvalidArgument("CudaDevice::alloc_device: size is 0 bytes");
+  check(cudaSetDevice(ordinal_), "cudaSetDevice");
+  void* p = nullptr;
+  check(cudaMalloc(&p, bytes), str_cat("cudaMalloc of ", bytes, " bytes").c_str());
+  Buffer buffer(p, bytes, [](void* data, std::size_t) { cudaFree(data); });
+  check(cudaMemset(p, 0, bytes), "cudaMemset");
+  return buffer;
+}
+
+Buffer CudaDevice::alloc_host(std::size_t bytes, const HostMemoryOptions& options) {
+  if (bytes == 0) throw InvalidArgument("CudaDevice::alloc_host: size is 0 bytes");
+  Buffer mapped = map_host_memory(bytes, options);
+  check(cudaHostRegister(mapped.data(), mapped.size(), cudaHostRegisterDefault),
+        str_cat("cudaHostRegister of ", mapped.size(), " bytes").c_str());
+  // The new buffer unregisters, then the moved-from mapping's release unmaps.
+  auto holder = std::make_shared<Buffer>(std::move(mapped));
+  void* data = holder->data();
+  const std::size_t size = holder->size();
+  return Buffer(data, size, [holder](void* p, std::size_t) mutable {
+    cudaHostUnregister(p);
+    holder.reset();
+  });
+}
+
+std::unique_ptr<Stream> CudaDevice::create_stream() { return std::make_unique<CudaStream>(ordinal_); }
+
+std::unique_ptr<Event> CudaDevice::create_event() { return std::make_unique<CudaEvent>(ordinal_); }
+
+void CudaDevice::synchronize() {
+  check(cudaSetDevice(ordinal_), "cudaSetDevice");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+}  // namespace hicache

@@ -1,0 +1,32 @@
+// Pool memory in host RAM: the host KV pool's pages and the host backend's emulated device
+// memory. On these machines the first touch of a 4 KiB page costs 10-16 us while a huge page
+// faults at ~17 GB/s (shared/MACHINE.md), so pool memory is mapped with MADV_HUGEPAGE (falling
+// back to MAP_POPULATE where huge pages are refused), pre-faulted at creation, optionally
+// mlock'ed, and never handed back to the kernel while the pool lives.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "transfer/buffer.h"
+
+namespace hicache {
+
+struct HostMemoryOptions {
+  // Lock the pages in RAM (mlock). Failure to lock is an error naming RLIMIT_MEMLOCK.
+  bool mlock = false;
+  // Name used in the progress line printed (to stderr) while large mappings are pre-faulted.
+  std::string label = "pool";
+  // Mappings of at least this many bytes print progress while they are pre-faulted.
+  std::size_t progress_threshold_bytes = std::size_t{4} << 30;
+};
+
+// Maps `bytes` (rounded up to 2 MiB) of zeroed, pre-faulted anonymous memory.
+// Throws InvalidArgument for bytes == 0 and DeviceError when the kernel refuses the memory.
+Buffer map_host_memory(std::size_t bytes, const HostMemoryOptions& options = {});
+
+// One line on how the mapping is backed: mapped, resident and huge-page MiB, read from
+// /proc/self/smaps (diagnostics for the smoke run and benchmarks; slow, never on a hot path).
+std::string describe_host_memory(const Buffer& buffer);
+
+}  // namespace hicache
