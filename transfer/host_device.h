@@ -23,7 +23,7 @@ class HostDevice final : public Device {
   DeviceBackend backend() const override { return DeviceBackend::kHost; }
   std::string name() const override;
   Buffer alloc_device(std::size_t bytes) override;
-  Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options) override;
+  Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options = {}) override;
   bool device_memory_is_host_accessible() const override { return true; }
   std::unique_ptr<Stream> create_stream() override;
   std::unique_ptr<Event> create_event() override;

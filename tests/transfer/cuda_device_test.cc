@@ -1,0 +1,101 @@
+// CudaDevice tests: run on a machine with a GPU, skip with the reason elsewhere.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+#include "pools/kv_pattern.h"
+#include "transfer/copy_plan.h"
+#include "transfer/device.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+class CudaDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!Device::cuda_available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+    device_ = Device::create("cuda");
+  }
+  std::unique_ptr<Device> device_;
+};
+
+TEST_F(CudaDeviceTest, CopiesRoundTripThroughDeviceMemory) {
+  ASSERT_EQ(device_->backend(), DeviceBackend::kCuda);
+  Buffer host = device_->alloc_host(8 << 20);
+  Buffer back = device_->alloc_host(8 << 20);
+  Buffer dev = device_->alloc_device(8 << 20);
+  for (std::size_t i = 0; i < host.size(); ++i) host.data()[i] = std::byte(i * 131 + 3);
+  auto stream = device_->create_stream();
+  stream->copy_async(dev.data(), host.data(), host.size());
+  stream->copy_async(back.data(), dev.data(), host.size());
+  stream->synchronize();
+  EXPECT_EQ(std::memcmp(host.data(), back.data(), host.size()), 0);
+}
+
+TEST_F(CudaDeviceTest, StreamWaitOrdersWorkAcrossStreams) {
+  auto a = device_->create_stream();
+  auto b = device_->create_stream();
+  auto e = device_->create_event();
+  auto b_done = device_->create_event();
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  Buffer host = device_->alloc_host(1 << 20);
+  Buffer dev = device_->alloc_device(1 << 20);
+  Buffer out = device_->alloc_host(1 << 20);
+  a->launch_host_func([opened] { opened.wait(); });
+  a->copy_async(dev.data(), host.data(), host.size());
+  a->record(*e);
+  b->wait(*e);
+  b->copy_async(out.data(), dev.data(), host.size());
+  b->record(*b_done);
+  std::memset(host.data(), 0x5a, host.size());  // a's copy has not started: gate closed
+  EXPECT_FALSE(b_done->query());
+  gate.set_value();
+  b->synchronize();
+  EXPECT_TRUE(e->query());
+  EXPECT_EQ(out.data()[0], std::byte{0x5a});
+  EXPECT_EQ(out.data()[out.size() - 1], std::byte{0x5a});
+}
+
+TEST_F(CudaDeviceTest, HostFuncFailureIsReportedBySynchronize) {
+  auto s = device_->create_stream();
+  s->launch_host_func([] { throw std::runtime_error("cuda host func boom"); });
+  try {
+    s->synchronize();
+    FAIL();
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda host func boom"), std::string::npos);
+  }
+  EXPECT_NO_THROW(s->synchronize());
+}
+
+TEST_F(CudaDeviceTest, PoolsRoundTripEveryLayoutByteForByte) {
+  auto g = KVGeometry::mha(4, 2, 64, DType::kBFloat16, 16);
+  auto stream = device_->create_stream();
+  for (HostLayout layout :
+       {HostLayout::kLayerFirst, HostLayout::kPageFirst, HostLayout::kPageFirstDirect}) {
+    DeviceKVPool dev(*device_, g, 8 * 16);
+    HostKVPool host(*device_, g, layout, 8 * 16);
+    for (std::int64_t p = 0; p < 4; ++p) fill_page(host.layout(), p, 500 + p);
+    const std::vector<std::int64_t> host_pages{0, 1, 2, 3}, dev_pages{6, 2, 7, 0},
+        back_pages{7, 6, 5, 4};
+    std::vector<CopyRegion> regions;
+    append_page_copies(dev.layout(), dev_pages, host.layout(), host_pages, 0, 4, regions);
+    append_page_copies(host.layout(), back_pages, dev.layout(), dev_pages, 0, 4, regions);
+    stream->copy_batch_async(regions);
+    stream->synchronize();
+    for (std::size_t i = 0; i < 4; ++i) {
+      std::string where;
+      EXPECT_TRUE(verify_page(host.layout(), back_pages[i], 500 + host_pages[i], &where))
+          << to_string(layout) << " " << where;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hicache

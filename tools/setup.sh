@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The two set-up commands of the README, for a fresh Debian 12 machine (as root, or a user with
+# sudo). Idempotent: installs only what is missing, rebuilds only what changed.
+#
+#   bash tools/setup.sh main   install, build, run the main job (hicache-bench on the default)
+#   bash tools/setup.sh test   install, build, run the whole test suite (what CI runs)
+#
+# Environment: BUILD_DIR (default build), JOBS (default nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in main|test) ;; *) echo "usage: bash tools/setup.sh main|test" >&2; exit 2 ;; esac
+say() { printf '[hicache setup] %s\n' "$*"; }
+
+build_dir=${BUILD_DIR:-build}
+jobs=${JOBS:-$(nproc)}
+packages=(build-essential cmake ninja-build ccache pkg-config
+  libconcurrentqueue-dev libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev
+  libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  say "installing ${#missing[@]} missing Debian packages: ${missing[*]}"
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  say "all ${#packages[@]} Debian packages present"
+fi
+
+say "configuring $build_dir (CUDA is compiled when /usr/local/cuda is present)"
+cmake -S . -B "$build_dir" -G Ninja -DHICACHE_WERROR=ON >/dev/null
+say "building with $jobs jobs"
+cmake --build "$build_dir" -j "$jobs"
+
+if [ "$mode" = main ]; then
+  say "running the main job: $build_dir/tools/hicache-bench"
+  "$build_dir/tools/hicache-bench"
+else
+  say "running the test suite: ctest --test-dir $build_dir"
+  ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+fi
+say "done ($mode)"
