@@ -1,6 +1,7 @@
 #include "transfer/host_device.h"
 
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <exception>

@@ -7,6 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
