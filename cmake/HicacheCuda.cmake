@@ -21,7 +21,7 @@ if(NOT _hicache_cuda_mode STREQUAL "OFF")
   endif()
   if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
     set(HICACHE_WITH_CUDA ON)
-    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 knows no CUDA20 flags for nvcc; kernels need C++17
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     message(STATUS "hicache: CUDA ${CUDAToolkit_VERSION} found, building the CUDA backend for sm ${CMAKE_CUDA_ARCHITECTURES}")
   elseif(_hicache_cuda_mode STREQUAL "ON")

@@ -3,62 +3,51 @@
 #include "transfer/errors.h"
 
 namespace hicache {
-namespace {
-
-void check_compatible(const LayoutDesc& dst, const LayoutDesc& src) {
-  if (dst.num_layers != src.num_layers || dst.num_kv != src.num_kv ||
-      dst.page_size != src.page_size || dst.unit_bytes != src.unit_bytes) {
-    throw InvalidArgument(str_cat("copy plan: layouts differ (layers ", dst.num_layers, "/",
-                                  src.num_layers, ", kv ", dst.num_kv, "/", src.num_kv, ", page ",
-                                  dst.page_size, "/", src.page_size, ", unit bytes ",
-                                  dst.unit_bytes, "/", src.unit_bytes, ")"));
-  }
-}
-
-void check_page(const LayoutDesc& d, std::int64_t page, const char* side) {
-  const std::int64_t pages = d.num_tokens / d.page_size;
-  if (page < 0 || page >= pages) {
-    throw InvalidArgument(str_cat("copy plan: ", side, " page ", page, " is out of range [0, ",
-                                  pages, ")"));
-  }
-}
-
-}  // namespace
-
 void append_page_copies(const LayoutDesc& dst, std::span<const std::int64_t> dst_pages,
                         const LayoutDesc& src, std::span<const std::int64_t> src_pages,
                         std::int32_t layer_begin, std::int32_t layer_end,
                         std::vector<CopyRegion>& regions) {
-  check_compatible(dst, src);
   if (dst_pages.size() != src_pages.size()) {
     throw InvalidArgument(str_cat("copy plan: ", dst_pages.size(), " destination pages for ",
                                   src_pages.size(), " source pages"));
   }
-  if (layer_begin < 0 || layer_end > dst.num_layers || layer_begin >= layer_end) {
-    throw InvalidArgument(str_cat("copy plan: layer range [", layer_begin, ", ", layer_end,
-                                  ") is not inside [0, ", dst.num_layers, ")"));
+  const PageTransfer t{dst,         src,      dst_pages.data(), src_pages.data(),
+                       static_cast<std::int64_t>(dst_pages.size()), layer_begin, layer_end};
+  validate_page_transfer(t);
+  const std::int64_t n = transfer_item_count(t);
+  regions.reserve(regions.size() + static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const TransferItem item = transfer_item(t, i);
+    regions.push_back({dst.base + item.dst_offset, src.base + item.src_offset,
+                       static_cast<std::size_t>(item.bytes)});
   }
-  for (std::size_t i = 0; i < dst_pages.size(); ++i) {
-    check_page(dst, dst_pages[i], "destination");
-    check_page(src, src_pages[i], "source");
+}
+
+void validate_page_transfer(const PageTransfer& t) {
+  if (t.dst.num_layers != t.src.num_layers || t.dst.num_kv != t.src.num_kv ||
+      t.dst.page_size != t.src.page_size || t.dst.unit_bytes != t.src.unit_bytes) {
+    throw InvalidArgument(str_cat("page transfer: layouts differ (layers ", t.dst.num_layers, "/",
+                                  t.src.num_layers, ", kv ", t.dst.num_kv, "/", t.src.num_kv,
+                                  ", page ", t.dst.page_size, "/", t.src.page_size,
+                                  ", unit bytes ", t.dst.unit_bytes, "/", t.src.unit_bytes, ")"));
   }
-  const bool runs = page_run_contiguous(dst) && page_run_contiguous(src);
-  const auto unit = static_cast<std::size_t>(dst.unit_bytes);
-  for (std::size_t i = 0; i < dst_pages.size(); ++i) {
-    for (std::int32_t layer = layer_begin; layer < layer_end; ++layer) {
-      for (std::int32_t kv = 0; kv < dst.num_kv; ++kv) {
-        if (runs) {
-          regions.push_back({dst.base + page_unit_offset(dst, layer, kv, dst_pages[i]),
-                             src.base + page_unit_offset(src, layer, kv, src_pages[i]),
-                             static_cast<std::size_t>(page_run_bytes(dst))});
-          continue;
-        }
-        for (std::int32_t t = 0; t < dst.page_size; ++t) {
-          regions.push_back(
-              {dst.base + unit_offset(dst, layer, kv, dst_pages[i] * dst.page_size + t),
-               src.base + unit_offset(src, layer, kv, src_pages[i] * src.page_size + t), unit});
-        }
-      }
+  if (t.layer_begin < 0 || t.layer_end > t.dst.num_layers || t.layer_begin >= t.layer_end) {
+    throw InvalidArgument(str_cat("page transfer: layer range [", t.layer_begin, ", ",
+                                  t.layer_end, ") is not inside [0, ", t.dst.num_layers, ")"));
+  }
+  if (t.num_pages < 0 || (t.num_pages > 0 && (t.dst_pages == nullptr || t.src_pages == nullptr))) {
+    throw InvalidArgument(str_cat("page transfer: ", t.num_pages, " pages with null page lists"));
+  }
+  const std::int64_t dst_pages = t.dst.num_tokens / t.dst.page_size;
+  const std::int64_t src_pages = t.src.num_tokens / t.src.page_size;
+  for (std::int64_t i = 0; i < t.num_pages; ++i) {
+    if (t.dst_pages[i] < 0 || t.dst_pages[i] >= dst_pages) {
+      throw InvalidArgument(str_cat("page transfer: destination page ", t.dst_pages[i],
+                                    " is out of range [0, ", dst_pages, ")"));
+    }
+    if (t.src_pages[i] < 0 || t.src_pages[i] >= src_pages) {
+      throw InvalidArgument(str_cat("page transfer: source page ", t.src_pages[i],
+                                    " is out of range [0, ", src_pages, ")"));
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/layout_math.h"
+#include "kernels/page_transfer.h"
 #include "transfer/device.h"
 
 namespace hicache {
@@ -19,5 +20,9 @@ void append_page_copies(const LayoutDesc& dst, std::span<const std::int64_t> dst
                         const LayoutDesc& src, std::span<const std::int64_t> src_pages,
                         std::int32_t layer_begin, std::int32_t layer_end,
                         std::vector<CopyRegion>& regions);
+
+// Throws InvalidArgument when the layouts of `t` disagree on geometry, its layer range is empty
+// or out of bounds, or a page is out of range (reads the page lists on the CPU).
+void validate_page_transfer(const PageTransfer& t);
 
 }  // namespace hicache

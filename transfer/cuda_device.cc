@@ -7,6 +7,7 @@
 #include <mutex>
 #include <utility>
 
+#include "transfer/copy_plan.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -69,6 +70,13 @@ class CudaStream final : public Stream {
       }
     }
     for (const CopyRegion& r : regions) copy_async(r.dst, r.src, r.bytes);
+  }
+
+  void transfer_pages_async(const PageTransfer& t, int max_blocks) override {
+    validate_page_transfer(t);
+    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    check(static_cast<cudaError_t>(launch_transfer_pages_cuda(t, stream_, max_blocks)),
+          "transfer_pages kernel launch");
   }
 
   void launch_host_func(std::function<void()> fn) override {

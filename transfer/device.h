@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/page_transfer.h"
 #include "transfer/buffer.h"
 #include "transfer/host_memory.h"
 
@@ -59,8 +60,14 @@ class Stream {
   // Enqueues the copies of `regions` as one item (the list itself is copied and may be
   // released on return).
   virtual void copy_batch_async(std::span<const CopyRegion> regions) = 0;
+  // Enqueues a page gather/scatter between two layouts (the `kernel` I/O path): one kernel
+  // launch of at most `max_blocks` blocks on CUDA (0: no cap), the CPU implementation of the same
+  // index math on the host backend. Validates `t` first (InvalidArgument, nothing enqueued).
+  virtual void transfer_pages_async(const PageTransfer& t, int max_blocks = 0) = 0;
   // Enqueues a host function that runs in stream order (cudaLaunchHostFunc on CUDA; the worker
-  // thread itself on the host backend). It must not enqueue work on this stream or throw; an
+  // thread itself on the host backend). It must not block on other work, call into the device
+  // runtime, or throw (CUDA runs host functions on one runtime thread and may serialise them
+  // with other streams: a blocking one can deadlock the device); an
   // exception it throws anyway is caught and reported by synchronize().
   virtual void launch_host_func(std::function<void()> fn) = 0;
 

@@ -8,6 +8,7 @@
 #include <thread>
 #include <variant>
 
+#include "transfer/copy_plan.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -99,6 +100,11 @@ class HostStream final : public Stream {
   void copy_batch_async(std::span<const CopyRegion> regions) override {
     for (const CopyRegion& r : regions) check_copy(r.dst, r.src, r.bytes);
     push(BatchTask{{regions.begin(), regions.end()}});
+  }
+
+  void transfer_pages_async(const PageTransfer& t, int /*max_blocks*/) override {
+    validate_page_transfer(t);
+    push(FuncTask{[t] { transfer_pages_cpu(t); }});
   }
 
   void launch_host_func(std::function<void()> fn) override {

@@ -97,5 +97,67 @@ TEST_F(CudaDeviceTest, PoolsRoundTripEveryLayoutByteForByte) {
   }
 }
 
+// The CUDA kernel against the CPU implementation of the same index math: every layout, both
+// directions, MHA and MLA, unit sizes down to 3 bytes, a capped and an uncapped grid; the
+// destination is poisoned so every byte is checked.
+TEST_F(CudaDeviceTest, TransferKernelMatchesCpuForEveryLayoutAndDirection) {
+  const KVGeometry geometries[] = {KVGeometry::mha(3, 8, 128, DType::kFloat16, 16),
+                                   KVGeometry::mha(2, 1, 3, DType::kFloat8E4M3, 8),
+                                   KVGeometry::mla(3, 512, 64, DType::kBFloat16, 4)};
+  auto stream = device_->create_stream();
+  Buffer lists = device_->alloc_host(4096);
+  auto* src_pages = reinterpret_cast<std::int64_t*>(lists.data());
+  auto* dst_pages = src_pages + 64;
+  const std::int64_t n = 5;
+  const std::int64_t sp[n] = {9, 0, 4, 11, 2}, dp[n] = {3, 10, 1, 7, 6};
+  std::copy(sp, sp + n, src_pages);
+  std::copy(dp, dp + n, dst_pages);
+  for (const KVGeometry& g : geometries) {
+    const std::int64_t tokens = 12 * g.page_size;
+    const auto bytes = static_cast<std::size_t>(kv_buffer_bytes(g, tokens));
+    DeviceKVPool dev(*device_, g, tokens);
+    Buffer staging = device_->alloc_host(bytes);
+    for (HostLayout layout :
+         {HostLayout::kLayerFirst, HostLayout::kPageFirst, HostLayout::kPageFirstDirect}) {
+      for (int max_blocks : {0, 3}) {
+        HostKVPool host(*device_, g, layout, tokens);
+        for (std::int64_t p = 0; p < 12; ++p) fill_page(host.layout(), p, 7 * p + 1);
+        // H2D by the kernel, into a poisoned device pool.
+        std::memset(staging.data(), 0xC3, bytes);
+        stream->copy_async(dev.layout().base, staging.data(), bytes);
+        stream->transfer_pages_async(
+            {dev.layout(), host.layout(), dst_pages, src_pages, n, 0, g.num_layers}, max_blocks);
+        stream->copy_async(staging.data(), dev.layout().base, bytes);
+        stream->synchronize();
+        LayoutDesc seen = dev.layout();
+        seen.base = reinterpret_cast<std::uint8_t*>(staging.data());
+        // The CPU reference of the same transfer, on a poisoned host copy.
+        std::vector<std::uint8_t> expected(bytes, 0xC3);
+        LayoutDesc ref = dev.layout();
+        ref.base = expected.data();
+        transfer_pages_cpu({ref, host.layout(), dst_pages, src_pages, n, 0, g.num_layers});
+        ASSERT_EQ(std::memcmp(expected.data(), staging.data(), bytes), 0)
+            << "H2D " << to_string(layout) << " " << g.describe() << " blocks " << max_blocks;
+        for (std::int64_t i = 0; i < n; ++i) ASSERT_TRUE(verify_page(seen, dp[i], 7 * sp[i] + 1));
+        // D2H by the kernel, one layer per launch as the load/write threads do.
+        HostKVPool back(*device_, g, layout, tokens);
+        std::memset(back.layout().base, 0x3C, back.size_bytes());
+        for (std::int32_t layer = 0; layer < g.num_layers; ++layer) {
+          stream->transfer_pages_async(
+              {back.layout(), dev.layout(), src_pages, dst_pages, n, layer, layer + 1},
+              max_blocks);
+        }
+        stream->synchronize();
+        for (std::int64_t i = 0; i < n; ++i) {
+          std::string where;
+          ASSERT_TRUE(verify_page(back.layout(), sp[i], 7 * sp[i] + 1, &where))
+              << "D2H " << to_string(layout) << " " << where;
+        }
+        ASSERT_FALSE(verify_page(back.layout(), 1, 8));  // untouched page keeps its poison
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hicache
