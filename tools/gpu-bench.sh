@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: build, run the GPU tests, check the kernels for register
+# spills, then time scattered-page transfers (direct and kernel I/O) against a contiguous pinned
+# copy for 1, 16 and 256 pages of the standard geometry.
+#
+#   bash tools/gpu-bench.sh            (DEPS_PREFIX=dir adds a prefix where the -dev packages
+#                                       were unpacked, for machines that cannot apt-get)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD_DIR:-build-gpu}
+extra=()
+if [ -n "${DEPS_PREFIX:-}" ]; then
+  extra=(-DCMAKE_PREFIX_PATH="$DEPS_PREFIX/usr" -DCMAKE_INCLUDE_PATH="$DEPS_PREFIX/usr/include")
+  export LD_LIBRARY_PATH="$DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+echo "[gpu-bench] building in $build"
+cmake -S . -B "$build" -G Ninja -DHICACHE_CUDA=ON -DHICACHE_WERROR=ON "${extra[@]}" >/dev/null
+cmake --build "$build" -j "$(nproc)" --target hicache transfer_test kernels_test hicache-gpubench
+echo "[gpu-bench] register use of the transfer kernels (ptxas -v):"
+/usr/local/cuda/bin/nvcc -std=c++17 -I. -gencode arch=compute_90,code=sm_90 -Xptxas -v -c \
+  kernels/page_transfer.cu -o /dev/null 2>&1 | grep -E 'Used|spill' | sed 's/^/  /'
+if /usr/local/cuda/bin/nvcc -std=c++17 -I. -gencode arch=compute_90,code=sm_90 -Xptxas -v -c \
+  kernels/page_transfer.cu -o /dev/null 2>&1 | grep -E '[1-9][0-9]* bytes spill'; then
+  echo "[gpu-bench] FAIL: register spills"; exit 1
+fi
+echo "[gpu-bench] GPU tests"
+"$build/tests/transfer_test" --gtest_filter='Cuda*:DeviceFactory*' --gtest_brief=1
+"$build/tests/kernels_test" --gtest_brief=1
+for layout in layer_first page_first page_first_direct; do
+  "$build/tools/hicache-gpubench" "$layout"
+done
