@@ -68,15 +68,9 @@ bool PagedTokenAllocator::alloc(std::int64_t num_tokens, std::vector<std::int64_
                                   " tokens is not a positive multiple of the page size ",
                                   page_size_));
   }
-  const std::int64_t count = num_tokens / page_size_;
-  if (count > free_pages()) return false;
-  slots.reserve(slots.size() + num_tokens);
-  for (std::int64_t i = 0; i < count; ++i) {
-    const std::int64_t page = free_stack_.back();
-    free_stack_.pop_back();
-    allocated_[page] = 1;
-    for (std::int32_t j = 0; j < page_size_; ++j) slots.push_back(page * page_size_ + j);
-  }
+  scratch_.clear();
+  if (!alloc_pages(num_tokens / page_size_, scratch_)) return false;
+  pages_to_slots(scratch_, page_size_, slots);
   return true;
 }
 
