@@ -1,0 +1,139 @@
+#include "transfer/layer_done_counter.h"
+
+#include "transfer/errors.h"
+
+namespace hicache {
+
+LayerDoneCounter::LayerDoneCounter(std::int32_t num_layers, std::int32_t num_slots, Device* device)
+    : num_layers_(num_layers), num_slots_(num_slots) {
+  if (num_layers <= 0) {
+    throw InvalidArgument(str_cat("LayerDoneCounter: num_layers must be > 0, got ", num_layers));
+  }
+  if (num_slots <= 0) {
+    throw InvalidArgument(str_cat("LayerDoneCounter: num_slots must be > 0, got ", num_slots));
+  }
+  slots_.resize(num_slots);
+  if (device != nullptr) {
+    for (std::int32_t i = 0; i < num_slots * num_layers; ++i) {
+      events_.push_back(device->create_event());
+    }
+  }
+}
+
+void LayerDoneCounter::check_slot(std::int32_t slot, const char* what) const {
+  if (slot < 0 || slot >= num_slots_) {
+    throw InvalidArgument(str_cat("LayerDoneCounter::", what, ": slot ", slot,
+                                  " is out of range [0, ", num_slots_, ")"));
+  }
+}
+
+std::int32_t LayerDoneCounter::acquire() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    if (stopped_) return -1;
+    for (std::int32_t k = 0; k < num_slots_; ++k) {
+      const std::int32_t i = (next_ + k) % num_slots_;
+      if (slots_[i].holders == 0) {
+        slots_[i] = Slot{.done = 0, .holders = 2, .failed = false};
+        next_ = (i + 1) % num_slots_;
+        return i;
+      }
+    }
+    changed_.wait(lock);  // woken by release() or stop()
+  }
+}
+
+void LayerDoneCounter::mark_layer_done(std::int32_t slot, std::int32_t layer) {
+  check_slot(slot, "mark_layer_done");
+  {
+    std::lock_guard lock(mu_);
+    Slot& s = slots_[slot];
+    if (s.holders == 0) {
+      throw StateError(str_cat("LayerDoneCounter::mark_layer_done: slot ", slot,
+                               " is not claimed"));
+    }
+    if (layer != s.done) {
+      throw StateError(str_cat("LayerDoneCounter::mark_layer_done: slot ", slot, " expects layer ",
+                               s.done, ", got ", layer));
+    }
+    ++s.done;
+  }
+  changed_.notify_all();
+}
+
+void LayerDoneCounter::fail(std::int32_t slot) {
+  check_slot(slot, "fail");
+  {
+    std::lock_guard lock(mu_);
+    slots_[slot].failed = true;
+  }
+  changed_.notify_all();
+}
+
+bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
+  check_slot(slot, "wait_until");
+  if (layer < 0 || layer >= num_layers_) {
+    throw InvalidArgument(str_cat("LayerDoneCounter::wait_until: layer ", layer,
+                                  " is out of range [0, ", num_layers_, ")"));
+  }
+  std::unique_lock lock(mu_);
+  const Slot& s = slots_[slot];
+  changed_.wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
+  return s.done > layer;
+}
+
+bool LayerDoneCounter::is_done(std::int32_t slot, std::int32_t layer) const {
+  check_slot(slot, "is_done");
+  std::lock_guard lock(mu_);
+  return slots_[slot].done > layer;
+}
+
+void LayerDoneCounter::release(std::int32_t slot) {
+  check_slot(slot, "release");
+  {
+    std::lock_guard lock(mu_);
+    Slot& s = slots_[slot];
+    if (s.holders == 0) {
+      throw StateError(str_cat("LayerDoneCounter::release: slot ", slot, " is released twice"));
+    }
+    --s.holders;
+  }
+  changed_.notify_all();
+}
+
+Event* LayerDoneCounter::layer_event(std::int32_t slot, std::int32_t layer) const {
+  check_slot(slot, "layer_event");
+  if (events_.empty()) return nullptr;
+  if (layer < 0 || layer >= num_layers_) {
+    throw InvalidArgument(str_cat("LayerDoneCounter::layer_event: layer ", layer,
+                                  " is out of range [0, ", num_layers_, ")"));
+  }
+  return events_[static_cast<std::size_t>(slot) * num_layers_ + layer].get();
+}
+
+void LayerDoneCounter::stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopped_ = true;
+  }
+  changed_.notify_all();
+}
+
+void LayerDoneCounter::reset() {
+  {
+    std::lock_guard lock(mu_);
+    for (Slot& s : slots_) s = Slot{};
+    stopped_ = false;
+    next_ = 0;
+  }
+  changed_.notify_all();
+}
+
+std::int32_t LayerDoneCounter::busy_slots() const {
+  std::lock_guard lock(mu_);
+  std::int32_t n = 0;
+  for (const Slot& s : slots_) n += s.holders > 0;
+  return n;
+}
+
+}  // namespace hicache

@@ -1,0 +1,84 @@
+// LayerDoneCounter: how the forward pass learns that layer i of a layer-by-layer load is in
+// device memory.
+//
+// The load thread (producer) claims a slot per batch, then marks layers done in order; the
+// forward pass (consumer) waits on that slot for each layer before reading it. Several slots let
+// the load of the next batch start while the current batch's consumer still waits (overlap
+// mode). Unlike the reference:
+//   - a slot's count is reset *before* it is handed to a producer and a slot is not reused
+//     until both its producer and its consumer released it, so a consumer never sees a count
+//     left over from an earlier batch (no running ahead into a partial layer);
+//   - when every slot is busy a new producer waits for one to free instead of asserting;
+//   - a failed batch wakes its consumer with a failure instead of leaving it waiting forever,
+//     and stop() wakes everyone.
+// On CUDA the controller also records one event per (slot, layer), so the compute stream can
+// wait on the device instead of blocking the host (layer_event()).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "transfer/device.h"
+
+namespace hicache {
+
+class LayerDoneCounter {
+ public:
+  // Throws InvalidArgument unless num_layers > 0 and num_slots > 0. With a device, one event
+  // per (slot, layer) is created for device-side waits.
+  LayerDoneCounter(std::int32_t num_layers, std::int32_t num_slots = 3, Device* device = nullptr);
+
+  std::int32_t num_layers() const { return num_layers_; }
+  std::int32_t num_slots() const { return num_slots_; }
+
+  // Producer: claims a free slot with its count at 0, waiting while all slots are busy.
+  // Returns the slot, or -1 once stop() was called.
+  std::int32_t acquire();
+  // Producer: layer `layer` of the slot's batch is in device memory. Layers are marked in
+  // order; marking another layer than the next one throws StateError.
+  void mark_layer_done(std::int32_t slot, std::int32_t layer);
+  // Producer: the batch failed; every waiter on the slot wakes and gets false.
+  void fail(std::int32_t slot);
+
+  // Consumer: blocks until `layer` of the slot's batch is done. Returns true then; false when
+  // the batch failed or stop() was called.
+  bool wait_until(std::int32_t slot, std::int32_t layer);
+  // Non-blocking form of wait_until.
+  bool is_done(std::int32_t slot, std::int32_t layer) const;
+
+  // Producer and consumer each release the slot once; it is reused only after both did.
+  void release(std::int32_t slot);
+
+  // The event recorded after `layer` of the slot was copied (null without a device).
+  Event* layer_event(std::int32_t slot, std::int32_t layer) const;
+
+  // Wakes every waiter; acquire() returns -1 and wait_until() false from now on.
+  void stop();
+  // Frees every slot and clears stop (after the controller's threads have been joined).
+  void reset();
+
+  // Slots currently claimed (for accounting tests).
+  std::int32_t busy_slots() const;
+
+ private:
+  struct Slot {
+    std::int32_t done = 0;     // layers done in the current batch
+    std::int32_t holders = 0;  // 2 while claimed: producer + consumer
+    bool failed = false;
+  };
+  void check_slot(std::int32_t slot, const char* what) const;
+
+  std::int32_t num_layers_;
+  std::int32_t num_slots_;
+  mutable std::mutex mu_;
+  std::condition_variable changed_;  // any slot's count, holders or failure, or stop
+  std::vector<Slot> slots_;          // GUARDED_BY mu_
+  std::int32_t next_ = 0;            // GUARDED_BY mu_: where acquire() starts looking
+  bool stopped_ = false;             // GUARDED_BY mu_
+  std::vector<std::unique_ptr<Event>> events_;  // [slot * num_layers + layer]
+};
+
+}  // namespace hicache
