@@ -1,0 +1,40 @@
+// CacheOperation: one unit of L1 <-> L2 work queued to the controller's write or load thread:
+// the host and device token slots to copy between, the radix-tree nodes to acknowledge when it
+// is done, and a priority (lower runs first).
+//
+// An operation that needs no acknowledgement says so explicitly (no node ids); no valid node id
+// is overloaded to mean "none" (the reference treats node 0 that way).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace hicache {
+
+using NodeId = std::int64_t;
+
+struct CacheOperation {
+  std::vector<std::int64_t> host_slots;
+  std::vector<std::int64_t> device_slots;
+  std::vector<NodeId> node_ids;  // acknowledged when done; empty: no acknowledgement
+  std::int64_t priority = 0;     // lower first; FIFO among equals (the queue keeps the order)
+
+  // Throws InvalidArgument when the slot lists differ in length or are empty.
+  static CacheOperation make(std::vector<std::int64_t> host_slots,
+                             std::vector<std::int64_t> device_slots, std::int64_t priority,
+                             std::optional<NodeId> ack_node);
+
+  bool needs_ack() const { return !node_ids.empty(); }
+  std::int64_t num_tokens() const { return static_cast<std::int64_t>(host_slots.size()); }
+
+  // Appends other's slots and node ids; the priority becomes the lower of the two.
+  void merge(CacheOperation&& other);
+
+  // Cuts into min(k, pages) pieces whose page counts differ by at most one, in order; the node
+  // ids go with the last piece, so the nodes are acknowledged only once all of it is done.
+  // Throws InvalidArgument for k < 1 or slot lists that are not whole pages of page_size.
+  std::vector<CacheOperation> split(std::int32_t k, std::int32_t page_size) const;
+};
+
+}  // namespace hicache

@@ -1,0 +1,108 @@
+// OpQueue: the bounded priority queue between the engine's main loop and a controller thread.
+// Lower priority values first, FIFO among equals. A full queue pushes back on the caller with a
+// result (it never grows without limit); a waiting consumer wakes on work or on stop, with no
+// timed polling.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <queue>
+#include <vector>
+
+namespace hicache {
+
+enum class PushResult { kOk, kFull, kStopped };
+
+// Op must have an `std::int64_t priority` member.
+template <typename Op>
+class OpQueue {
+ public:
+  explicit OpQueue(std::size_t capacity) : capacity_(capacity) {}
+
+  // Queues `op` (moved from only on kOk). kFull when `capacity` ops are queued, kStopped after
+  // stop(); `op` is untouched then.
+  PushResult push(Op&& op) {
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) return PushResult::kStopped;
+      if (heap_.size() >= capacity_) return PushResult::kFull;
+      heap_.push(Entry{op.priority, seq_++, std::move(op)});
+    }
+    cv_.notify_one();
+    return PushResult::kOk;
+  }
+
+  // Blocks until an op is queued (returns it) or stop() is called (returns nothing).
+  std::optional<Op> pop() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !heap_.empty() || stopped_; });
+    if (stopped_) return std::nullopt;
+    return take();
+  }
+
+  // Returns the first op without waiting, or nothing when empty or stopped.
+  std::optional<Op> try_pop() {
+    std::lock_guard lock(mu_);
+    if (stopped_ || heap_.empty()) return std::nullopt;
+    return take();
+  }
+
+  // Wakes every waiter; pop() returns nothing and push() kStopped until reset().
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopped_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  // Removes and returns every queued op in priority order (to return their slots on reset).
+  std::vector<Op> drain() {
+    std::lock_guard lock(mu_);
+    std::vector<Op> out;
+    while (!heap_.empty()) out.push_back(take());
+    return out;
+  }
+
+  // Clears stop; the queue must be empty (drain() first).
+  void reset() {
+    std::lock_guard lock(mu_);
+    stopped_ = false;
+  }
+
+  std::size_t size() const {
+    std::lock_guard lock(mu_);
+    return heap_.size();
+  }
+  std::size_t capacity() const { return capacity_; }
+
+ private:
+  struct Entry {
+    std::int64_t priority;
+    std::uint64_t seq;
+    Op op;
+    // std::priority_queue keeps the greatest on top: "greater" is lower priority, then older.
+    bool operator<(const Entry& other) const {
+      if (priority != other.priority) return priority > other.priority;
+      return seq > other.seq;
+    }
+  };
+
+  Op take() {  // REQUIRES: mu_ held, heap_ non-empty
+    Op op = std::move(const_cast<Entry&>(heap_.top()).op);
+    heap_.pop();
+    return op;
+  }
+
+  const std::size_t capacity_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::priority_queue<Entry> heap_;  // GUARDED_BY mu_
+  std::uint64_t seq_ = 0;            // GUARDED_BY mu_
+  bool stopped_ = false;             // GUARDED_BY mu_
+};
+
+}  // namespace hicache
