@@ -176,6 +176,19 @@ bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState sta
   return true;
 }
 
+void HostKVPool::require_state(std::span<const std::int64_t> slots, PageState state,
+                               std::string_view what) const {
+  std::vector<std::int64_t> pages;
+  slots_to_pages(slots, geometry_.page_size, num_pages(), what, pages);
+  std::lock_guard lock(mu_);
+  for (std::int64_t page : pages) {
+    if (states_[page] != state) {
+      throw StateError(str_cat(what, ": page ", page, " (slot ", page * geometry_.page_size,
+                               ") is ", to_string(states_[page]), ", needs ", to_string(state)));
+    }
+  }
+}
+
 std::int64_t HostKVPool::count_in_state(PageState state) const {
   std::lock_guard lock(mu_);
   std::int64_t n = 0;

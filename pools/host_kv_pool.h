@@ -67,6 +67,10 @@ class HostKVPool {
   PageState page_state(std::int64_t page) const;
   // True when every page of `slots` is in `state`.
   bool all_in_state(std::span<const std::int64_t> slots, PageState state) const;
+  // Throws StateError "<what>: page P (slot S) is X, needs Y" for the first page of `slots`
+  // not in `state`; InvalidArgument for a malformed slot list.
+  void require_state(std::span<const std::int64_t> slots, PageState state,
+                     std::string_view what) const;
   // Pages currently in `state`.
   std::int64_t count_in_state(PageState state) const;
 

@@ -1,0 +1,363 @@
+#include "controller/hicache_controller.h"
+
+#include <concurrentqueue/concurrentqueue.h>
+
+#include <algorithm>
+
+#include "pools/paged_token_allocator.h"
+#include "transfer/copy_plan.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+
+WritePolicy parse_write_policy(std::string_view name) {
+  if (name == "write_through") return WritePolicy::kWriteThrough;
+  if (name == "write_through_selective") return WritePolicy::kWriteThroughSelective;
+  if (name == "write_back") return WritePolicy::kWriteBack;
+  throw InvalidArgument(str_cat("unknown write policy '", name,
+                                "': valid are write_through, write_through_selective, write_back"));
+}
+
+IoBackend parse_io_backend(std::string_view name) {
+  if (name == "direct") return IoBackend::kDirect;
+  if (name == "kernel") return IoBackend::kKernel;
+  throw InvalidArgument(str_cat("unknown io backend '", name, "': valid are direct, kernel"));
+}
+
+std::string_view to_string(WritePolicy policy) {
+  switch (policy) {
+    case WritePolicy::kWriteThrough:
+      return "write_through";
+    case WritePolicy::kWriteThroughSelective:
+      return "write_through_selective";
+    case WritePolicy::kWriteBack:
+      return "write_back";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(IoBackend io) { return io == IoBackend::kDirect ? "direct" : "kernel"; }
+
+struct HiCacheController::AckQueues {
+  moodycamel::ConcurrentQueue<Ack> write, load;
+};
+
+// Page lists and copy regions a thread reuses from op to op (no allocation per op once warm).
+// The kernel path reads page lists on the device, so they live in pinned host memory.
+struct HiCacheController::Scratch {
+  std::vector<std::int64_t> host_pages, device_pages;
+  std::vector<CopyRegion> regions;
+  Buffer pinned;  // [host pages | device pages], grown on demand
+  std::int64_t* pinned_host = nullptr;
+  std::int64_t* pinned_device = nullptr;
+};
+
+HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
+                                     HostKVPool& host_pool, const ControllerConfig& config)
+    : device_(device),
+      device_pool_(device_pool),
+      host_pool_(host_pool),
+      config_(config),
+      write_queue_(config.queue_capacity),
+      pending_loads_(config.queue_capacity),
+      load_queue_(std::max<std::size_t>(config.layer_slots, 1)),
+      acks_(std::make_unique<AckQueues>()) {
+  if (!(device_pool.geometry() == host_pool.geometry())) {
+    throw InvalidArgument(str_cat("HiCacheController: device pool geometry (",
+                                  device_pool.geometry().describe(),
+                                  ") differs from host pool geometry (",
+                                  host_pool.geometry().describe(), ")"));
+  }
+  if (config.queue_capacity == 0) {
+    throw InvalidArgument("HiCacheController: queue_capacity must be > 0");
+  }
+  counter_ = std::make_unique<LayerDoneCounter>(device_pool.geometry().num_layers,
+                                                config.layer_slots, &device);
+  write_stream_ = device.create_stream();
+  load_stream_ = device.create_stream();
+  start_threads();
+}
+
+HiCacheController::~HiCacheController() { stop(); }
+
+void HiCacheController::start_threads() {
+  running_ = true;
+  write_thread_ = std::thread([this] { write_loop(); });
+  load_thread_ = std::thread([this] { load_loop(); });
+}
+
+std::optional<std::vector<std::int64_t>> HiCacheController::write(
+    std::span<const std::int64_t> device_slots, std::int64_t priority,
+    std::optional<NodeId> ack_node) {
+  std::vector<std::int64_t> device_pages;
+  slots_to_pages(device_slots, device_pool_.geometry().page_size,
+                 device_pool_.allocator().num_pages(), "HiCacheController::write", device_pages);
+  if (device_slots.empty()) throw InvalidArgument("HiCacheController::write: no slots");
+  auto host_slots = host_pool_.alloc(static_cast<std::int64_t>(device_slots.size()));
+  if (!host_slots) return std::nullopt;
+  host_pool_.protect_write(*host_slots);
+  auto op = CacheOperation::make(*host_slots, {device_slots.begin(), device_slots.end()},
+                                 priority, ack_node);
+  if (write_queue_.push(std::move(op)) != PushResult::kOk) {
+    host_pool_.abort_io(*host_slots);
+    host_pool_.free(*host_slots);
+    return std::nullopt;
+  }
+  return host_slots;
+}
+
+std::optional<std::vector<std::int64_t>> HiCacheController::load(
+    std::span<const std::int64_t> host_slots, std::int64_t priority,
+    std::optional<NodeId> ack_node) {
+  if (host_slots.empty()) throw InvalidArgument("HiCacheController::load: no slots");
+  // Checked before the device allocation so that a bad call leaves both pools untouched.
+  host_pool_.require_state(host_slots, PageState::kBackup, "HiCacheController::load");
+  auto device_slots = device_pool_.allocator().alloc(static_cast<std::int64_t>(host_slots.size()));
+  if (!device_slots) return std::nullopt;
+  host_pool_.protect_load(host_slots);
+  auto op = CacheOperation::make({host_slots.begin(), host_slots.end()}, *device_slots, priority,
+                                 ack_node);
+  if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
+    host_pool_.complete_io(host_slots, PageState::kBackup);
+    device_pool_.allocator().free(*device_slots);
+    return std::nullopt;
+  }
+  return device_slots;
+}
+
+std::int32_t HiCacheController::start_loading() {
+  std::vector<CacheOperation> ops = pending_loads_.drain();
+  if (ops.empty()) return -1;
+  LoadBatch batch;
+  batch.op = std::move(ops.front());
+  for (std::size_t i = 1; i < ops.size(); ++i) batch.op.merge(std::move(ops[i]));
+  batch.priority = batch.op.priority;
+  batch.slot = counter_->acquire();
+  if (batch.slot < 0) {  // stopped: give everything back
+    host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
+    device_pool_.allocator().free(batch.op.device_slots);
+    return -1;
+  }
+  const std::int32_t slot = batch.slot;
+  LayerDoneCounter* counter = counter_.get();
+  device_pool_.set_layer_wait_hook([counter, slot](std::int32_t layer) {
+    counter->wait_until(slot, layer);
+  });
+  // The load queue holds layer_slots batches; acquire() above already bounds batches in flight
+  // by the same number, so this push cannot find the queue full.
+  load_queue_.push(std::move(batch));
+  return slot;
+}
+
+std::size_t HiCacheController::drain_write_acks(std::vector<Ack>& out) {
+  Ack ack{};
+  std::size_t n = 0;
+  while (acks_->write.try_dequeue(ack)) {
+    out.push_back(ack);
+    ++n;
+  }
+  return n;
+}
+
+std::size_t HiCacheController::drain_load_acks(std::vector<Ack>& out) {
+  Ack ack{};
+  std::size_t n = 0;
+  while (acks_->load.try_dequeue(ack)) {
+    out.push_back(ack);
+    ++n;
+  }
+  return n;
+}
+
+void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
+  const std::int32_t ps = device_pool_.geometry().page_size;
+  s.host_pages.clear();
+  s.device_pages.clear();
+  slots_to_pages(op.host_slots, ps, host_pool_.num_pages(), "controller host slots",
+                 s.host_pages);
+  slots_to_pages(op.device_slots, ps, device_pool_.allocator().num_pages(),
+                 "controller device slots", s.device_pages);
+  if (config_.io_backend == IoBackend::kDirect) {
+    // Sorted host pages read or write host memory in address order (as the reference does).
+    std::vector<std::size_t> order(s.host_pages.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return s.host_pages[a] < s.host_pages[b]; });
+    std::vector<std::int64_t> hp(order.size()), dp(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      hp[i] = s.host_pages[order[i]];
+      dp[i] = s.device_pages[order[i]];
+    }
+    s.host_pages.swap(hp);
+    s.device_pages.swap(dp);
+    return;
+  }
+  const std::size_t need = 2 * s.host_pages.size() * sizeof(std::int64_t);
+  if (s.pinned.size() < need) {
+    s.pinned = device_.alloc_host(std::max<std::size_t>(need, 1 << 16));
+    s.pinned_host = reinterpret_cast<std::int64_t*>(s.pinned.data());
+    s.pinned_device = s.pinned_host + s.pinned.size() / (2 * sizeof(std::int64_t));
+  }
+  std::copy(s.host_pages.begin(), s.host_pages.end(), s.pinned_host);
+  std::copy(s.device_pages.begin(), s.device_pages.end(), s.pinned_device);
+}
+
+void HiCacheController::enqueue_copy(Stream& stream, Scratch& s, bool to_host, std::int32_t lb,
+                                     std::int32_t le) {
+  const LayoutDesc& host = host_pool_.layout();
+  const LayoutDesc& dev = device_pool_.layout();
+  if (config_.io_backend == IoBackend::kDirect) {
+    s.regions.clear();
+    if (to_host) {
+      append_page_copies(host, s.host_pages, dev, s.device_pages, lb, le, s.regions);
+    } else {
+      append_page_copies(dev, s.device_pages, host, s.host_pages, lb, le, s.regions);
+    }
+    stream.copy_batch_async(s.regions);
+    return;
+  }
+  const auto n = static_cast<std::int64_t>(s.host_pages.size());
+  const PageTransfer t = to_host
+                             ? PageTransfer{host, dev, s.pinned_host, s.pinned_device, n, lb, le}
+                             : PageTransfer{dev, host, s.pinned_device, s.pinned_host, n, lb, le};
+  stream.transfer_pages_async(t, config_.kernel_max_blocks);
+}
+
+void HiCacheController::run_write(CacheOperation& op, Scratch& s) {
+  bool ok = true;
+  try {
+    prepare_pages(op, s);
+    enqueue_copy(*write_stream_, s, /*to_host=*/true, 0, device_pool_.geometry().num_layers);
+    write_stream_->synchronize();
+    host_pool_.complete_io(op.host_slots, PageState::kSynced);
+    bytes_written_ += static_cast<std::uint64_t>(op.num_tokens() *
+                                                 device_pool_.geometry().token_bytes());
+    ++writes_done_;
+  } catch (const std::exception&) {
+    ok = false;
+    ++write_failures_;
+    try {
+      host_pool_.abort_io(op.host_slots);
+      host_pool_.free(op.host_slots);
+    } catch (const std::exception&) {
+      // The pages were not in the state this op left them in; nothing more to return.
+    }
+  }
+  for (NodeId node : op.node_ids) acks_->write.enqueue(Ack{node, ok});
+}
+
+void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
+  bool ok = true;
+  const std::int32_t layers = device_pool_.geometry().num_layers;
+  std::int32_t layer = 0;
+  try {
+    prepare_pages(batch.op, s);
+    for (; layer < layers; ++layer) {
+      enqueue_copy(*load_stream_, s, /*to_host=*/false, layer, layer + 1);
+      if (Event* e = counter_->layer_event(batch.slot, layer)) load_stream_->record(*e);
+      load_stream_->synchronize();
+      counter_->mark_layer_done(batch.slot, layer);
+    }
+    host_pool_.complete_io(batch.op.host_slots, PageState::kSynced);
+    bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
+                                                device_pool_.geometry().token_bytes());
+    ++load_batches_done_;
+  } catch (const std::exception&) {
+    ok = false;
+    ++load_failures_;
+    counter_->fail(batch.slot);
+    try {
+      host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
+    } catch (const std::exception&) {
+    }
+  }
+  counter_->release(batch.slot);
+  for (NodeId node : batch.op.node_ids) acks_->load.enqueue(Ack{node, ok});
+}
+
+void HiCacheController::write_loop() {
+  Scratch scratch;
+  while (auto op = write_queue_.pop()) run_write(*op, scratch);
+}
+
+void HiCacheController::load_loop() {
+  Scratch scratch;
+  while (auto batch = load_queue_.pop()) run_load(*batch, scratch);
+}
+
+std::int64_t HiCacheController::evict_device(std::span<const std::int64_t> device_slots,
+                                             std::span<const std::int64_t> host_slots) {
+  if (device_slots.size() != host_slots.size()) {
+    throw InvalidArgument(str_cat("HiCacheController::evict_device: ", device_slots.size(),
+                                  " device slots for ", host_slots.size(), " host slots"));
+  }
+  host_pool_.require_state(host_slots, PageState::kSynced, "HiCacheController::evict_device");
+  // Check the device slots before changing anything: free() raises on a bad list.
+  std::vector<std::int64_t> pages;
+  slots_to_pages(device_slots, device_pool_.geometry().page_size,
+                 device_pool_.allocator().num_pages(), "HiCacheController::evict_device", pages);
+  for (std::int64_t p : pages) {
+    if (!device_pool_.allocator().is_allocated(p)) {
+      throw StateError(str_cat("HiCacheController::evict_device: device page ", p,
+                               " is not allocated"));
+    }
+  }
+  device_pool_.allocator().free_pages(pages);
+  host_pool_.mark_backup(host_slots);
+  return static_cast<std::int64_t>(device_slots.size());
+}
+
+std::int64_t HiCacheController::evict_host(std::span<const std::int64_t> host_slots) {
+  host_pool_.require_state(host_slots, PageState::kBackup, "HiCacheController::evict_host");
+  host_pool_.free(host_slots);
+  return static_cast<std::int64_t>(host_slots.size());
+}
+
+void HiCacheController::return_queued_slots() {
+  for (CacheOperation& op : write_queue_.drain()) {
+    host_pool_.abort_io(op.host_slots);
+    host_pool_.free(op.host_slots);
+  }
+  for (CacheOperation& op : pending_loads_.drain()) {
+    host_pool_.complete_io(op.host_slots, PageState::kBackup);
+    device_pool_.allocator().free(op.device_slots);
+  }
+  for (LoadBatch& batch : load_queue_.drain()) {
+    host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
+    device_pool_.allocator().free(batch.op.device_slots);
+  }
+  Ack ack{};
+  while (acks_->write.try_dequeue(ack)) {
+  }
+  while (acks_->load.try_dequeue(ack)) {
+  }
+}
+
+void HiCacheController::stop() {
+  if (!running_) return;
+  running_ = false;
+  write_queue_.stop();
+  load_queue_.stop();
+  counter_->stop();
+  write_thread_.join();
+  load_thread_.join();
+  device_pool_.set_layer_wait_hook(nullptr);
+  return_queued_slots();
+}
+
+void HiCacheController::reset() {
+  stop();
+  write_queue_.reset();
+  load_queue_.reset();
+  pending_loads_.reset();
+  counter_->reset();
+  start_threads();
+}
+
+ControllerStats HiCacheController::stats() const {
+  return ControllerStats{writes_done_.load(),      write_failures_.load(),
+                         load_batches_done_.load(), load_failures_.load(),
+                         bytes_written_.load(),     bytes_loaded_.load()};
+}
+
+}  // namespace hicache

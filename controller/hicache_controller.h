@@ -1,0 +1,149 @@
+// HiCacheController: moves KV pages between the device pool (L1) and the host pool (L2) on its
+// own threads, driven by the engine's main loop (the radix cache).
+//
+//   write(device_slots)  reserves and protects host pages, queues an all-layer D->H copy for the
+//                        write thread; the main loop later drains a WriteAck per node.
+//   load(host_slots)     reserves device slots, protects the host pages, and holds the op until
+//                        start_loading() merges every held op into one batch; the load thread
+//                        copies it layer by layer and marks each layer in the LayerDoneCounter,
+//                        which the forward pass waits on (DeviceKVPool::wait_for_layer).
+//   evict_device / evict_host  free a tier's copy after checking the page states.
+//   reset() / stop()     end the threads promptly, return every slot held by queued or in-flight
+//                        work, and (reset) start again.
+//
+// Threading: write(), load(), start_loading(), evict_*, drain_*, reset() and stop() are called
+// from the main loop only (the device allocator is the main loop's). A failed copy never kills
+// a thread: it is counted and reaches the main loop through the ack (ok = false).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+#include "transfer/cache_operation.h"
+#include "transfer/device.h"
+#include "transfer/layer_done_counter.h"
+#include "transfer/op_queue.h"
+
+namespace hicache {
+
+enum class WritePolicy { kWriteThrough, kWriteThroughSelective, kWriteBack };
+enum class IoBackend { kDirect, kKernel };
+
+// Throw InvalidArgument naming the value and the valid ones.
+WritePolicy parse_write_policy(std::string_view name);
+IoBackend parse_io_backend(std::string_view name);
+std::string_view to_string(WritePolicy policy);
+std::string_view to_string(IoBackend io);
+
+struct ControllerConfig {
+  WritePolicy write_policy = WritePolicy::kWriteThroughSelective;  // for the radix cache
+  IoBackend io_backend = IoBackend::kDirect;
+  std::int32_t layer_slots = 3;         // LayerDoneCounter slots (batches in flight)
+  std::size_t queue_capacity = 4096;    // ops queued per queue before write()/load() push back
+  std::int32_t kernel_max_blocks = 0;   // CUDA block cap of the kernel io path (0: none)
+};
+
+// One acknowledged node of a write or a load. ok = false: the copy failed; for a write the host
+// pages were freed, for a load the device slots hold garbage and the host pages are backup again.
+struct Ack {
+  NodeId node;
+  bool ok;
+};
+
+struct ControllerStats {
+  std::uint64_t writes_done = 0, write_failures = 0;
+  std::uint64_t load_batches_done = 0, load_failures = 0;
+  std::uint64_t bytes_written = 0, bytes_loaded = 0;
+};
+
+class HiCacheController {
+ public:
+  // The pools must share the geometry and outlive the controller. Starts the threads.
+  HiCacheController(Device& device, DeviceKVPool& device_pool, HostKVPool& host_pool,
+                    const ControllerConfig& config = {});
+  ~HiCacheController();
+  HiCacheController(const HiCacheController&) = delete;
+  HiCacheController& operator=(const HiCacheController&) = delete;
+
+  // Backs up `device_slots` (whole pages) to newly reserved host pages; returns those host
+  // slots, or nothing (nothing reserved) when the host pool is full or the write queue is.
+  std::optional<std::vector<std::int64_t>> write(std::span<const std::int64_t> device_slots,
+                                                 std::int64_t priority,
+                                                 std::optional<NodeId> ack_node);
+  // Loads host pages in backup state into newly allocated device slots; returns those slots, or
+  // nothing (nothing changed) when the device pool or the load queue is full.
+  std::optional<std::vector<std::int64_t>> load(std::span<const std::int64_t> host_slots,
+                                                std::int64_t priority,
+                                                std::optional<NodeId> ack_node);
+  // Hands every load queued since the last call to the load thread as one batch and returns the
+  // LayerDoneCounter slot its consumer waits on (also installed as the device pool's layer-wait
+  // hook), or -1 when nothing was queued. The caller releases the slot when its forward pass is
+  // done: layer_done_counter().release(slot).
+  std::int32_t start_loading();
+  LayerDoneCounter& layer_done_counter() { return *counter_; }
+
+  // Append the acks that arrived since the last call; never block.
+  std::size_t drain_write_acks(std::vector<Ack>& out);
+  std::size_t drain_load_acks(std::vector<Ack>& out);
+
+  // Frees the device copy of pages whose host copy is synced (they become backup). Throws
+  // StateError naming the inconsistent page otherwise; nothing changes then.
+  std::int64_t evict_device(std::span<const std::int64_t> device_slots,
+                            std::span<const std::int64_t> host_slots);
+  // Frees host pages in backup state. Throws StateError otherwise; nothing changes then.
+  std::int64_t evict_host(std::span<const std::int64_t> host_slots);
+
+  // Stops the threads, returns every slot held by queued or in-flight ops, drops pending acks,
+  // and starts again.
+  void reset();
+  // As reset() without the restart. Idempotent; the destructor calls it.
+  void stop();
+
+  ControllerStats stats() const;
+  const ControllerConfig& config() const { return config_; }
+
+ private:
+  struct LoadBatch {
+    std::int64_t priority = 0;
+    std::int32_t slot = -1;
+    CacheOperation op;
+  };
+  void start_threads();
+  void write_loop();
+  void load_loop();
+  struct Scratch;  // per-thread reusable page lists and copy regions
+  // Turns op's slots into page lists in `scratch` (pinned memory for the kernel path).
+  void prepare_pages(const CacheOperation& op, Scratch& scratch);
+  // Enqueues the copy of the prepared pages for layers [lb, le) on `stream`.
+  void enqueue_copy(Stream& stream, Scratch& scratch, bool to_host, std::int32_t lb,
+                    std::int32_t le);
+  void run_write(CacheOperation& op, Scratch& scratch);
+  void run_load(LoadBatch& batch, Scratch& scratch);
+  void return_queued_slots();
+
+  Device& device_;
+  DeviceKVPool& device_pool_;
+  HostKVPool& host_pool_;
+  ControllerConfig config_;
+  std::unique_ptr<LayerDoneCounter> counter_;
+  std::unique_ptr<Stream> write_stream_, load_stream_;
+  OpQueue<CacheOperation> write_queue_;
+  OpQueue<CacheOperation> pending_loads_;  // main loop only until start_loading()
+  OpQueue<LoadBatch> load_queue_;
+  struct AckQueues;
+  std::unique_ptr<AckQueues> acks_;
+  std::atomic<std::uint64_t> writes_done_{0}, write_failures_{0}, load_batches_done_{0},
+      load_failures_{0}, bytes_written_{0}, bytes_loaded_{0};
+  bool running_ = false;
+  std::thread write_thread_, load_thread_;
+};
+
+}  // namespace hicache
