@@ -149,24 +149,26 @@ std::int32_t HiCacheController::start_loading() {
   return slot;
 }
 
-std::size_t HiCacheController::drain_write_acks(std::vector<Ack>& out) {
+namespace {
+
+std::size_t drain(moodycamel::ConcurrentQueue<Ack>& queue, std::vector<Ack>& out) {
   Ack ack{};
   std::size_t n = 0;
-  while (acks_->write.try_dequeue(ack)) {
+  while (queue.try_dequeue(ack)) {
     out.push_back(ack);
     ++n;
   }
   return n;
 }
 
+}  // namespace
+
+std::size_t HiCacheController::drain_write_acks(std::vector<Ack>& out) {
+  return drain(acks_->write, out);
+}
+
 std::size_t HiCacheController::drain_load_acks(std::vector<Ack>& out) {
-  Ack ack{};
-  std::size_t n = 0;
-  while (acks_->load.try_dequeue(ack)) {
-    out.push_back(ack);
-    ++n;
-  }
-  return n;
+  return drain(acks_->load, out);
 }
 
 void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
@@ -326,11 +328,9 @@ void HiCacheController::return_queued_slots() {
     host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
     device_pool_.allocator().free(batch.op.device_slots);
   }
-  Ack ack{};
-  while (acks_->write.try_dequeue(ack)) {
-  }
-  while (acks_->load.try_dequeue(ack)) {
-  }
+  std::vector<Ack> dropped;
+  drain(acks_->write, dropped);
+  drain(acks_->load, dropped);
 }
 
 void HiCacheController::stop() {
