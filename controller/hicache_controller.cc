@@ -251,15 +251,22 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s) {
 void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   bool ok = true;
   const std::int32_t layers = device_pool_.geometry().num_layers;
-  std::int32_t layer = 0;
   try {
+    std::int32_t layer = 0;
     prepare_pages(batch.op, s);
+    // Every layer is enqueued at once; a host function after each layer's copy marks it done
+    // in stream order, so the consumer wakes as each layer lands without this thread waking
+    // per layer. (Copies that were enqueued cannot fail on the host backend: they were
+    // validated first; on CUDA a failed copy is a sticky context error and synchronize throws.)
+    LayerDoneCounter* counter = counter_.get();
+    const std::int32_t slot = batch.slot;
     for (; layer < layers; ++layer) {
       enqueue_copy(*load_stream_, s, /*to_host=*/false, layer, layer + 1);
-      if (Event* e = counter_->layer_event(batch.slot, layer)) load_stream_->record(*e);
-      load_stream_->synchronize();
-      counter_->mark_layer_done(batch.slot, layer);
+      if (Event* e = counter_->layer_event(slot, layer)) load_stream_->record(*e);
+      load_stream_->launch_host_func(
+          [counter, slot, layer] { counter->mark_layer_done(slot, layer); });
     }
+    load_stream_->synchronize();
     host_pool_.complete_io(batch.op.host_slots, PageState::kSynced);
     bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
                                                 device_pool_.geometry().token_bytes());

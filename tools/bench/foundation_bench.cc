@@ -4,6 +4,8 @@
 //
 //   PagedTokenAllocator alloc+free of one 64-token page (pages/s)
 //   HostDevice stream copy of 256 KiB blocks on one stream vs plain memcpy (GB/s, ratio)
+//   HiCacheController write/load of 1 and 16 8-MiB pages vs memcpy, tiny-page latency and ops/s
+//   (controller_bench.cc)
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -86,9 +88,15 @@ class RatioReporter : public benchmark::ConsoleReporter {
       if (it != run.counters.end()) bytes_per_s[run.benchmark_name()] = it->second;
       auto items = run.counters.find("items_per_second");
       if (items != run.counters.end()) items_per_s[run.benchmark_name()] = items->second;
+      if (auto p = run.counters.find("p50_us"); p != run.counters.end()) {
+        p50_us[run.benchmark_name()] = p->second;
+      }
+      if (auto p = run.counters.find("p99_us"); p != run.counters.end()) {
+        p99_us[run.benchmark_name()] = p->second;
+      }
     }
   }
-  std::map<std::string, double> bytes_per_s, items_per_s;
+  std::map<std::string, double> bytes_per_s, items_per_s, p50_us, p99_us;
 };
 
 }  // namespace
@@ -104,11 +112,26 @@ int main(int argc, char** argv) {
     if (name.rfind("BM_Allocator", 0) == 0) {
       std::printf("allocator alloc+free of 64-token pages: %.2f M pages/s\n", v / 1e6);
     }
+    if (name.rfind("BM_ControllerWriteTiny", 0) == 0) {
+      std::printf("controller 1-page writes of 2 KiB pages (one in flight): %.0f ops/s, "
+                  "submit->ack p50 %.1f us, p99 %.1f us\n",
+                  v, reporter.p50_us[name], reporter.p99_us[name]);
+    }
   }
   const std::string copy = "BM_HostStreamCopy256K/real_time", base = "BM_Memcpy256K";
   if (bps.count(copy) && bps.count(base)) {
     std::printf("host stream copy 256 KiB: %.2f GB/s, memcpy %.2f GB/s, ratio %.2f\n",
                 bps[copy] / 1e9, bps[base] / 1e9, bps[copy] / bps[base]);
+  }
+  for (const char* pages : {"1", "16"}) {
+    const std::string memcpy_name = std::string("BM_MemcpyPages/") + pages + "/real_time";
+    for (const char* op : {"BM_ControllerWrite/", "BM_ControllerLoad/"}) {
+      const std::string name = std::string(op) + pages + "/real_time";
+      if (bps.count(name) && bps.count(memcpy_name)) {
+        std::printf("%s %s page(s) of 8 MiB: %.2f GB/s, memcpy %.2f GB/s, ratio %.2f\n", op + 3,
+                    pages, bps[name] / 1e9, bps[memcpy_name] / 1e9, bps[name] / bps[memcpy_name]);
+      }
+    }
   }
   return 0;
 }
