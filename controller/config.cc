@@ -1,0 +1,114 @@
+#include "controller/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <set>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+using nlohmann::json;
+
+void reject_unknown(const json& object, const std::set<std::string>& known, std::string_view where) {
+  for (const auto& [key, value] : object.items()) {
+    if (known.count(key) == 0) {
+      std::string valid;
+      for (const std::string& k : known) valid += (valid.empty() ? "" : ", ") + k;
+      throw InvalidArgument(str_cat("config", where, ": unknown key '", key, "' (valid: ", valid,
+                                    ")"));
+    }
+  }
+}
+
+template <typename T>
+T get(const json& object, const char* key, T fallback) {
+  auto it = object.find(key);
+  if (it == object.end()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    throw InvalidArgument(str_cat("config: key '", key, "' has a value of the wrong type: ",
+                                  it->dump()));
+  }
+}
+
+std::int32_t get_int32(const json& object, const char* key, std::int32_t fallback) {
+  const auto v = get<std::int64_t>(object, key, fallback);
+  if (v < INT32_MIN || v > INT32_MAX) {
+    throw InvalidArgument(str_cat("config: key '", key, "' is out of range: ", v));
+  }
+  return static_cast<std::int32_t>(v);
+}
+
+KVGeometry parse_model(const json& model, std::int32_t page_size) {
+  if (!model.is_object()) throw InvalidArgument("config: 'model' must be an object");
+  reject_unknown(model,
+                 {"attention", "layers", "kv_heads", "head_dim", "kv_lora_rank",
+                  "qk_rope_head_dim", "dtype"},
+                 ".model");
+  const std::string attention = get<std::string>(model, "attention", "mha");
+  const DType dtype = parse_dtype(get<std::string>(model, "dtype", "fp16"));
+  const std::int32_t layers = get_int32(model, "layers", 0);
+  if (attention == "mha") {
+    return KVGeometry::mha(layers, get_int32(model, "kv_heads", 0),
+                           get_int32(model, "head_dim", 0), dtype, page_size);
+  }
+  if (attention == "mla") {
+    return KVGeometry::mla(layers, get_int32(model, "kv_lora_rank", 0),
+                           get_int32(model, "qk_rope_head_dim", 0), dtype, page_size);
+  }
+  throw InvalidArgument(str_cat("config: model.attention '", attention, "': valid are mha, mla"));
+}
+
+}  // namespace
+
+HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw InvalidArgument(str_cat("config: not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) throw InvalidArgument("config: the top level must be a JSON object");
+  reject_unknown(root,
+                 {"device", "page_size", "device_tokens", "model", "host_ratio", "host_bytes",
+                  "host_tokens", "host_layout", "io_backend", "write_policy", "layer_slots",
+                  "queue_capacity", "kernel_max_blocks"},
+                 "");
+  HiCacheConfig c;
+  c.device = get<std::string>(root, "device", "auto");
+  if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
+    throw InvalidArgument(str_cat("config: device '", c.device, "': valid are auto, cuda, host"));
+  }
+  if (!root.contains("model")) throw InvalidArgument("config: 'model' is required");
+  c.geometry = parse_model(root["model"], get_int32(root, "page_size", 64));
+  c.device_tokens = get<std::int64_t>(root, "device_tokens", 0);
+  check_token_count(c.geometry, c.device_tokens, "config: device_tokens");
+  if (root.contains("host_ratio") || root.contains("host_bytes") || root.contains("host_tokens")) {
+    c.host_size = HostPoolSize{.ratio = get<double>(root, "host_ratio", 0),
+                               .bytes = get<std::int64_t>(root, "host_bytes", 0),
+                               .tokens = get<std::int64_t>(root, "host_tokens", 0)};
+  }
+  c.host_tokens();  // validates the host size
+  c.host_layout = parse_host_layout(get<std::string>(root, "host_layout", "layer_first"));
+  c.controller.io_backend = parse_io_backend(get<std::string>(root, "io_backend", "direct"));
+  c.controller.write_policy =
+      parse_write_policy(get<std::string>(root, "write_policy", "write_through_selective"));
+  c.controller.layer_slots = get_int32(root, "layer_slots", 3);
+  if (c.controller.layer_slots < 1) {
+    throw InvalidArgument(str_cat("config: layer_slots must be >= 1, got ", c.controller.layer_slots));
+  }
+  const auto capacity = get<std::int64_t>(root, "queue_capacity", 4096);
+  if (capacity < 1) throw InvalidArgument(str_cat("config: queue_capacity must be >= 1, got ", capacity));
+  c.controller.queue_capacity = static_cast<std::size_t>(capacity);
+  c.controller.kernel_max_blocks = get_int32(root, "kernel_max_blocks", 0);
+  if (c.controller.kernel_max_blocks < 0) {
+    throw InvalidArgument(str_cat("config: kernel_max_blocks must be >= 0, got ",
+                                  c.controller.kernel_max_blocks));
+  }
+  return c;
+}
+
+}  // namespace hicache

@@ -1,0 +1,38 @@
+// HiCacheConfig: everything needed to build the device pool, the host pool and the controller,
+// read from JSON (the keys mirror SGLang's HiCache flags). Unknown keys and bad values are
+// errors that name them. Example:
+//
+//   {"device": "host", "page_size": 64, "device_tokens": 8192,
+//    "model": {"attention": "mha", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "fp16"},
+//    "host_ratio": 2.0, "host_layout": "layer_first", "io_backend": "direct",
+//    "write_policy": "write_through_selective", "layer_slots": 3, "queue_capacity": 4096}
+//
+// Host size: exactly one of host_ratio, host_bytes, host_tokens (host_ratio 2.0 by default).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "controller/hicache_controller.h"
+#include "pools/host_kv_pool.h"
+#include "pools/kv_geometry.h"
+#include "pools/kv_layout.h"
+
+namespace hicache {
+
+struct HiCacheConfig {
+  std::string device = "auto";
+  KVGeometry geometry;
+  std::int64_t device_tokens = 0;
+  HostPoolSize host_size{.ratio = 2.0};
+  HostLayout host_layout = HostLayout::kLayerFirst;
+  ControllerConfig controller;
+
+  // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
+  static HiCacheConfig from_json_text(std::string_view text);
+  // The host pool's token count this configuration resolves to.
+  std::int64_t host_tokens() const { return host_size.resolve_tokens(geometry, device_tokens); }
+};
+
+}  // namespace hicache

@@ -1,0 +1,84 @@
+#include "controller/config.h"
+
+#include <gtest/gtest.h>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+constexpr const char* kFull = R"({
+  "device": "host", "page_size": 64, "device_tokens": 8192,
+  "model": {"attention": "mha", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+  "host_ratio": 2.5, "host_layout": "page_first_direct", "io_backend": "kernel",
+  "write_policy": "write_back", "layer_slots": 4, "queue_capacity": 16, "kernel_max_blocks": 8})";
+
+TEST(HiCacheConfig, ParsesEveryKey) {
+  const HiCacheConfig c = HiCacheConfig::from_json_text(kFull);
+  EXPECT_EQ(c.device, "host");
+  EXPECT_EQ(c.geometry, KVGeometry::mha(32, 8, 128, DType::kBFloat16, 64));
+  EXPECT_EQ(c.device_tokens, 8192);
+  EXPECT_EQ(c.host_tokens(), 20480);
+  EXPECT_EQ(c.host_layout, HostLayout::kPageFirstDirect);
+  EXPECT_EQ(c.controller.io_backend, IoBackend::kKernel);
+  EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteBack);
+  EXPECT_EQ(c.controller.layer_slots, 4);
+  EXPECT_EQ(c.controller.queue_capacity, 16u);
+  EXPECT_EQ(c.controller.kernel_max_blocks, 8);
+}
+
+TEST(HiCacheConfig, DefaultsAndMla) {
+  const HiCacheConfig c = HiCacheConfig::from_json_text(
+      R"({"device_tokens": 128, "host_bytes": 100000000,
+          "model": {"attention": "mla", "layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64}})");
+  EXPECT_EQ(c.device, "auto");
+  EXPECT_EQ(c.geometry.attention, AttentionKind::kMLA);
+  EXPECT_EQ(c.geometry.page_size, 64);
+  EXPECT_EQ(c.host_tokens(), 100000000 / c.geometry.page_bytes() * 64);
+  EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteThroughSelective);
+  EXPECT_EQ(c.controller.io_backend, IoBackend::kDirect);
+}
+
+// Each bad document raises an error that names the offending key or value.
+TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64, "colour": 1})",
+       "'colour'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8, "heads": 2}, "device_tokens": 64})",
+       "'heads'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 100})", "100"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "fp4"}, "device_tokens": 64})",
+       "'fp4'"},
+      {R"({"model": {"layers": 0, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64})",
+       "num_layers"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "write_policy": "sometimes"})", "'sometimes'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "io_backend": "dma"})", "'dma'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "host_layout": "page_last"})", "'page_last'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "host_ratio": 2, "host_tokens": 64})", "exactly one"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": "many"})",
+       "device_tokens"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "device": "tpu"})", "'tpu'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "layer_slots": 0})", "layer_slots"},
+      {R"({"device_tokens": 64})", "'model'"},
+      {R"([1, 2])", "object"},
+      {R"({"model": )", "not valid JSON"},
+  };
+  for (const auto& [text, needle] : cases) {
+    try {
+      HiCacheConfig::from_json_text(text);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+          << "message '" << e.what() << "' does not name " << needle;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hicache
