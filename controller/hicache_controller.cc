@@ -46,6 +46,7 @@ struct HiCacheController::AckQueues {
 // The kernel path reads page lists on the device, so they live in pinned host memory.
 struct HiCacheController::Scratch {
   std::vector<std::int64_t> host_pages, device_pages;
+  std::vector<std::pair<std::int64_t, std::int64_t>> pairs;  // (host page, device page)
   std::vector<CopyRegion> regions;
   Buffer pinned;  // [host pages | device pages], grown on demand
   std::int64_t* pinned_host = nullptr;
@@ -181,17 +182,15 @@ void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
                  "controller device slots", s.device_pages);
   if (config_.io_backend == IoBackend::kDirect) {
     // Sorted host pages read or write host memory in address order (as the reference does).
-    std::vector<std::size_t> order(s.host_pages.size());
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(),
-              [&](std::size_t a, std::size_t b) { return s.host_pages[a] < s.host_pages[b]; });
-    std::vector<std::int64_t> hp(order.size()), dp(order.size());
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      hp[i] = s.host_pages[order[i]];
-      dp[i] = s.device_pages[order[i]];
+    s.pairs.clear();
+    for (std::size_t i = 0; i < s.host_pages.size(); ++i) {
+      s.pairs.emplace_back(s.host_pages[i], s.device_pages[i]);
     }
-    s.host_pages.swap(hp);
-    s.device_pages.swap(dp);
+    std::sort(s.pairs.begin(), s.pairs.end());
+    for (std::size_t i = 0; i < s.pairs.size(); ++i) {
+      s.host_pages[i] = s.pairs[i].first;
+      s.device_pages[i] = s.pairs[i].second;
+    }
     return;
   }
   const std::size_t need = 2 * s.host_pages.size() * sizeof(std::int64_t);
