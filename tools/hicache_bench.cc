@@ -1,8 +1,9 @@
 // hicache-bench: the main job. Until the synthetic workload lands (issue: hicache-bench), it
-// runs a smoke round trip of the foundation and prints what it did: it builds the device and
-// host KV pools on the chosen device backend, writes pages whose bytes derive from their keys
-// into device memory, backs them up to host (L1 -> L2), loads them back into fresh device
-// pages (L2 -> L1), and verifies every byte at both ends.
+// runs a smoke round trip through the controller and prints what it did: it builds the device
+// and host KV pools on the chosen device backend, writes pages whose bytes derive from their
+// keys into device memory, backs them up to host through the write thread (L1 -> L2), loads
+// them back into fresh device pages layer by layer through the load thread (L2 -> L1), and
+// verifies every byte at both ends.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,10 +14,13 @@
 #include <string_view>
 #include <vector>
 
+#include <span>
+#include <thread>
+
+#include "controller/hicache_controller.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
 #include "pools/kv_pattern.h"
-#include "transfer/copy_plan.h"
 #include "transfer/device.h"
 #include "transfer/errors.h"
 
@@ -29,8 +33,9 @@ struct Options {
   std::string device = "host";
   std::string layout = "layer_first";
   std::string dtype = "fp16";
+  std::string io = "direct";
   int layers = 32, heads = 8, head_dim = 128, page_size = 64;
-  long pages = 64;  // pages moved each way (the device pool holds twice that)
+  long pages = 32;  // pages moved each way (the device pool holds twice that)
   double host_ratio = 2.0;
 };
 
@@ -38,8 +43,9 @@ constexpr const char* kUsage = R"(usage: hicache-bench [options]
   --device auto|host|cuda     device backend (default host)
   --layout layer_first|page_first|page_first_direct   host layout (default layer_first)
   --dtype fp16|bf16|fp8|fp32  KV dtype (default fp16)
+  --io direct|kernel          controller io backend (default direct)
   --layers N --heads N --head-dim N --page-size N   KV geometry (default 32 8 128 64)
-  --pages N                   pages to move each way (default 64)
+  --pages N                   pages to move each way (default 32)
   --host-ratio X              host pool size as a ratio of the device pool (default 2)
   --help
 )";
@@ -72,6 +78,7 @@ Options parse(int argc, char** argv) {
     if (flag == "--device") o.device = value;
     else if (flag == "--layout") o.layout = value;
     else if (flag == "--dtype") o.dtype = value;
+    else if (flag == "--io") o.io = value;
     else if (flag == "--layers") o.layers = static_cast<int>(parse_long(flag, value));
     else if (flag == "--heads") o.heads = static_cast<int>(parse_long(flag, value));
     else if (flag == "--head-dim") o.head_dim = static_cast<int>(parse_long(flag, value));
@@ -94,16 +101,14 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Copies pages between layouts on `stream` and waits; returns seconds.
-double move_pages(hicache::Stream& stream, const hicache::LayoutDesc& dst,
-                  const std::vector<std::int64_t>& dst_pages, const hicache::LayoutDesc& src,
-                  const std::vector<std::int64_t>& src_pages) {
-  std::vector<hicache::CopyRegion> regions;
-  hicache::append_page_copies(dst, dst_pages, src, src_pages, 0, dst.num_layers, regions);
-  const auto t0 = Clock::now();
-  stream.copy_batch_async(regions);
-  stream.synchronize();
-  return seconds_since(t0);
+// Drains acks until `n` arrived (the smoke run has nothing else to do meanwhile).
+std::vector<hicache::Ack> wait_acks(hicache::HiCacheController& c, bool write, std::size_t n) {
+  std::vector<hicache::Ack> acks;
+  while (acks.size() < n) {
+    write ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
+    std::this_thread::yield();
+  }
+  return acks;
 }
 
 int run(const Options& o) {
@@ -111,6 +116,8 @@ int run(const Options& o) {
   const auto geometry = hicache::KVGeometry::mha(o.layers, o.heads, o.head_dim,
                                                  hicache::parse_dtype(o.dtype), o.page_size);
   const auto layout = hicache::parse_host_layout(o.layout);
+  hicache::ControllerConfig config;
+  config.io_backend = hicache::parse_io_backend(o.io);
   std::printf("[hicache-bench] device: %s\n", device->name().c_str());
   std::printf("[hicache-bench] geometry: %s\n", geometry.describe().c_str());
 
@@ -119,11 +126,13 @@ int run(const Options& o) {
   const std::int64_t host_tokens = hicache::HostPoolSize{.ratio = o.host_ratio}.resolve_tokens(
       geometry, device_pool.capacity_tokens());
   hicache::HostKVPool host_pool(*device, geometry, layout, host_tokens);
+  hicache::HiCacheController controller(*device, device_pool, host_pool, config);
   std::printf("[hicache-bench] pools: device %lld tokens (%.1f MiB), host %lld tokens (%.1f MiB, "
-              "%s), created in %.3f s\n",
+              "%s), io %s, created in %.3f s\n",
               static_cast<long long>(device_pool.capacity_tokens()),
               device_pool.size_bytes() / 1048576.0, static_cast<long long>(host_tokens),
-              host_pool.size_bytes() / 1048576.0, o.layout.c_str(), seconds_since(t0));
+              host_pool.size_bytes() / 1048576.0, o.layout.c_str(), o.io.c_str(),
+              seconds_since(t0));
 
   // Staging buffer in the device layout, CPU-addressable on every backend.
   hicache::Buffer staging = device->alloc_host(device_pool.size_bytes());
@@ -133,57 +142,73 @@ int run(const Options& o) {
 
   // 1. The "forward pass": fill device pages with data derived from their keys.
   auto& allocator = device_pool.allocator();
-  std::vector<std::int64_t> src_pages, host_pages, back_pages;
-  if (!allocator.alloc_pages(o.pages, src_pages)) throw hicache::Error("device pool too small");
+  auto device_slots = allocator.alloc(o.pages * o.page_size);
+  if (!device_slots) throw hicache::Error("device pool too small");
+  std::vector<std::int64_t> src_pages;
+  hicache::slots_to_pages(*device_slots, o.page_size, allocator.num_pages(), "smoke", src_pages);
   for (std::int64_t page : src_pages) hicache::fill_page(staging_desc, page, 1000 + page);
   stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
   stream->synchronize();
 
-  // 2. L1 -> L2 backup.
-  auto host_slots = host_pool.alloc(o.pages * o.page_size);
-  if (!host_slots) throw hicache::Error("host pool too small");
-  hicache::slots_to_pages(*host_slots, o.page_size, host_pool.num_pages(), "smoke", host_pages);
-  host_pool.protect_write(*host_slots);
-  const double write_s = move_pages(*stream, host_pool.layout(), host_pages, device_pool.layout(),
-                                    src_pages);
-  host_pool.complete_io(*host_slots, hicache::PageState::kSynced);
+  // 2. L1 -> L2: one write per page, acknowledged by node id (= index).
+  t0 = Clock::now();
+  std::vector<std::int64_t> host_slots;
+  for (long i = 0; i < o.pages; ++i) {
+    auto h = controller.write(std::span(*device_slots).subspan(i * o.page_size, o.page_size), 0,
+                              hicache::NodeId{i});
+    if (!h) throw hicache::Error("host pool too small");
+    host_slots.insert(host_slots.end(), h->begin(), h->end());
+  }
+  long failed = 0;
+  for (const auto& ack : wait_acks(controller, true, static_cast<std::size_t>(o.pages))) {
+    failed += !ack.ok;
+  }
+  const double write_s = seconds_since(t0);
+  std::vector<std::int64_t> host_pages;
+  hicache::slots_to_pages(host_slots, o.page_size, host_pool.num_pages(), "smoke", host_pages);
   long bad = 0;
   for (std::size_t i = 0; i < host_pages.size(); ++i) {
     bad += !hicache::verify_page(host_pool.layout(), host_pages[i], 1000 + src_pages[i]);
   }
   // Evict the device copy: the host now holds the only copy above storage.
-  allocator.free_pages(src_pages);
-  host_pool.mark_backup(*host_slots);
+  controller.evict_device(*device_slots, host_slots);
   std::memset(staging.data(), 0, staging.size());
   stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
+  stream->synchronize();
 
-  // 3. L2 -> L1 load into fresh device pages.
-  if (!allocator.alloc_pages(o.pages, back_pages)) throw hicache::Error("device pool too small");
-  host_pool.protect_load(*host_slots);
-  const double load_s = move_pages(*stream, device_pool.layout(), back_pages, host_pool.layout(),
-                                   host_pages);
-  host_pool.complete_io(*host_slots, hicache::PageState::kSynced);
+  // 3. L2 -> L1 into fresh device slots, layer by layer, as a forward pass consumes it.
+  t0 = Clock::now();
+  auto back = controller.load(host_slots, 0, hicache::NodeId{0});
+  if (!back) throw hicache::Error("device pool too small");
+  const std::int32_t slot = controller.start_loading();
+  for (std::int32_t layer = 0; layer < geometry.num_layers; ++layer) {
+    device_pool.wait_for_layer(layer);
+  }
+  const double load_s = seconds_since(t0);
+  controller.layer_done_counter().release(slot);
+  for (const auto& ack : wait_acks(controller, false, 1)) failed += !ack.ok;
   stream->copy_async(staging.data(), device_pool.layout().base, device_pool.size_bytes());
   stream->synchronize();
+  std::vector<std::int64_t> back_pages;
+  hicache::slots_to_pages(*back, o.page_size, allocator.num_pages(), "smoke", back_pages);
   for (std::size_t i = 0; i < back_pages.size(); ++i) {
     bad += !hicache::verify_page(staging_desc, back_pages[i], 1000 + src_pages[i]);
   }
 
   const double bytes = static_cast<double>(o.pages) * geometry.page_bytes();
-  std::printf("[hicache-bench] L1->L2: %ld pages, %.1f MiB in %.4f s (%.2f GB/s)\n", o.pages,
-              bytes / 1048576.0, write_s, bytes / write_s / 1e9);
-  std::printf("[hicache-bench] L2->L1: %ld pages, %.1f MiB in %.4f s (%.2f GB/s)\n", o.pages,
-              bytes / 1048576.0, load_s, bytes / load_s / 1e9);
-  host_pool.mark_backup(*host_slots);
-  host_pool.free(*host_slots);
-  allocator.free_pages(back_pages);
-  std::printf("[hicache-bench] verified %ld pages at both ends: %ld mismatches; pools clean: %s\n",
-              2 * o.pages, bad,
-              host_pool.free_tokens() == host_pool.capacity_tokens() &&
-                      allocator.free_tokens() == allocator.capacity_tokens()
-                  ? "yes"
-                  : "no");
-  return bad == 0 ? 0 : 1;
+  std::printf("[hicache-bench] L1->L2: %ld writes of 1 page, %.1f MiB in %.4f s (%.2f GB/s)\n",
+              o.pages, bytes / 1048576.0, write_s, bytes / write_s / 1e9);
+  std::printf("[hicache-bench] L2->L1: 1 load of %ld pages, layer by layer, %.1f MiB in %.4f s "
+              "(%.2f GB/s)\n",
+              o.pages, bytes / 1048576.0, load_s, bytes / load_s / 1e9);
+  controller.evict_device(*back, host_slots);
+  controller.evict_host(host_slots);
+  const bool clean = host_pool.free_tokens() == host_pool.capacity_tokens() &&
+                     allocator.free_tokens() == allocator.capacity_tokens();
+  std::printf("[hicache-bench] verified %ld pages at both ends: %ld mismatches, %ld failed acks; "
+              "pools clean: %s\n",
+              2 * o.pages, bad, failed, clean ? "yes" : "no");
+  return bad == 0 && failed == 0 && clean ? 0 : 1;
 }
 
 }  // namespace
