@@ -86,7 +86,8 @@ class HiCacheController {
   // Hands every load queued since the last call to the load thread as one batch and returns the
   // LayerDoneCounter slot its consumer waits on (also installed as the device pool's layer-wait
   // hook), or -1 when nothing was queued. The caller releases the slot when its forward pass is
-  // done: layer_done_counter().release(slot).
+  // done: layer_done_counter().release(slot). Blocks while layer_slots batches are in flight
+  // and their consumers have not released them yet.
   std::int32_t start_loading();
   LayerDoneCounter& layer_done_counter() { return *counter_; }
 
@@ -102,7 +103,7 @@ class HiCacheController {
   std::int64_t evict_host(std::span<const std::int64_t> host_slots);
 
   // Stops the threads, returns every slot held by queued or in-flight ops, drops pending acks,
-  // and starts again.
+  // and starts again. Counter slots handed out before are void: do not release them.
   void reset();
   // As reset() without the restart. Idempotent; the destructor calls it.
   void stop();
