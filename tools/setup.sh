@@ -5,7 +5,9 @@
 #   bash tools/setup.sh main   install, build, run the main job (hicache-bench on the default)
 #   bash tools/setup.sh test   install, build, run the whole test suite (what CI runs)
 #
-# Environment: BUILD_DIR (default build), JOBS (default nproc).
+# Environment: BUILD_DIR (default build), JOBS (default nproc), HICACHE_SANITIZERS=1 (test
+# mode: also build and run the suite under ASan+UBSan and under TSan, in build-asan/ and
+# build-tsan/, without CUDA and tools; CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -43,5 +45,24 @@ if [ "$mode" = main ]; then
 else
   say "running the test suite: ctest --test-dir $build_dir"
   ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+  if [ "${HICACHE_SANITIZERS:-0}" = 1 ]; then
+    for san in asan tsan; do
+      case $san in
+        asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" ;;
+        tsan) flags="-fsanitize=thread -Wno-tsan" ;;  # -Wtsan: moodycamel uses fences
+      esac
+      dir="$build_dir-$san"
+      say "sanitizer build $dir ($flags)"
+      cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TOOLS=OFF \
+        -DHICACHE_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="$flags" \
+        -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" >/dev/null
+      cmake --build "$dir" -j "$jobs"
+      # The install test builds an uninstrumented consumer, which cannot load an instrumented
+      # library; it runs in the normal build above.
+      say "running the test suite under $san"
+      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+        ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^install\.'
+    done
+  fi
 fi
 say "done ($mode)"
