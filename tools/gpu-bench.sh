@@ -15,7 +15,8 @@ if [ -n "${DEPS_PREFIX:-}" ]; then
 fi
 echo "[gpu-bench] building in $build"
 cmake -S . -B "$build" -G Ninja -DHICACHE_CUDA=ON -DHICACHE_WERROR=ON "${extra[@]}" >/dev/null
-cmake --build "$build" -j "$(nproc)" --target hicache transfer_test kernels_test hicache-gpubench
+cmake --build "$build" -j "$(nproc)" --target hicache transfer_test kernels_test controller_test \
+  hicache-gpubench hicache-bench
 echo "[gpu-bench] register use of the transfer kernels (ptxas -v):"
 /usr/local/cuda/bin/nvcc -std=c++17 -I. -gencode arch=compute_90,code=sm_90 -Xptxas -v -c \
   kernels/page_transfer.cu -o /dev/null 2>&1 | grep -E 'Used|spill' | sed 's/^/  /'
@@ -26,6 +27,8 @@ fi
 echo "[gpu-bench] GPU tests"
 "$build/tests/transfer_test" --gtest_filter='Cuda*:DeviceFactory*' --gtest_brief=1
 "$build/tests/kernels_test" --gtest_brief=1
+"$build/tests/controller_test" --gtest_filter='Cuda*' --gtest_brief=1
+for io in direct kernel; do "$build/tools/hicache-bench" --device cuda --io "$io" --pages 64; done
 for layout in layer_first page_first page_first_direct; do
   "$build/tools/hicache-gpubench" "$layout"
 done
