@@ -163,6 +163,18 @@ TEST(HiCacheController, IllegalEvictionsNameTheStateAndChangeNothing) {
   EXPECT_THROW(c.load(h, 0, NodeId{1}), StateError);
   EXPECT_EQ(dev.allocator().free_tokens(), 12);
   EXPECT_THROW(c.evict_device(d, std::span(h).first(0)), InvalidArgument);
+  // A synced host page with a device list naming one page twice: rejected, nothing freed.
+  auto d2 = *dev.allocator().alloc(4);
+  auto h2 = *c.write(d2, 0, NodeId{3});
+  std::vector<Ack> acks;
+  while (c.drain_write_acks(acks) == 0) std::this_thread::yield();
+  std::vector<std::int64_t> twice = d2;
+  twice.insert(twice.end(), d2.begin(), d2.end());
+  std::vector<std::int64_t> h2_twice = h2;
+  h2_twice.insert(h2_twice.end(), h2.begin(), h2.end());
+  EXPECT_THROW(c.evict_device(twice, h2_twice), Error);
+  EXPECT_TRUE(dev.allocator().is_allocated(d2[0] / 4));
+  EXPECT_TRUE(host.all_in_state(h2, PageState::kSynced));
 }
 
 TEST(HiCacheController, ConfigNamesAreParsedAndUnknownOnesRejected) {
