@@ -1,0 +1,75 @@
+// FileStorage: one file per key under a root directory, on the local disk.
+//
+// - A record is written to <root>/.tmp/ and renamed into <root>/<key>, so a crash leaves the old
+//   record, the new one or nothing, never a torn one. Durability "none" leaves flushing to the
+//   kernel; "group_commit" makes a whole batch durable with one syncfs before the renames and
+//   one after (an fsync per page caps a file tier at a few hundred pages/s, shared/MACHINE.md).
+// - An in-memory index (key -> record bytes, LRU order) answers batch_exists without touching the
+//   disk, and is rebuilt from the directory at start (oldest modification first), so a restarted
+//   engine finds its pages again.
+// - capacity_bytes (0: unlimited) bounds the record bytes; a set that overflows it evicts least
+//   recently used records. Eviction renames a record into <root>/.trash/ (a fast metadata
+//   operation) and a background thread unlinks it (unlink costs 0.3-0.8 ms on these disks). A
+//   record that cannot be moved is dropped from the index, counted and skipped: the evictor never
+//   wedges. A record larger than the whole capacity is refused, not thrashed.
+// - Batches fan out over io_threads workers (Boost.Asio's thread_pool); a one-key batch runs in
+//   the caller. Disk full, permission denied or a removed directory are per-key errors, and the
+//   store keeps serving what still works (the .tmp/ and .trash/ folders are recreated on demand).
+//
+// JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "durability": "none",
+//        "io_threads": 4}
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "storage/storage_backend.h"
+
+namespace hicache {
+
+enum class Durability { kNone, kGroupCommit };
+
+struct FileStorageConfig {
+  std::string root;
+  std::uint64_t capacity_bytes = 0;
+  Durability durability = Durability::kNone;
+  int io_threads = 4;
+
+  // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
+  static FileStorageConfig from_json_text(std::string_view json_text);
+};
+
+class FileStorage final : public StorageBackend {
+ public:
+  // Creates the root (and parents) when missing; throws InvalidArgument naming the root when it
+  // cannot be created or is not a directory.
+  explicit FileStorage(FileStorageConfig config);
+  ~FileStorage() override;
+
+  std::string_view name() const override { return "file"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override;
+  bool remove(const std::string& key) override;
+  void clear() override;
+
+  // Waits until the background thread has unlinked every evicted or removed record.
+  void flush_trash();
+  const FileStorageConfig& config() const { return config_; }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override;
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override;
+  void fill_gauges(StorageStats& stats) const override;
+
+ private:
+  class Impl;
+  FileStorageConfig config_;
+  std::unique_ptr<Impl> impl_;
+};
+
+std::unique_ptr<StorageBackend> make_file_storage(std::string_view json_text);
+
+}  // namespace hicache

@@ -1,0 +1,11 @@
+#include "storage/redis_storage.h"
+
+#include "transfer/errors.h"
+
+namespace hicache {
+
+std::unique_ptr<StorageBackend> make_redis_storage(std::string_view json_text) {
+  throw InvalidArgument(str_cat("redis storage is not built yet: ", json_text));
+}
+
+}  // namespace hicache

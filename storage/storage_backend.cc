@@ -1,0 +1,199 @@
+#include "storage/storage_backend.h"
+
+#include <nlohmann/json.hpp>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <unordered_map>
+
+#include "storage/page_key.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+
+std::string_view to_string(IoStatus status) {
+  switch (status) {
+    case IoStatus::kOk: return "ok";
+    case IoStatus::kMiss: return "miss";
+    case IoStatus::kError: return "error";
+  }
+  return "?";
+}
+
+std::string StorageStats::to_json() const {
+  nlohmann::json j = {{"exists_queries", exists_queries}, {"gets", gets},
+                      {"get_hits", get_hits},             {"get_misses", get_misses},
+                      {"get_errors", get_errors},         {"bad_records", bad_records},
+                      {"sets", sets},                     {"set_written", set_written},
+                      {"set_deduplicated", set_deduplicated}, {"set_errors", set_errors},
+                      {"bytes_read", bytes_read},         {"bytes_written", bytes_written},
+                      {"removes", removes},               {"evictions", evictions},
+                      {"eviction_failures", eviction_failures}, {"stored_keys", stored_keys},
+                      {"stored_bytes", stored_bytes}};
+  return j.dump();
+}
+
+// Keys some batch of this process is storing right now, with the outcome once known.
+class StorageBackend::Inflight {
+ public:
+  struct Slot {
+    bool done = false;
+    IoResult result;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unordered_map<std::string, std::shared_ptr<Slot>> slots;
+};
+
+StorageBackend::StorageBackend() : inflight_(std::make_unique<Inflight>()) {}
+StorageBackend::~StorageBackend() = default;
+
+namespace {
+
+template <typename Span>
+void validate_batch(std::span<const std::string> keys, std::span<const Span> spans,
+                    const char* what) {
+  if (keys.size() != spans.size()) {
+    throw InvalidArgument(str_cat(what, ": ", keys.size(), " keys but ", spans.size(), " spans"));
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    validate_key(keys[i]);
+    if (spans[i].empty()) {
+      throw InvalidArgument(str_cat(what, ": span ", i, " for key '", keys[i], "' is empty"));
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<IoResult> StorageBackend::batch_get(std::span<const std::string> keys,
+                                                std::span<const ByteSpan> dst) {
+  validate_batch(keys, dst, "batch_get");
+  std::vector<IoResult> results;
+  try {
+    results = do_batch_get(keys, dst);
+  } catch (const std::exception& e) {
+    results.assign(keys.size(), IoResult::error(str_cat(name(), " batch_get failed: ", e.what())));
+  }
+  if (results.size() != keys.size()) {
+    results.assign(keys.size(), IoResult::error(str_cat(name(), " batch_get returned ",
+                                                        results.size(), " results")));
+  }
+  counters_.gets += keys.size();
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    switch (results[i].status) {
+      case IoStatus::kOk:
+        ++counters_.get_hits;
+        counters_.bytes_read += dst[i].size();
+        break;
+      case IoStatus::kMiss: ++counters_.get_misses; break;
+      case IoStatus::kError: ++counters_.get_errors; break;
+    }
+  }
+  return results;
+}
+
+std::vector<IoResult> StorageBackend::batch_set(std::span<const std::string> keys,
+                                                std::span<const ConstByteSpan> src) {
+  validate_batch(keys, src, "batch_set");
+  const std::size_t n = keys.size();
+  std::vector<IoResult> results(n);
+  // For each key: mine (this batch writes it), a slot of another batch, or an earlier index of
+  // this batch holding the same key.
+  std::vector<std::shared_ptr<Inflight::Slot>> theirs(n);
+  std::vector<std::size_t> same_as(n, n);
+  std::vector<std::size_t> mine;
+  mine.reserve(n);
+  std::vector<std::shared_ptr<Inflight::Slot>> my_slots;
+  {
+    std::lock_guard lock(inflight_->mu);
+    std::unordered_map<std::string_view, std::size_t> first;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (auto [it, fresh] = first.try_emplace(keys[i], i); !fresh) {
+        same_as[i] = it->second;
+        continue;
+      }
+      auto [it, fresh] = inflight_->slots.try_emplace(keys[i]);
+      if (!fresh) {
+        theirs[i] = it->second;
+        continue;
+      }
+      it->second = std::make_shared<Inflight::Slot>();
+      my_slots.push_back(it->second);
+      mine.push_back(i);
+    }
+  }
+
+  std::vector<IoResult> written;
+  try {
+    if (mine.size() == n) {
+      written = do_batch_set(keys, src);
+    } else if (!mine.empty()) {
+      std::vector<std::string> sub_keys;
+      std::vector<ConstByteSpan> sub_src;
+      sub_keys.reserve(mine.size());
+      sub_src.reserve(mine.size());
+      for (std::size_t i : mine) {
+        sub_keys.push_back(keys[i]);
+        sub_src.push_back(src[i]);
+      }
+      written = do_batch_set(sub_keys, sub_src);
+    }
+  } catch (const std::exception& e) {
+    written.assign(mine.size(), IoResult::error(str_cat(name(), " batch_set failed: ", e.what())));
+  }
+  if (written.size() != mine.size()) {
+    written.assign(mine.size(), IoResult::error(str_cat(name(), " batch_set returned ",
+                                                        written.size(), " results")));
+  }
+  {
+    std::lock_guard lock(inflight_->mu);
+    for (std::size_t m = 0; m < mine.size(); ++m) {
+      results[mine[m]] = written[m];
+      my_slots[m]->result = written[m];
+      my_slots[m]->done = true;
+      inflight_->slots.erase(keys[mine[m]]);
+    }
+  }
+  inflight_->cv.notify_all();
+
+  counters_.sets += n;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (theirs[i]) {
+      std::unique_lock lock(inflight_->mu);
+      inflight_->cv.wait(lock, [&] { return theirs[i]->done; });
+      results[i] = theirs[i]->result;
+      if (results[i].is_ok()) ++counters_.set_deduplicated;
+    } else if (same_as[i] != n) {
+      results[i] = results[same_as[i]];
+      if (results[i].is_ok()) ++counters_.set_deduplicated;
+    }
+    if (results[i].status != IoStatus::kOk) ++counters_.set_errors;
+  }
+  return results;
+}
+
+StorageStats StorageBackend::stats() const {
+  StorageStats s;
+  const Counters& c = counters_;
+  s.exists_queries = c.exists_queries;
+  s.gets = c.gets;
+  s.get_hits = c.get_hits;
+  s.get_misses = c.get_misses;
+  s.get_errors = c.get_errors;
+  s.bad_records = c.bad_records;
+  s.sets = c.sets;
+  s.set_written = c.set_written;
+  s.set_deduplicated = c.set_deduplicated;
+  s.set_errors = c.set_errors;
+  s.bytes_read = c.bytes_read;
+  s.bytes_written = c.bytes_written;
+  s.removes = c.removes;
+  s.evictions = c.evictions;
+  s.eviction_failures = c.eviction_failures;
+  fill_gauges(s);
+  return s;
+}
+
+}  // namespace hicache

@@ -1,0 +1,126 @@
+// StorageBackend: the L3 tier. It moves bytes between page keys and caller-provided spans (host
+// pool pages), and knows nothing of pools (shared/DESIGN.md).
+//
+// Contract, for every backend:
+// - Results are per key: ok, miss (absent, or a record that failed validation: it is counted,
+//   removed and never handed over as data), or error (I/O failure, with the reason). Storage I/O
+//   never raises; only API misuse does (InvalidArgument naming the bad value, before anything is
+//   read or written).
+// - batch_get writes into the caller's spans in place. A span's size is the payload size the
+//   caller expects; a record of any other size is a miss. After a result other than ok the
+//   span's bytes are unspecified (it may hold part of a rejected record): use none of them.
+// - batch_set is idempotent and deduplicated: a key the store already holds is not written again,
+//   and a key another batch of this process is storing right now is not written twice (this
+//   batch waits for that write and reports its outcome). Ok means the record is stored (and, with
+//   a durable setting, durable).
+// - All calls are thread-safe; batches from several threads run concurrently.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hicache {
+
+enum class IoStatus : std::uint8_t { kOk, kMiss, kError };
+std::string_view to_string(IoStatus status);
+
+struct IoResult {
+  IoStatus status = IoStatus::kMiss;
+  std::string reason;  // empty when ok; why for a miss of a bad record and for an error
+
+  static IoResult ok() { return {IoStatus::kOk, {}}; }
+  static IoResult miss(std::string why = {}) { return {IoStatus::kMiss, std::move(why)}; }
+  static IoResult error(std::string why) { return {IoStatus::kError, std::move(why)}; }
+  bool is_ok() const { return status == IoStatus::kOk; }
+};
+
+using ByteSpan = std::span<std::byte>;
+using ConstByteSpan = std::span<const std::byte>;
+
+// A snapshot of a backend's counters (monotonic since construction, except the two gauges).
+struct StorageStats {
+  std::uint64_t exists_queries = 0;  // keys asked by batch_exists
+  std::uint64_t gets = 0;            // keys asked by batch_get
+  std::uint64_t get_hits = 0;
+  std::uint64_t get_misses = 0;      // absent, plus bad records
+  std::uint64_t get_errors = 0;
+  std::uint64_t bad_records = 0;     // header, key, size or checksum mismatch (also in misses)
+  std::uint64_t sets = 0;            // keys passed to batch_set
+  std::uint64_t set_written = 0;     // records actually written
+  std::uint64_t set_deduplicated = 0;  // already stored, or stored by a concurrent batch
+  std::uint64_t set_errors = 0;
+  std::uint64_t bytes_read = 0;      // payload bytes handed to callers
+  std::uint64_t bytes_written = 0;   // payload bytes written
+  std::uint64_t removes = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t eviction_failures = 0;  // records the evictor could not remove (skipped)
+  std::uint64_t stored_keys = 0;     // gauge, where the backend knows it (file store)
+  std::uint64_t stored_bytes = 0;    // gauge, record bytes incl. headers
+
+  std::string to_json() const;
+};
+
+class StorageBackend {
+ public:
+  virtual ~StorageBackend();
+  StorageBackend(const StorageBackend&) = delete;
+  StorageBackend& operator=(const StorageBackend&) = delete;
+
+  virtual std::string_view name() const = 0;
+
+  // How many leading keys are present (a prefix hit); stops at the first absent key. An I/O
+  // error counts as absent.
+  virtual std::size_t batch_exists(std::span<const std::string> keys) = 0;
+
+  // Reads each key into dst[i] (dst[i].size() is the expected payload size).
+  std::vector<IoResult> batch_get(std::span<const std::string> keys, std::span<const ByteSpan> dst);
+
+  // Stores src[i] under keys[i]; see the contract above for deduplication.
+  std::vector<IoResult> batch_set(std::span<const std::string> keys,
+                                  std::span<const ConstByteSpan> src);
+
+  // Removes a key; false when it was absent.
+  virtual bool remove(const std::string& key) = 0;
+  // Removes every record of this store.
+  virtual void clear() = 0;
+
+  StorageStats stats() const;
+
+ protected:
+  StorageBackend();
+
+  // Called with validated arguments. do_batch_set receives only keys no other batch of this
+  // process is storing; it skips keys the store already holds (count them with
+  // note_deduplicated) and reports them ok.
+  virtual std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                             std::span<const ByteSpan> dst) = 0;
+  virtual std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                             std::span<const ConstByteSpan> src) = 0;
+  // Backends with a size gauge override this.
+  virtual void fill_gauges(StorageStats& /*stats*/) const {}
+
+  // Counters the backends bump.
+  struct Counters {
+    std::atomic<std::uint64_t> exists_queries{0}, gets{0}, get_hits{0}, get_misses{0},
+        get_errors{0}, bad_records{0}, sets{0}, set_written{0}, set_deduplicated{0},
+        set_errors{0}, bytes_read{0}, bytes_written{0}, removes{0}, evictions{0},
+        eviction_failures{0};
+  };
+  Counters counters_;
+
+ private:
+  class Inflight;
+  std::unique_ptr<Inflight> inflight_;
+};
+
+// Builds a backend from a JSON object: {"backend": "file", ...} or {"backend": "redis", ...}.
+// An unknown backend or field is an InvalidArgument that lists the valid ones.
+std::unique_ptr<StorageBackend> make_storage(std::string_view json_text);
+
+}  // namespace hicache
