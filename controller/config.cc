@@ -4,6 +4,7 @@
 
 #include <set>
 
+#include "storage/json_fields.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -12,26 +13,12 @@ namespace {
 using nlohmann::json;
 
 void reject_unknown(const json& object, const std::set<std::string>& known, std::string_view where) {
-  for (const auto& [key, value] : object.items()) {
-    if (known.count(key) == 0) {
-      std::string valid;
-      for (const std::string& k : known) valid += (valid.empty() ? "" : ", ") + k;
-      throw InvalidArgument(str_cat("config", where, ": unknown key '", key, "' (valid: ", valid,
-                                    ")"));
-    }
-  }
+  json_fields::reject_unknown(object, known, str_cat("config", where));
 }
 
 template <typename T>
 T get(const json& object, const char* key, T fallback) {
-  auto it = object.find(key);
-  if (it == object.end()) return fallback;
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    throw InvalidArgument(str_cat("config: key '", key, "' has a value of the wrong type: ",
-                                  it->dump()));
-  }
+  return json_fields::get<T>(object, key, fallback, "config");
 }
 
 std::int32_t get_int32(const json& object, const char* key, std::int32_t fallback) {

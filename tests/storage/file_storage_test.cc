@@ -1,0 +1,399 @@
+#include "storage/file_storage.h"
+
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "pools/kv_pattern.h"
+#include "storage/record.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::uint64_t seed_of(const std::string& key) { return std::hash<std::string>{}(key); }
+
+// Page bytes derived from the key: any reader can verify any page.
+std::vector<std::byte> page_for(const std::string& key, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  fill_pattern(out, seed_of(key), 0, 0);
+  return out;
+}
+
+bool holds_page_of(const std::string& key, std::span<const std::byte> data) {
+  return find_pattern_mismatch(data, seed_of(key), 0, 0) < 0;
+}
+
+std::size_t exists(StorageBackend& s, const std::vector<std::string>& keys) {
+  return s.batch_exists(keys);
+}
+
+std::vector<std::string> make_keys(const std::string& stem, int n) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < n; ++i) keys.push_back(str_cat(stem, "-", i));
+  return keys;
+}
+
+class FileStorageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    root_ = fs::temp_directory_path() /
+            str_cat("hicache-file-", info->name(), "-", ::getpid());
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  FileStorageConfig config(std::uint64_t capacity = 0, int threads = 2) {
+    return {.root = root_.string(), .capacity_bytes = capacity, .io_threads = threads};
+  }
+
+  // Stores `keys` with pages of `bytes`; asserts every result is ok.
+  static void put(StorageBackend& s, const std::vector<std::string>& keys, std::size_t bytes) {
+    std::vector<std::vector<std::byte>> pages;
+    std::vector<ConstByteSpan> spans;
+    for (const auto& k : keys) pages.push_back(page_for(k, bytes));
+    for (const auto& p : pages) spans.emplace_back(p);
+    const auto results = s.batch_set(keys, spans);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_TRUE(results[i].is_ok()) << keys[i] << ": " << results[i].reason;
+    }
+  }
+
+  // Reads `keys` into fresh buffers; returns the results and checks ok pages byte for byte.
+  static std::vector<IoResult> get(StorageBackend& s, const std::vector<std::string>& keys,
+                                   std::size_t bytes) {
+    std::vector<std::vector<std::byte>> pages(keys.size(), std::vector<std::byte>(bytes));
+    std::vector<ByteSpan> spans;
+    for (auto& p : pages) spans.emplace_back(p);
+    auto results = s.batch_get(keys, spans);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (results[i].is_ok()) {
+        EXPECT_TRUE(holds_page_of(keys[i], pages[i])) << keys[i];
+      }
+    }
+    return results;
+  }
+
+  std::size_t files_in(const fs::path& dir) {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+    return n;
+  }
+
+  fs::path root_;
+};
+
+constexpr std::size_t kPage = 64 << 10;
+
+TEST_F(FileStorageTest, RoundTripIsByteExactAndCounted) {
+  FileStorage s(config());
+  const auto keys = make_keys("rt", 16);
+  put(s, keys, kPage);
+  for (const auto& r : get(s, keys, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  EXPECT_EQ(exists(s, keys), keys.size());
+  const StorageStats st = s.stats();
+  EXPECT_EQ(st.set_written, 16u);
+  EXPECT_EQ(st.get_hits, 16u);
+  EXPECT_EQ(st.bytes_read, 16 * kPage);
+  EXPECT_EQ(st.bytes_written, 16 * kPage);
+  EXPECT_EQ(st.stored_keys, 16u);
+  std::uint64_t record_bytes = 0;
+  for (const auto& k : keys) record_bytes += kPage + record_head_bytes(k);
+  EXPECT_EQ(st.stored_bytes, record_bytes);
+  EXPECT_EQ(files_in(root_), 16u);
+}
+
+TEST_F(FileStorageTest, InlineAndGroupCommitRoundTrip) {
+  auto c = config(0, /*threads=*/0);
+  c.durability = Durability::kGroupCommit;
+  FileStorage s(c);
+  const auto keys = make_keys("gc", 5);
+  put(s, keys, 4096);
+  for (const auto& r : get(s, keys, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  EXPECT_EQ(files_in(root_ / ".tmp"), 0u) << "every temporary was renamed into place";
+}
+
+TEST_F(FileStorageTest, ExistsCountsTheLeadingPrefixOnly) {
+  FileStorage s(config());
+  const auto keys = make_keys("ex", 5);
+  put(s, {keys[0], keys[1], keys[3]}, 1024);
+  EXPECT_EQ(exists(s, keys), 2u);
+  EXPECT_EQ(s.batch_exists(std::vector<std::string>{keys[2], keys[3]}), 0u);
+  EXPECT_EQ(exists(s, {}), 0u);
+  const auto r = get(s, {keys[2]}, 1024);
+  EXPECT_EQ(r[0].status, IoStatus::kMiss);
+}
+
+TEST_F(FileStorageTest, StoredKeyIsNotWrittenTwice) {
+  FileStorage s(config());
+  const auto keys = make_keys("dd", 4);
+  put(s, keys, 1024);
+  put(s, keys, 1024);
+  // The same key twice in one batch is written once.
+  put(s, {"dd-9", "dd-9"}, 1024);
+  const StorageStats st = s.stats();
+  EXPECT_EQ(st.set_written, 5u);
+  EXPECT_EQ(st.set_deduplicated, 5u);
+}
+
+TEST_F(FileStorageTest, ConcurrentBatchesOfTheSameKeysWriteEachOnce) {
+  FileStorage s(config(0, 4));
+  const auto keys = make_keys("cc", 32);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&] { put(s, keys, 16 << 10); });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(s.stats().set_written, 32u);
+  EXPECT_EQ(s.stats().set_deduplicated, 96u);
+  threads.clear();
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (const auto& r : get(s, keys, 16 << 10)) EXPECT_TRUE(r.is_ok()) << r.reason;
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST_F(FileStorageTest, WarmRestartFindsThePagesAgain) {
+  const auto keys = make_keys("wr", 8);
+  {
+    FileStorage s(config());
+    put(s, keys, kPage);
+  }
+  FileStorage again(config());
+  EXPECT_EQ(exists(again, keys), keys.size());
+  for (const auto& r : get(again, keys, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  EXPECT_EQ(again.stats().stored_keys, 8u);
+}
+
+TEST_F(FileStorageTest, CrashDebrisIsCleanedAndNotIndexed) {
+  fs::create_directories(root_ / ".tmp");
+  fs::create_directories(root_ / ".trash");
+  std::ofstream(root_ / ".tmp" / "half-written.1.2") << "partial";
+  std::ofstream(root_ / ".trash" / "1.5") << "evicted";
+  FileStorage s(config());
+  s.flush_trash();
+  EXPECT_EQ(files_in(root_ / ".tmp"), 0u);
+  EXPECT_EQ(files_in(root_ / ".trash"), 0u);
+  EXPECT_EQ(s.stats().stored_keys, 0u);
+}
+
+// Every kind of bad record is a miss, counted, removed, never data.
+TEST_F(FileStorageTest, BadRecordsAreMissesAndRemoved) {
+  const auto keys = make_keys("bad", 6);
+  {
+    FileStorage s(config());
+    put(s, keys, 4096);
+  }
+  auto bytes_of = [&](const std::string& k) {
+    std::ifstream in(root_ / k, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto write = [&](const std::string& k, const std::string& data) {
+    std::ofstream(root_ / k, std::ios::binary | std::ios::trunc) << data;
+  };
+  std::string flipped = bytes_of(keys[0]);
+  flipped[flipped.size() - 100] ^= 1;
+  write(keys[0], flipped);                                           // corrupt payload
+  write(keys[1], bytes_of(keys[1]).substr(0, 2000));                 // truncated
+  write(keys[2], std::string(4096 + 40, 'x'));                       // foreign
+  write(keys[3], "");                                                // zero length
+  write(keys[4], bytes_of(keys[5]));                                 // another key's record
+  FileStorage s(config());
+  const auto results = get(s, keys, 4096);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(results[i].status, IoStatus::kMiss) << keys[i];
+    EXPECT_FALSE(results[i].reason.empty()) << keys[i];
+  }
+  EXPECT_TRUE(results[5].is_ok()) << results[5].reason;
+  EXPECT_NE(results[0].reason.find("checksum"), std::string::npos) << results[0].reason;
+  EXPECT_NE(results[4].reason.find("holds key"), std::string::npos) << results[4].reason;
+  EXPECT_EQ(s.stats().bad_records, 5u);
+  EXPECT_EQ(exists(s, keys), 0u);
+  s.flush_trash();
+  for (int i = 0; i < 5; ++i) EXPECT_FALSE(fs::exists(root_ / keys[i])) << keys[i];
+  EXPECT_TRUE(fs::exists(root_ / keys[5]));
+  // The slot is usable again.
+  put(s, {keys[0]}, 4096);
+  EXPECT_TRUE(get(s, {keys[0]}, 4096)[0].is_ok());
+}
+
+TEST_F(FileStorageTest, SpanOfTheWrongSizeIsAMiss) {
+  FileStorage s(config());
+  put(s, {"ws"}, 4096);
+  const auto r = get(s, {"ws"}, 2048);
+  EXPECT_EQ(r[0].status, IoStatus::kMiss);
+  EXPECT_NE(r[0].reason.find("expected"), std::string::npos) << r[0].reason;
+}
+
+TEST_F(FileStorageTest, EvictsLeastRecentlyUsedFirst) {
+  const std::size_t record = 4096 + record_head_bytes("lru-0");
+  FileStorage s(config(4 * record));
+  const auto keys = make_keys("lru", 6);
+  for (int i = 0; i < 4; ++i) put(s, {keys[i]}, 4096);  // one batch each: a known order
+  ASSERT_TRUE(get(s, {keys[0]}, 4096)[0].is_ok());  // 0 becomes the most recent
+  put(s, {keys[4]}, 4096);                             // evicts 1
+  put(s, {keys[5]}, 4096);                             // evicts 2
+  EXPECT_EQ(exists(s, {keys[0]}), 1u);
+  EXPECT_EQ(exists(s, {keys[1]}), 0u);
+  EXPECT_EQ(exists(s, {keys[2]}), 0u);
+  EXPECT_EQ(exists(s, {keys[3]}), 1u);
+  EXPECT_EQ(exists(s, {keys[4], keys[5]}), 2u);
+  const StorageStats st = s.stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.stored_bytes, 4 * record);
+  s.flush_trash();
+  EXPECT_EQ(files_in(root_), 4u);
+}
+
+TEST_F(FileStorageTest, RecordLargerThanCapacityIsRefusedNotThrashed) {
+  FileStorage s(config(10000));
+  put(s, {"small"}, 4096);
+  std::vector<std::byte> big = page_for("big", 20000);
+  const std::vector<std::string> keys = {"big"};
+  const std::vector<ConstByteSpan> spans = {big};
+  const auto r = s.batch_set(keys, spans);
+  EXPECT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("capacity_bytes 10000"), std::string::npos) << r[0].reason;
+  EXPECT_EQ(exists(s, {"small"}), 1u) << "nothing was evicted for a refused record";
+  EXPECT_EQ(s.stats().set_errors, 1u);
+}
+
+TEST_F(FileStorageTest, UnremovableRecordIsSkippedAndCounted) {
+  const std::size_t record = 4096 + record_head_bytes("un-0");
+  FileStorage s(config(2 * record));
+  put(s, make_keys("un", 2), 4096);
+  // Make the trash unusable: a file where the folder was.
+  fs::remove_all(root_ / ".trash");
+  std::ofstream(root_ / ".trash") << "not a folder";
+  put(s, {"un-2"}, 4096);
+  put(s, {"un-3"}, 4096);
+  const StorageStats st = s.stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.eviction_failures, 2u);
+  EXPECT_LE(st.stored_bytes, 2 * record) << "the evictor moved on";
+  for (const auto& r : get(s, {"un-2", "un-3"}, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
+TEST_F(FileStorageTest, RemoveAndClear) {
+  FileStorage s(config());
+  const auto keys = make_keys("rm", 4);
+  put(s, keys, 1024);
+  EXPECT_TRUE(s.remove(keys[0]));
+  EXPECT_FALSE(s.remove(keys[0]));
+  EXPECT_EQ(get(s, {keys[0]}, 1024)[0].status, IoStatus::kMiss);
+  s.clear();
+  EXPECT_EQ(exists(s, {keys[1]}), 0u);
+  EXPECT_EQ(s.stats().stored_bytes, 0u);
+  s.flush_trash();
+  EXPECT_EQ(files_in(root_), 0u);
+  EXPECT_EQ(s.stats().removes, 4u);
+}
+
+TEST_F(FileStorageTest, BadInputThrowsAndChangesNothing) {
+  FileStorage s(config());
+  auto page = page_for("x", 1024);
+  const std::vector<ConstByteSpan> one = {page};
+  EXPECT_THROW(s.batch_set(std::vector<std::string>{""}, one), InvalidArgument);
+  EXPECT_THROW(s.batch_set(std::vector<std::string>{"../escape"}, one), InvalidArgument);
+  EXPECT_THROW(s.batch_set(std::vector<std::string>{"a", "b"}, one), InvalidArgument);
+  const std::vector<ConstByteSpan> empty_span = {ConstByteSpan{}};
+  EXPECT_THROW(s.batch_set(std::vector<std::string>{"a"}, empty_span), InvalidArgument);
+  EXPECT_THROW(s.batch_exists(std::vector<std::string>{"a/b"}), InvalidArgument);
+  EXPECT_THROW(s.remove("/etc/passwd"), InvalidArgument);
+  // A valid key after a bad one: the batch is refused whole.
+  page = page_for("ok", 1024);
+  const std::vector<ConstByteSpan> two = {page, page};
+  EXPECT_THROW(s.batch_set(std::vector<std::string>{"ok", "bad key"}, two), InvalidArgument);
+  EXPECT_EQ(s.stats().stored_keys, 0u);
+  EXPECT_EQ(files_in(root_), 0u);
+  EXPECT_FALSE(fs::exists(root_.parent_path() / "escape"));
+}
+
+TEST_F(FileStorageTest, RootThatIsAFileIsNamedInTheError) {
+  fs::create_directories(root_);
+  std::ofstream(root_ / "plain") << "x";
+  try {
+    FileStorage s(FileStorageConfig{.root = (root_ / "plain").string()});
+    FAIL() << "a file as root was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("plain"), std::string::npos) << e.what();
+  }
+  // A missing root is created.
+  FileStorage s(FileStorageConfig{.root = (root_ / "a" / "b").string()});
+  EXPECT_TRUE(fs::is_directory(root_ / "a" / "b"));
+}
+
+TEST_F(FileStorageTest, RemovedDirectoryGivesMissesAndTheStoreRecovers) {
+  FileStorage s(config());
+  put(s, {"rd-0"}, 4096);
+  fs::remove_all(root_);
+  EXPECT_EQ(get(s, {"rd-0"}, 4096)[0].status, IoStatus::kMiss);
+  EXPECT_EQ(exists(s, {"rd-0"}), 0u) << "a vanished record leaves the index";
+  put(s, {"rd-1"}, 4096);
+  EXPECT_TRUE(get(s, {"rd-1"}, 4096)[0].is_ok());
+}
+
+TEST_F(FileStorageTest, DiskFullIsAPerKeyErrorAndTheStoreStaysUsable) {
+  FileStorage s(config());
+  // RLIMIT_FSIZE makes writes past 16 KiB fail (EFBIG) as a full disk would; this test runs in
+  // its own process (gtest_discover_tests), so the limit touches nothing else.
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = 16 << 10;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto big = page_for("full-0", 64 << 10);
+  auto tiny = page_for("full-1", 1024);
+  const std::vector<std::string> keys = {"full-0", "full-1"};
+  const std::vector<ConstByteSpan> spans = {big, tiny};
+  const auto r = s.batch_set(keys, spans);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  EXPECT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("write"), std::string::npos) << r[0].reason;
+  EXPECT_TRUE(r[1].is_ok()) << r[1].reason;
+  EXPECT_EQ(exists(s, {"full-0"}), 0u);
+  EXPECT_EQ(files_in(root_ / ".tmp"), 0u) << "the failed temporary was removed";
+  put(s, {"full-0"}, 64 << 10);
+  EXPECT_TRUE(get(s, {"full-0"}, 64 << 10)[0].is_ok());
+}
+
+TEST(StorageFactory, BuildsFileStoreAndNamesBadConfig) {
+  const auto root = fs::temp_directory_path() / str_cat("hicache-factory-", ::getpid());
+  auto s = make_storage(str_cat(R"({"backend": "file", "root": ")", root.string(),
+                                R"(", "capacity_bytes": 1000000, "durability": "group_commit"})"));
+  EXPECT_EQ(s->name(), "file");
+  auto message = [](const std::string& json) {
+    try {
+      (void)make_storage(json);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(R"({"backend": "tape"})").find("valid backends"), std::string::npos);
+  EXPECT_NE(message(R"({"root": "/tmp/x"})").find("backend missing"), std::string::npos);
+  EXPECT_NE(message(R"({"backend": "file", "root": "/tmp/x", "colour": 1})").find("'colour'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "file", "root": "/tmp/x", "durability": "fsync"})")
+                .find("'fsync'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "file"})").find("'root'"), std::string::npos);
+  EXPECT_NE(message(R"({"backend": "file", "root": "/tmp/x", "io_threads": -1})")
+                .find("io_threads"),
+            std::string::npos);
+  EXPECT_NE(message("[1]").find("JSON object"), std::string::npos);
+  s.reset();
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace hicache
