@@ -18,7 +18,8 @@ build_dir=${BUILD_DIR:-build}
 jobs=${JOBS:-$(nproc)}
 packages=(build-essential cmake ninja-build ccache pkg-config
   libconcurrentqueue-dev libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-  libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server)
+  libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server
+  fio)  # fio: the baseline of hicache-storagebench
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,250 @@
+// Storage benchmarks (issue figures), each against a baseline measured in the same run:
+//   page keys: chained SHA-256 over 64-token pages (pages/s; target >= 1M/s);
+//   FileStorage batch_exists from the in-memory index (keys/s; target >= 1M/s);
+//   FileStorage batch_set / batch_get of 8 MiB and 256 KiB pages (GB/s) against fio on the same
+//   directory: sequential 1 MiB blocks, buffered and O_DIRECT (target >= 0.8 of fio buffered).
+// The directory is $HICACHE_BENCH_DIR (default /var/tmp); fio is optional (without it the
+// baseline lines say so).
+#include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+
+#include "pools/kv_pattern.h"
+#include "storage/file_storage.h"
+#include "storage/page_key.h"
+#include "transfer/errors.h"
+#include "transfer/host_memory.h"
+
+namespace {
+
+using namespace hicache;
+namespace fs = std::filesystem;
+
+fs::path bench_dir() {
+  const char* env = std::getenv("HICACHE_BENCH_DIR");
+  return fs::path(env != nullptr ? env : "/var/tmp") / str_cat("hicache-storagebench-", ::getpid());
+}
+
+KeyNamespace bench_ns() {
+  return {.model = "bench", .fingerprint = "r1", .dtype = "fp16", .layout = "page_first",
+          .page_size = 64};
+}
+
+void BM_PageKeys(benchmark::State& state) {
+  PageKeyer keyer(bench_ns());
+  std::vector<std::int32_t> tokens(64 * 1024);
+  std::iota(tokens.begin(), tokens.end(), 1000);
+  std::vector<std::string> keys;
+  for (auto _ : state) {
+    keys.clear();
+    keyer.keys(tokens, nullptr, keys);
+    benchmark::DoNotOptimize(keys.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * 1024));
+}
+BENCHMARK(BM_PageKeys)->Unit(benchmark::kMillisecond);
+
+void BM_FileExists(benchmark::State& state) {
+  const fs::path dir = bench_dir() / "exists";
+  FileStorage store(FileStorageConfig{.root = dir.string(), .io_threads = 0});
+  PageKeyer keyer(bench_ns());
+  std::vector<std::int32_t> tokens(64 * 4096);
+  std::iota(tokens.begin(), tokens.end(), 7);
+  std::vector<std::string> keys;
+  keyer.keys(tokens, nullptr, keys);
+  std::vector<std::byte> page(512);
+  std::vector<ConstByteSpan> spans(keys.size(), ConstByteSpan(page));
+  store.batch_set(keys, spans);
+  for (auto _ : state) benchmark::DoNotOptimize(store.batch_exists(keys));
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * keys.size()));
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+BENCHMARK(BM_FileExists)->Unit(benchmark::kMillisecond);
+
+// A batch of `pages` pages of `page_bytes`, in one pre-faulted buffer filled with key data.
+struct PageBatch {
+  std::vector<std::string> keys;
+  Buffer memory;
+  std::vector<ConstByteSpan> src;
+  std::vector<ByteSpan> dst;
+  PageBatch(const std::string& stem, std::size_t pages, std::size_t page_bytes)
+      : memory(map_host_memory(pages * page_bytes)) {
+    auto* base = static_cast<std::byte*>(memory.data());
+    for (std::size_t i = 0; i < pages; ++i) {
+      keys.push_back(str_cat(stem, "-", i));
+      ByteSpan span(base + i * page_bytes, page_bytes);
+      fill_pattern(span, i, 0, 0);
+      src.emplace_back(span);
+      dst.push_back(span);
+    }
+  }
+  void rename(std::uint64_t round) {
+    for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = str_cat("r", round, "-", i);
+  }
+};
+
+// args: page KiB, pages per batch
+void BM_FileSet(benchmark::State& state) {
+  const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
+  const auto pages = static_cast<std::size_t>(state.range(1));
+  const fs::path dir = bench_dir() / "set";
+  // Capacity of a few batches: eviction (rename to trash, unlink in the background) runs as it
+  // would in a full store.
+  FileStorage store(FileStorageConfig{.root = dir.string(),
+                                      .capacity_bytes = 4 * pages * (page_bytes + 4096)});
+  PageBatch batch("set", pages, page_bytes);
+  std::uint64_t round = 0;
+  for (auto _ : state) {
+    batch.rename(round++);  // fresh keys: nothing is deduplicated away
+    for (const auto& r : store.batch_set(batch.keys, batch.src)) {
+      if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * pages * page_bytes));
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+
+void BM_FileGet(benchmark::State& state) {
+  const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
+  const auto pages = static_cast<std::size_t>(state.range(1));
+  const fs::path dir = bench_dir() / "get";
+  FileStorage store(FileStorageConfig{.root = dir.string()});
+  PageBatch batch("get", pages, page_bytes);
+  store.batch_set(batch.keys, batch.src);
+  for (auto _ : state) {
+    for (const auto& r : store.batch_get(batch.keys, batch.dst)) {
+      if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * pages * page_bytes));
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+// Four batches (512 MiB of 8 MiB pages, 256 MiB of 256 KiB ones): the same bytes in the same
+// number of new files as the fio baseline writes.
+BENCHMARK(BM_FileSet)->Args({8192, 16})->Args({256, 256})->Iterations(4)->Repetitions(3)
+    ->ReportAggregatesOnly(true)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FileGet)->Args({8192, 16})->Args({256, 256})->Repetitions(3)
+    ->ReportAggregatesOnly(true)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (auto it = run.counters.find("bytes_per_second"); it != run.counters.end()) {
+        bytes_per_s[run.benchmark_name()] = it->second;
+      }
+      if (auto it = run.counters.find("items_per_second"); it != run.counters.end()) {
+        items_per_s[run.benchmark_name()] = it->second;
+      }
+    }
+  }
+  std::map<std::string, double> bytes_per_s, items_per_s;
+};
+
+// fio shaped like a benchmark: `files` new files of `file_bytes`, written then read sequentially
+// in blocks of min(1 MiB, file size) with psync, buffered or O_DIRECT; the median of three runs of
+// each. Returns {write, read} bytes/s, or {0, 0} without fio.
+std::pair<double, double> run_fio(const fs::path& dir, std::size_t file_bytes, std::size_t files,
+                                  bool direct) {
+  const fs::path out = bench_dir() / "fio.json";
+  std::vector<double> bw[2];
+  const char* modes[2] = {"write", "read"};
+  for (int rep = 0; rep < 3; ++rep) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir);
+    for (int m = 0; m < 2; ++m) {
+      const std::string cmd = str_cat(
+          "fio --name=seq --directory=", dir.string(), " --rw=", modes[m],
+          " --bs=", std::min<std::size_t>(file_bytes, 1 << 20), " --nrfiles=", files,
+          " --filesize=", file_bytes, " --size=", files * file_bytes,
+          " --ioengine=psync --create_on_open=", m == 0 ? 1 : 0, " --direct=", direct ? 1 : 0,
+          " --output-format=json --output=", out.string(), " >/dev/null 2>&1");
+      if (std::system(cmd.c_str()) != 0) return {0, 0};
+      try {
+        std::FILE* f = std::fopen(out.c_str(), "r");
+        if (f == nullptr) return {0, 0};
+        const auto j = nlohmann::json::parse(f);
+        std::fclose(f);
+        bw[m].push_back(j.at("jobs").at(0).at(modes[m]).at("bw_bytes").get<double>());
+      } catch (const std::exception&) {
+        return {0, 0};
+      }
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  for (auto& v : bw) std::sort(v.begin(), v.end());
+  return {bw[0][1], bw[1][1]};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  auto& ips = reporter.items_per_s;
+  auto& bps = reporter.bytes_per_s;
+  if (ips.count("BM_PageKeys")) {
+    std::printf("page keys (SHA-256 chain, 64 tokens): %.2f M pages/s (target >= 1)\n",
+                ips["BM_PageKeys"] / 1e6);
+  }
+  if (ips.count("BM_FileExists")) {
+    std::printf("file batch_exists, 4096 keys per batch: %.2f M keys/s (target >= 1)\n",
+                ips["BM_FileExists"] / 1e6);
+  }
+  bool any_file = false;
+  for (const auto& [name, v] : bps) any_file |= name.rfind("BM_File", 0) == 0;
+  if (!any_file) return 0;
+  struct Shape {
+    const char* args;
+    std::size_t page_bytes, pages;
+  };
+  for (const Shape& shape : {Shape{"8192/16", 8 << 20, 64}, Shape{"256/256", 256 << 10, 1024}}) {
+    const auto [fio_w, fio_r] = run_fio(bench_dir() / "fio", shape.page_bytes, shape.pages, false);
+    const auto [fio_dw, fio_dr] = run_fio(bench_dir() / "fio", shape.page_bytes, shape.pages, true);
+    if (fio_w == 0) {
+      std::printf("fio baseline unavailable (install fio); ratios skipped\n");
+      break;
+    }
+    std::printf("fio, %zu new files of %zu KiB: buffered write %.2f GB/s, read %.2f GB/s; "
+                "direct write %.2f GB/s, read %.2f GB/s\n",
+                shape.pages, shape.page_bytes >> 10, fio_w / 1e9, fio_r / 1e9, fio_dw / 1e9,
+                fio_dr / 1e9);
+    for (const char* op : {"Set", "Get"}) {
+      const std::string stem = str_cat("BM_File", op, "/", shape.args, "/");
+      std::string name;
+      for (const auto& [n, v] : bps) {
+        if (n.rfind(stem, 0) == 0 && n.ends_with("_median")) name = n;
+      }
+      if (name.empty()) continue;
+      const double base = op[0] == 'S' ? fio_w : fio_r;
+      std::printf("  file batch_%s of %zu KiB pages (median of 3): %.2f GB/s, ratio to fio "
+                  "buffered %.2f\n",
+                  op[0] == 'S' ? "set" : "get", shape.page_bytes >> 10, bps[name] / 1e9,
+                  bps[name] / base);
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(bench_dir(), ec);
+  return 0;
+}
