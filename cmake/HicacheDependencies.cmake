@@ -16,6 +16,8 @@ find_package(Boost 1.81 REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HICACHE_XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(HICACHE_HIREDIS REQUIRED IMPORTED_TARGET hiredis)
+# Collectives across processes (TCP).
+find_package(Gloo REQUIRED)
 
 if(HICACHE_BUILD_TESTS)
   find_package(GTest REQUIRED)

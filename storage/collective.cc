@@ -1,0 +1,155 @@
+#include "storage/collective.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <functional>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+// The call check: tag and call number folded into 62 bits (so negation cannot overflow).
+std::int64_t call_check(std::string_view tag, std::uint64_t call) {
+  std::uint64_t h = std::hash<std::string_view>{}(tag) ^ (call * 0x9E3779B97F4A7C15ull);
+  h ^= h >> 29;
+  return static_cast<std::int64_t>(h & ((1ull << 62) - 1));
+}
+
+}  // namespace
+
+CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::string_view tag) {
+  std::lock_guard lock(mu_);
+  auto fail = [&](std::string why) {
+    std::fill(values.begin(), values.end(), 0);
+    if (failure_.empty()) failure_ = std::move(why);
+    return CollectiveResult{false, failure_};
+  };
+  if (!failure_.empty()) return fail(failure_);
+  const std::uint64_t call = calls_++;
+  const std::int64_t check = call_check(tag, call);
+  buffer_.assign(values.begin(), values.end());
+  buffer_.push_back(check);
+  buffer_.push_back(-check);
+  if (std::string error = reduce_min(buffer_); !error.empty()) {
+    return fail(str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call,
+                        " '", tag, "': ", error));
+  }
+  const std::size_t n = values.size();
+  if (buffer_[n] != -buffer_[n + 1]) {
+    return fail(str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call,
+                        " '", tag, "': ranks entered different collective calls (divergence)"));
+  }
+  std::copy_n(buffer_.begin(), n, values.begin());
+  return {};
+}
+
+std::string Collective::failure() const {
+  std::lock_guard lock(mu_);
+  return failure_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// InProcessGroup
+
+struct InProcessGroup::State {
+  int size;
+  std::chrono::milliseconds timeout;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::uint64_t generation = 0;
+  int arrived = 0;
+  std::vector<std::int64_t> acc, result;
+  std::string broken, divergence;
+};
+
+namespace {
+
+class InProcessRank final : public Collective {
+ public:
+  InProcessRank(std::shared_ptr<InProcessGroup> group, int rank, int size)
+      : group_(std::move(group)), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view name() const override { return "in-process"; }
+
+ protected:
+  std::string reduce_min(std::span<std::int64_t> buffer) override {
+    return group_->arrive(rank_, buffer);
+  }
+
+ private:
+  std::shared_ptr<InProcessGroup> group_;
+  int rank_, size_;
+};
+
+}  // namespace
+
+InProcessGroup::InProcessGroup(int size, std::chrono::milliseconds timeout)
+    : state_(std::make_shared<State>()) {
+  if (size < 1) throw InvalidArgument(str_cat("in-process collective: size ", size, " < 1"));
+  if (timeout.count() <= 0) {
+    throw InvalidArgument(str_cat("in-process collective: timeout ", timeout.count(), " ms"));
+  }
+  state_->size = size;
+  state_->timeout = timeout;
+}
+
+std::vector<std::unique_ptr<Collective>> InProcessGroup::make_ranks(
+    int size, std::chrono::milliseconds timeout, std::shared_ptr<InProcessGroup>* group) {
+  auto g = std::make_shared<InProcessGroup>(size, timeout);
+  std::vector<std::unique_ptr<Collective>> ranks;
+  for (int r = 0; r < size; ++r) ranks.push_back(std::make_unique<InProcessRank>(g, r, size));
+  if (group != nullptr) *group = g;
+  return ranks;
+}
+
+std::string InProcessGroup::divergence() const {
+  std::lock_guard lock(state_->mu);
+  return state_->divergence;
+}
+
+std::string InProcessGroup::arrive(int rank, std::span<std::int64_t> buffer) {
+  State& s = *state_;
+  std::unique_lock lock(s.mu);
+  auto breaks = [&](std::string why) {
+    if (s.broken.empty()) s.broken = std::move(why);
+    s.cv.notify_all();
+    return s.broken;
+  };
+  if (!s.broken.empty()) return s.broken;
+  const std::uint64_t generation = s.generation;
+  if (s.arrived == 0) {
+    s.acc.assign(buffer.begin(), buffer.end());
+  } else if (s.acc.size() != buffer.size()) {
+    s.divergence = str_cat("rank ", rank, " reduces ", buffer.size() - 2,
+                           " values while an earlier rank reduces ", s.acc.size() - 2);
+    return breaks(s.divergence);
+  } else {
+    for (std::size_t i = 0; i < buffer.size(); ++i) s.acc[i] = std::min(s.acc[i], buffer[i]);
+  }
+  if (++s.arrived == s.size) {
+    const std::size_t n = s.acc.size();
+    if (n >= 2 && s.acc[n - 2] != -s.acc[n - 1] && s.divergence.empty()) {
+      s.divergence = "ranks entered different collective calls (tag or call number differ)";
+    }
+    s.result = s.acc;
+    s.arrived = 0;
+    ++s.generation;
+    s.cv.notify_all();
+    std::copy(s.result.begin(), s.result.end(), buffer.begin());
+    return {};
+  }
+  const bool woke = s.cv.wait_for(lock, s.timeout, [&] {
+    return s.generation != generation || !s.broken.empty();
+  });
+  if (s.generation != generation) {
+    std::copy(s.result.begin(), s.result.end(), buffer.begin());
+    return {};
+  }
+  if (woke) return s.broken;
+  return breaks(str_cat("rank ", rank, " waited ", s.timeout.count(), " ms for ",
+                        s.size - s.arrived, " other rank(s)"));
+}
+
+}  // namespace hicache

@@ -1,0 +1,110 @@
+// Collectives: how the tensor-parallel ranks agree (shared/DESIGN.md, "Tensor parallelism").
+//
+// One operation does all the work: an element-wise minimum of a fixed-size int64 vector over the
+// ranks (a step's counts are fused into one call; each costs 70 us to milliseconds here), plus a
+// barrier. Every call carries a tag naming its call site. The tag and a per-collective call
+// number are fused into the same reduction as two extra elements (h and -h, whose minima differ
+// when ranks disagree), so every implementation detects ranks that entered different calls, the
+// first failure class of the reference (deadlocks from skipped or conditional collectives).
+//
+// Failure (a divergence, a peer that timed out or died, a transport error): the values are set to
+// zero on the ranks that see it, so a prefetch or backup counts as zero hits / zero completed, and
+// the result says why. A collective that failed once stays failed (the ranks may disagree on
+// where the stream of calls stands), so later calls fail at once with the first reason: L3 is
+// then off on every rank, L1 and L2 keep serving, and the status shows it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hicache {
+
+struct CollectiveResult {
+  bool ok = true;
+  std::string error;  // why, when !ok
+};
+
+class Collective {
+ public:
+  virtual ~Collective() = default;
+  Collective(const Collective&) = delete;
+  Collective& operator=(const Collective&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view name() const = 0;
+
+  // Element-wise minimum over the ranks, in place. Not reentrant: one caller thread at a time
+  // per rank (concurrent callers are serialised).
+  CollectiveResult min_allreduce(std::span<std::int64_t> values, std::string_view tag);
+  // Every rank has entered barrier(tag).
+  CollectiveResult barrier(std::string_view tag) { return min_allreduce({}, tag); }
+
+  // The first failure, or empty.
+  std::string failure() const;
+
+ protected:
+  Collective() = default;
+  // Reduces `buffer` in place (element-wise minimum); returns an error text or empty.
+  virtual std::string reduce_min(std::span<std::int64_t> buffer) = 0;
+
+ private:
+  mutable std::mutex mu_;
+  std::uint64_t calls_ = 0;
+  std::string failure_;
+  std::vector<std::int64_t> buffer_;
+};
+
+// One rank: the reduction is the identity.
+class LocalCollective final : public Collective {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string_view name() const override { return "local"; }
+
+ protected:
+  std::string reduce_min(std::span<std::int64_t>) override { return {}; }
+};
+
+// N ranks as threads of one process (how the tests run TP=2 and TP=4): make_ranks() returns one
+// Collective per rank, each to be used by its own thread. A rank that waits longer than
+// `timeout` for the others fails (and with it the group). divergence() keeps the first
+// tag/sequence mismatch so a test can fail loudly on it.
+class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {
+ public:
+  static std::vector<std::unique_ptr<Collective>> make_ranks(
+      int size, std::chrono::milliseconds timeout = std::chrono::seconds(30),
+      std::shared_ptr<InProcessGroup>* group = nullptr);
+
+  std::string divergence() const;
+
+  // Implementation detail of the rank handles.
+  std::string arrive(int rank, std::span<std::int64_t> buffer);
+  explicit InProcessGroup(int size, std::chrono::milliseconds timeout);
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+// Processes over TCP (Gloo), rendezvous through a shared directory (a FileStore).
+struct GlooConfig {
+  int rank = 0;
+  int size = 1;
+  std::string store_dir;              // shared by all ranks; created if missing
+  std::string prefix = "hicache";     // separates groups that share a store_dir
+  std::string hostname = "127.0.0.1";  // the address this rank listens on
+  std::chrono::milliseconds timeout{30000};
+};
+
+// Throws InvalidArgument naming a bad rank/size/directory, and Error when the rendezvous fails
+// (a peer never showed up within the timeout).
+std::unique_ptr<Collective> make_gloo_collective(const GlooConfig& config);
+
+}  // namespace hicache

@@ -1,0 +1,163 @@
+#include "storage/collective.h"
+
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "transfer/errors.h"
+
+extern char** environ;
+
+namespace hicache {
+namespace {
+
+// Runs fn(rank, collective) on one thread per rank.
+template <typename Fn>
+void run_ranks(std::vector<std::unique_ptr<Collective>>& ranks, Fn fn) {
+  std::vector<std::thread> threads;
+  for (auto& c : ranks) threads.emplace_back([&fn, &c] { fn(c->rank(), *c); });
+  for (auto& t : threads) t.join();
+}
+
+TEST(Collective, LocalIsTheIdentity) {
+  LocalCollective c;
+  std::vector<std::int64_t> v = {5, -3, 7};
+  EXPECT_TRUE(c.min_allreduce(v, "hits").ok);
+  EXPECT_EQ(v, (std::vector<std::int64_t>{5, -3, 7}));
+  EXPECT_TRUE(c.barrier("step").ok);
+}
+
+TEST(Collective, InProcessFourRanksAgreeOnTheMinimumEveryRound) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(4, std::chrono::seconds(30), &group);
+  run_ranks(ranks, [](int rank, Collective& c) {
+    for (int round = 0; round < 500; ++round) {
+      std::vector<std::int64_t> v = {100 + rank * 7 + round, 50 - rank, round % (rank + 1)};
+      const auto r = c.min_allreduce(v, "prefetch.hits");
+      ASSERT_TRUE(r.ok) << r.error;
+      ASSERT_EQ(v, (std::vector<std::int64_t>{100 + round, 47, 0})) << "round " << round;
+      if (round % 50 == 0) {
+        ASSERT_TRUE(c.barrier("step").ok);
+      }
+    }
+  });
+  EXPECT_EQ(group->divergence(), "");
+}
+
+TEST(Collective, DifferentTagsAreADivergenceOnEveryRankAndZeroTheValues) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<CollectiveResult> results(2);
+  std::vector<std::vector<std::int64_t>> values(2, {9, 9});
+  run_ranks(ranks, [&](int rank, Collective& c) {
+    results[rank] = c.min_allreduce(values[rank], rank == 0 ? "prefetch.hits" : "backup.done");
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(results[r].ok);
+    EXPECT_NE(results[r].error.find("divergence"), std::string::npos) << results[r].error;
+    EXPECT_EQ(values[r], (std::vector<std::int64_t>{0, 0})) << "failure counts as zero";
+  }
+  EXPECT_NE(group->divergence(), "");
+  // Failed once, failed for good: no later call can hang or pretend to agree.
+  std::vector<std::int64_t> v = {3};
+  EXPECT_FALSE(ranks[0]->min_allreduce(v, "prefetch.hits").ok);
+  EXPECT_EQ(v[0], 0);
+  EXPECT_NE(ranks[1]->failure(), "");
+}
+
+TEST(Collective, SkippedCallIsCaughtAsDivergence) {
+  // Rank 1 skips one call (the reference's deadlock): its next call meets rank 0's second one.
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<bool> ok(2, true);
+  run_ranks(ranks, [&](int rank, Collective& c) {
+    std::vector<std::int64_t> v = {1};
+    if (rank == 0) ok[0] = c.min_allreduce(v, "a").ok && ok[0];
+    ok[rank] = c.min_allreduce(v, "b").ok && ok[rank];
+    if (rank == 1) ok[1] = c.min_allreduce(v, "a").ok && ok[1];
+  });
+  EXPECT_FALSE(ok[0]);
+  EXPECT_FALSE(ok[1]);
+  EXPECT_NE(group->divergence(), "");
+}
+
+TEST(Collective, DifferentLengthsAreADivergence) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<bool> ok(2);
+  run_ranks(ranks, [&](int rank, Collective& c) {
+    std::vector<std::int64_t> v(rank + 1, 4);
+    ok[rank] = c.min_allreduce(v, "x").ok;
+  });
+  EXPECT_FALSE(ok[0]);
+  EXPECT_FALSE(ok[1]);
+  EXPECT_NE(group->divergence().find("reduces"), std::string::npos) << group->divergence();
+}
+
+TEST(Collective, AMissingRankTimesOutInsteadOfHanging) {
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::milliseconds(100));
+  std::vector<std::int64_t> v = {8};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = ranks[0]->min_allreduce(v, "hits");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("waited 100 ms"), std::string::npos) << r.error;
+  EXPECT_EQ(v[0], 0);
+  // The late rank fails at once rather than waiting for a partner that gave up.
+  std::vector<std::int64_t> w = {8};
+  EXPECT_FALSE(ranks[1]->min_allreduce(w, "hits").ok);
+  EXPECT_EQ(w[0], 0);
+}
+
+TEST(Collective, BadArgumentsAreNamed) {
+  EXPECT_THROW(InProcessGroup::make_ranks(0), InvalidArgument);
+  EXPECT_THROW(make_gloo_collective(GlooConfig{.rank = 2, .size = 2, .store_dir = "/tmp"}),
+               InvalidArgument);
+  EXPECT_THROW(make_gloo_collective(GlooConfig{.rank = 0, .size = 1, .store_dir = ""}),
+               InvalidArgument);
+}
+
+// Gloo: N processes of gloo_worker over TCP on loopback.
+int run_gloo(int size, const std::string& scenario) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("hicache-gloo-" + std::to_string(::getpid()) + "-" + scenario + "-" +
+                    std::to_string(size));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < size; ++r) {
+    std::vector<std::string> args = {HICACHE_GLOO_WORKER, std::to_string(r), std::to_string(size),
+                                     dir.string(), scenario};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, HICACHE_GLOO_WORKER, nullptr, nullptr, argv.data(), environ) != 0) {
+      return -1;
+    }
+    pids.push_back(pid);
+  }
+  int failures = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failures;
+  }
+  std::filesystem::remove_all(dir);
+  return failures;
+}
+
+TEST(GlooCollective, TwoProcessesAgree) { EXPECT_EQ(run_gloo(2, "agree"), 0); }
+TEST(GlooCollective, FourProcessesAgree) { EXPECT_EQ(run_gloo(4, "agree"), 0); }
+// Each worker exits 0 only when it saw the divergence (or the peer's exit) as a failed call.
+TEST(GlooCollective, DivergenceFailsEveryRank) { EXPECT_EQ(run_gloo(2, "diverge"), 0); }
+TEST(GlooCollective, ADeadRankFailsTheOthersWithinTheTimeout) {
+  EXPECT_EQ(run_gloo(3, "dead"), 0);
+}
+
+}  // namespace
+}  // namespace hicache
