@@ -73,7 +73,7 @@ TEST(Collective, SkippedCallIsCaughtAsDivergence) {
   // Rank 1 skips one call (the reference's deadlock): its next call meets rank 0's second one.
   std::shared_ptr<InProcessGroup> group;
   auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
-  std::vector<bool> ok(2, true);
+  std::vector<int> ok(2, 1);  // not vector<bool>: ranks write their own element concurrently
   run_ranks(ranks, [&](int rank, Collective& c) {
     std::vector<std::int64_t> v = {1};
     if (rank == 0) ok[0] = c.min_allreduce(v, "a").ok && ok[0];
@@ -88,7 +88,7 @@ TEST(Collective, SkippedCallIsCaughtAsDivergence) {
 TEST(Collective, DifferentLengthsAreADivergence) {
   std::shared_ptr<InProcessGroup> group;
   auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
-  std::vector<bool> ok(2);
+  std::vector<int> ok(2, 0);
   run_ranks(ranks, [&](int rank, Collective& c) {
     std::vector<std::int64_t> v(rank + 1, 4);
     ok[rank] = c.min_allreduce(v, "x").ok;
