@@ -1,6 +1,7 @@
 #include "pools/host_kv_pool.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 
 #include "transfer/errors.h"
@@ -207,6 +208,62 @@ std::span<std::byte> HostKVPool::page_bytes(std::int64_t page) const {
   }
   return {reinterpret_cast<std::byte*>(desc_.base + page * desc_.page_stride),
           static_cast<std::size_t>(page_total_bytes(desc_))};
+}
+
+namespace {
+
+// Visits the runs of page `page`: the whole block where the layout has one, else (layer, kv,
+// token) order. fn(offset from base, bytes).
+template <typename Fn>
+void for_each_page_run(const LayoutDesc& d, std::int64_t page, Fn fn) {
+  if (page_block_contiguous(d)) {
+    fn(page * d.page_stride, page_total_bytes(d));
+    return;
+  }
+  const bool runs = page_run_contiguous(d);
+  for (std::int32_t layer = 0; layer < d.num_layers; ++layer) {
+    for (std::int32_t kv = 0; kv < d.num_kv; ++kv) {
+      if (runs) {
+        fn(page_unit_offset(d, layer, kv, page), page_run_bytes(d));
+        continue;
+      }
+      for (std::int64_t t = 0; t < d.page_size; ++t) {
+        fn(unit_offset(d, layer, kv, page * d.page_size + t), d.unit_bytes);
+      }
+    }
+  }
+}
+
+void check_page_buffer(const LayoutDesc& d, std::int64_t page, std::int64_t pages,
+                       std::size_t bytes, const char* what) {
+  if (page < 0 || page >= pages) {
+    throw InvalidArgument(str_cat("HostKVPool::", what, ": page ", page, " is out of range [0, ",
+                                  pages, ")"));
+  }
+  if (bytes != static_cast<std::size_t>(page_total_bytes(d))) {
+    throw InvalidArgument(str_cat("HostKVPool::", what, ": buffer of ", bytes,
+                                  " bytes, a page has ", page_total_bytes(d)));
+  }
+}
+
+}  // namespace
+
+void HostKVPool::copy_page_out(std::int64_t page, std::span<std::byte> out) const {
+  check_page_buffer(desc_, page, num_pages(), out.size(), "copy_page_out");
+  std::byte* to = out.data();
+  for_each_page_run(desc_, page, [&](std::int64_t offset, std::int64_t bytes) {
+    std::memcpy(to, desc_.base + offset, static_cast<std::size_t>(bytes));
+    to += bytes;
+  });
+}
+
+void HostKVPool::copy_page_in(std::int64_t page, std::span<const std::byte> in) {
+  check_page_buffer(desc_, page, num_pages(), in.size(), "copy_page_in");
+  const std::byte* from = in.data();
+  for_each_page_run(desc_, page, [&](std::int64_t offset, std::int64_t bytes) {
+    std::memcpy(desc_.base + offset, from, static_cast<std::size_t>(bytes));
+    from += bytes;
+  });
 }
 
 }  // namespace hicache

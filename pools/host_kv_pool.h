@@ -80,6 +80,11 @@ class HostKVPool {
   // The bytes of page `page`. Throws StateError when the layout has no contiguous page,
   // InvalidArgument for a page out of range.
   std::span<std::byte> page_bytes(std::int64_t page) const;
+  // Serialises page `page` into `out` (exactly page_total_bytes bytes): the page_bytes view
+  // where the layout has one, else (layer, kv, token) order; copy_page_in reads it back: the staging path for storage I/O on layouts without contiguous
+  // pages. Throws InvalidArgument for a page out of range or a buffer of the wrong size.
+  void copy_page_out(std::int64_t page, std::span<std::byte> out) const;
+  void copy_page_in(std::int64_t page, std::span<const std::byte> in);
 
  private:
   void transition(std::span<const std::int64_t> slots, std::uint8_t from, PageState to,

@@ -198,4 +198,27 @@ TEST(HostKVPool, PageBytesIsTheWholePageForBlockLayouts) {
 }
 
 }  // namespace
+TEST(HostKVPool, CopyPageOutAndInRoundTripsEveryLayout) {
+  HostDevice device;
+  for (HostLayout layout :
+       {HostLayout::kLayerFirst, HostLayout::kPageFirst, HostLayout::kPageFirstDirect}) {
+    HostKVPool pool(device, small_geometry(), layout, 4 * kPage);
+    fill_page(pool.layout(), 1, 91);
+    std::vector<std::byte> staged(static_cast<std::size_t>(small_geometry().page_bytes()));
+    pool.copy_page_out(1, staged);
+    if (pool.has_contiguous_pages()) {
+      auto view = pool.page_bytes(1);
+      EXPECT_TRUE(std::equal(view.begin(), view.end(), staged.begin()))
+          << "block layouts serialise as their zero-copy view: " << to_string(layout);
+    }
+    EXPECT_FALSE(verify_page(pool.layout(), 3, 91));
+    pool.copy_page_in(3, staged);
+    EXPECT_TRUE(verify_page(pool.layout(), 3, 91)) << to_string(layout);
+    EXPECT_TRUE(verify_page(pool.layout(), 1, 91));
+    EXPECT_THROW(pool.copy_page_out(4, staged), InvalidArgument);
+    staged.pop_back();
+    EXPECT_THROW(pool.copy_page_in(0, staged), InvalidArgument);
+  }
+}
+
 }  // namespace hicache
