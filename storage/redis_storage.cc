@@ -1,11 +1,511 @@
 #include "storage/redis_storage.h"
 
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+
+#include "storage/json_fields.h"
+#include "storage/page_key.h"
+#include "storage/record.h"
+#include "storage/redis_cluster.h"
+#include "storage/redis_connection.h"
 #include "transfer/errors.h"
 
 namespace hicache {
 
+using redis::Outcome;
+using redis::Request;
+
+RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
+  constexpr std::string_view what = "redis storage config";
+  const auto j = json_fields::parse_object(json_text, what);
+  json_fields::reject_unknown(
+      j,
+      {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
+       "connect_timeout_ms", "reconnect_backoff_ms", "password", "max_value_bytes"},
+      what);
+  RedisConfig c;
+  c.cluster = json_fields::get<bool>(j, "cluster", false, what);
+  if (j.contains("nodes")) {
+    if (j.contains("host") || j.contains("port")) {
+      throw InvalidArgument(str_cat(what, ": give either 'nodes' or 'host'/'port', not both"));
+    }
+    const auto& nodes = j.at("nodes");
+    if (!nodes.is_array() || nodes.empty()) {
+      throw InvalidArgument(
+          str_cat(what, ": key 'nodes' must be a non-empty array of \"host:port\", got ",
+                  nodes.dump()));
+    }
+    c.nodes.clear();
+    for (const auto& n : nodes) {
+      const auto hp = n.is_string() ? redis::parse_host_port(n.get<std::string>()) : std::nullopt;
+      if (!hp || hp->host.empty()) {
+        throw InvalidArgument(
+            str_cat(what, ": key 'nodes' holds ", n.dump(), ", not a \"host:port\""));
+      }
+      c.nodes.push_back({hp->host, hp->port});
+    }
+    if (!c.cluster && c.nodes.size() != 1) {
+      throw InvalidArgument(str_cat(what, ": key 'nodes' lists ", c.nodes.size(),
+                                    " servers but 'cluster' is false (one server expected)"));
+    }
+  } else {
+    const auto host = json_fields::get<std::string>(j, "host", "127.0.0.1", what);
+    if (host.empty()) throw InvalidArgument(str_cat(what, ": key 'host' is empty"));
+    const auto port = json_fields::get_int(j, "port", 6379, 1, 65535, what);
+    c.nodes = {{host, static_cast<std::uint16_t>(port)}};
+  }
+  c.connections = static_cast<int>(json_fields::get_int(j, "connections", 4, 1, 256, what));
+  c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 2, 1, 64, what));
+  c.timeout = std::chrono::milliseconds(
+      json_fields::get_int(j, "timeout_ms", 2000, 1, 3'600'000, what));
+  c.connect_timeout = std::chrono::milliseconds(
+      json_fields::get_int(j, "connect_timeout_ms", 1000, 1, 3'600'000, what));
+  if (const auto it = j.find("reconnect_backoff_ms"); it != j.end()) {
+    const bool shape = it->is_array() && it->size() == 2 && (*it)[0].is_number_integer() &&
+                       (*it)[1].is_number_integer();
+    const std::int64_t lo = shape ? (*it)[0].get<std::int64_t>() : 0;
+    const std::int64_t hi = shape ? (*it)[1].get<std::int64_t>() : 0;
+    if (!shape || lo < 1 || hi < lo || hi > 3'600'000) {
+      throw InvalidArgument(str_cat(what, ": key 'reconnect_backoff_ms' must be [initial, max] ",
+                                    "with 1 <= initial <= max <= 3600000, got ", it->dump()));
+    }
+    c.backoff_initial = std::chrono::milliseconds(lo);
+    c.backoff_max = std::chrono::milliseconds(hi);
+  }
+  c.password = json_fields::get<std::string>(j, "password", "", what);
+  c.max_value_bytes = static_cast<std::uint64_t>(
+      json_fields::get_int(j, "max_value_bytes", 512ll << 20, 1, INT64_MAX, what));
+  return c;
+}
+
+namespace {
+
+constexpr int kMaxRedirects = 5;
+
+// Appends the RESP encoding of a command with one key argument (and an optional bulk length
+// announced for a value that follows) to `arena`; returns its [offset, size).
+std::pair<std::size_t, std::size_t> append_key_command(std::string& arena, std::string_view verb,
+                                                       std::string_view key) {
+  const std::size_t start = arena.size();
+  arena += str_cat("*2\r\n$", verb.size(), "\r\n", verb, "\r\n$", key.size(), "\r\n", key, "\r\n");
+  return {start, arena.size() - start};
+}
+
+}  // namespace
+
+class RedisStorage::Impl {
+ public:
+  Impl(RedisStorage& owner, const RedisConfig& config) : owner_(owner), config_(config),
+                                                         io_(config.io_threads) {
+    slots_.assign(redis::kClusterSlots, -1);
+    std::unique_lock lock(map_mu_);
+    for (const auto& n : config.nodes) node_index_locked(n.host, n.port);
+  }
+
+  ~Impl() {
+    {
+      std::shared_lock lock(map_mu_);
+      for (const auto& node : nodes_) {
+        for (const auto& c : node->conns) c->shut_down();
+      }
+    }
+    io_.stop();
+  }
+
+  void start() {
+    if (config_.cluster) refresh_slots();
+  }
+
+  std::size_t exists(std::span<const std::string> keys) {
+    std::string arena;
+    std::vector<Request> reqs = key_requests(keys, "EXISTS", arena);
+    execute(reqs);
+    std::size_t present = 0;
+    while (present < reqs.size() && reqs[present].outcome == Outcome::kInteger &&
+           reqs[present].integer == 1) {
+      ++present;
+    }
+    return present;
+  }
+
+  std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
+    std::string arena;
+    std::vector<Request> reqs = key_requests(keys, "GET", arena);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      reqs[i].is_get = true;
+      reqs[i].key = keys[i];
+      reqs[i].dst = dst[i];
+    }
+    execute(reqs);
+    std::vector<IoResult> results(keys.size());
+    std::vector<std::string> bad;
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      Request& r = reqs[i];
+      switch (r.outcome) {
+        case Outcome::kValue: results[i] = IoResult::ok(); break;
+        case Outcome::kNil: results[i] = IoResult::miss(); break;
+        case Outcome::kBadRecord:
+          ++owner_.counters_.bad_records;
+          bad.push_back(keys[i]);
+          results[i] = IoResult::miss(str_cat("bad record '", keys[i], "' removed: ", r.text));
+          break;
+        default: results[i] = IoResult::error(failure("GET", keys[i], r)); break;
+      }
+    }
+    if (!bad.empty()) {
+      std::string del_arena;
+      std::vector<Request> dels = key_requests(bad, "DEL", del_arena);
+      execute(dels);
+    }
+    return results;
+  }
+
+  std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
+    const std::size_t n = keys.size();
+    std::vector<IoResult> results(n);
+    std::vector<std::size_t> absent;
+    {
+      std::string arena;
+      std::vector<Request> probes = key_requests(keys, "EXISTS", arena);
+      execute(probes);
+      for (std::size_t i = 0; i < n; ++i) {
+        const Request& r = probes[i];
+        if (r.outcome != Outcome::kInteger) {
+          results[i] = IoResult::error(failure("EXISTS", keys[i], r));
+          continue;
+        }
+        if (r.integer != 0) {
+          ++owner_.counters_.set_deduplicated;
+          results[i] = IoResult::ok();
+          continue;
+        }
+        const std::uint64_t record = record_head_bytes(keys[i]) + src[i].size();
+        if (record > config_.max_value_bytes) {
+          results[i] = IoResult::error(str_cat("SET '", keys[i], "': record of ", record,
+                                               " bytes exceeds max_value_bytes ",
+                                               config_.max_value_bytes, "; not sent"));
+          continue;
+        }
+        absent.push_back(i);
+      }
+    }
+    if (absent.empty()) return results;
+
+    // "*3 SET key $<record>" + record head, then the payload straight from the caller's span.
+    std::string arena;
+    std::vector<std::pair<std::size_t, std::size_t>> spans;
+    spans.reserve(absent.size());
+    for (std::size_t i : absent) {
+      const std::string& key = keys[i];
+      const std::size_t start = arena.size();
+      const std::size_t head = record_head_bytes(key);
+      arena += str_cat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$",
+                       head + src[i].size(), "\r\n");
+      const std::size_t head_at = arena.size();
+      arena.resize(head_at + head);
+      encode_record_head(key, src[i],
+                         std::span(reinterpret_cast<std::byte*>(arena.data() + head_at), head));
+      spans.emplace_back(start, arena.size() - start);
+    }
+    std::vector<Request> reqs(absent.size());
+    for (std::size_t a = 0; a < absent.size(); ++a) {
+      const std::size_t i = absent[a];
+      reqs[a].command = std::string_view(arena).substr(spans[a].first, spans[a].second);
+      reqs[a].payload = src[i];
+      reqs[a].bulk_bytes = record_head_bytes(keys[i]) + src[i].size();
+      reqs[a].slot = slot_of(keys[i]);
+    }
+    execute(reqs);
+    for (std::size_t a = 0; a < absent.size(); ++a) {
+      const std::size_t i = absent[a];
+      const Request& r = reqs[a];
+      if (r.outcome == Outcome::kStatus && r.text == "OK") {
+        ++owner_.counters_.set_written;
+        owner_.counters_.bytes_written += src[i].size();
+        results[i] = IoResult::ok();
+      } else {
+        results[i] = IoResult::error(failure("SET", keys[i], r));
+      }
+    }
+    return results;
+  }
+
+  bool remove(const std::string& key) {
+    std::string arena;
+    std::vector<Request> reqs = key_requests(std::span(&key, 1), "DEL", arena);
+    execute(reqs);
+    if (reqs[0].outcome != Outcome::kInteger || reqs[0].integer == 0) return false;
+    ++owner_.counters_.removes;
+    return true;
+  }
+
+  void clear() {
+    std::set<std::size_t> targets;
+    if (config_.cluster) {
+      refresh_slots();
+      std::shared_lock lock(map_mu_);
+      for (std::int32_t s : slots_) {
+        if (s >= 0) targets.insert(static_cast<std::size_t>(s));
+      }
+      if (targets.empty()) {
+        for (std::size_t i = 0; i < nodes_.size(); ++i) targets.insert(i);
+      }
+    } else {
+      targets.insert(0);
+    }
+    static constexpr std::string_view kFlush = "*1\r\n$7\r\nFLUSHDB\r\n";
+    std::vector<Request> reqs(targets.size());
+    std::size_t k = 0;
+    for (std::size_t node : targets) {
+      reqs[k].command = kFlush;
+      reqs[k].node = node;
+      ++k;
+    }
+    dispatch(reqs);  // best effort
+  }
+
+ private:
+  struct Node {
+    redis::HostPort address;
+    std::vector<std::unique_ptr<redis::Connection>> conns;
+    std::atomic<std::size_t> next{0};  // round-robin start for small batches
+  };
+
+  std::uint16_t slot_of(std::string_view key) const {
+    return config_.cluster ? redis::key_slot(key) : 0;
+  }
+
+  // One request per key: "<verb> <key>".
+  std::vector<Request> key_requests(std::span<const std::string> keys, std::string_view verb,
+                                    std::string& arena) {
+    std::vector<std::pair<std::size_t, std::size_t>> spans;
+    spans.reserve(keys.size());
+    arena.reserve(keys.size() * (keys.empty() ? 0 : keys[0].size() + 24));
+    for (const auto& key : keys) spans.push_back(append_key_command(arena, verb, key));
+    std::vector<Request> reqs(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      reqs[i].command = std::string_view(arena).substr(spans[i].first, spans[i].second);
+      reqs[i].slot = slot_of(keys[i]);
+    }
+    return reqs;
+  }
+
+  static std::string failure(std::string_view verb, std::string_view key, const Request& r) {
+    switch (r.outcome) {
+      case Outcome::kIoError: return str_cat(verb, " '", key, "': ", r.text);
+      case Outcome::kServerError:
+        return str_cat(verb, " '", key, "': the server replied: ", r.text);
+      default: return str_cat(verb, " '", key, "': unexpected reply");
+    }
+  }
+
+  // Runs the requests, routing each by slot (cluster) and following MOVED/ASK redirects, until
+  // each has its final outcome.
+  void execute(std::span<Request> reqs) {
+    std::vector<Request*> todo;
+    todo.reserve(reqs.size());
+    for (Request& r : reqs) todo.push_back(&r);
+    for (int round = 0;; ++round) {
+      if (config_.cluster) {
+        std::shared_lock lock(map_mu_);
+        for (Request* r : todo) {
+          if (!r->asking) r->node = slots_[r->slot] >= 0 ? static_cast<std::size_t>(slots_[r->slot]) : 0;
+        }
+      }
+      dispatch(todo);
+      if (!config_.cluster) return;
+      std::vector<Request*> again;
+      bool moved = false;
+      for (Request* r : todo) {
+        if (r->outcome != Outcome::kServerError) continue;
+        auto redirect = redis::parse_redirect(r->text);
+        if (!redirect) continue;
+        if (round == kMaxRedirects) {
+          r->text = str_cat("gave up after ", kMaxRedirects, " redirects, last: ", r->text);
+          continue;
+        }
+        if (redirect->target.host.empty()) redirect->target.host = host_of(r->node);
+        const std::size_t target = node_index(redirect->target.host, redirect->target.port);
+        if (redirect->ask) {
+          r->asking = true;
+          r->node = target;
+        } else {
+          r->asking = false;
+          moved = true;
+          std::unique_lock lock(map_mu_);
+          slots_[redirect->slot] = static_cast<std::int32_t>(target);
+        }
+        r->reset_outcome();
+        again.push_back(r);
+      }
+      if (again.empty()) return;
+      if (moved) refresh_slots();
+      todo.swap(again);
+    }
+  }
+
+  void dispatch(std::span<Request> reqs) {
+    std::vector<Request*> ptrs;
+    ptrs.reserve(reqs.size());
+    for (Request& r : reqs) ptrs.push_back(&r);
+    dispatch(ptrs);
+  }
+
+  // Sends each request to its node (r->node), splitting a node's share over its connections by
+  // bytes, and waits for all of them.
+  void dispatch(const std::vector<Request*>& reqs) {
+    if (reqs.empty()) return;
+    redis::Completion done(reqs.size());
+    std::vector<std::vector<Request*>> per_node;
+    for (Request* r : reqs) {
+      r->completion = &done;
+      if (per_node.size() <= r->node) per_node.resize(r->node + 1);
+      per_node[r->node].push_back(r);
+    }
+    std::shared_lock lock(map_mu_);
+    for (std::size_t n = 0; n < per_node.size(); ++n) {
+      if (!per_node[n].empty()) split_over_connections(*nodes_[n], per_node[n]);
+    }
+    lock.unlock();
+    done.wait();
+  }
+
+  static std::size_t weight(const Request& r) {
+    return r.command.size() + r.payload.size() + r.dst.size();
+  }
+
+  static void split_over_connections(Node& node, const std::vector<Request*>& reqs) {
+    const std::size_t k = node.conns.size();
+    const std::size_t first = node.next.fetch_add(1, std::memory_order_relaxed);
+    std::size_t total = 0;
+    for (const Request* r : reqs) total += weight(*r);
+    std::vector<Request*> part;
+    std::size_t part_index = 0, acc = 0;
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      part.push_back(reqs[i]);
+      acc += weight(*reqs[i]);
+      const bool last = i + 1 == reqs.size();
+      // Part p ends once the bytes so far reach (p + 1) / k of the total.
+      if (last || (part_index + 1 < k && acc * k >= (part_index + 1) * total)) {
+        node.conns[(first + part_index) % k]->submit(std::move(part));
+        part = {};
+        ++part_index;
+      }
+    }
+  }
+
+  std::string host_of(std::size_t node) {
+    std::shared_lock lock(map_mu_);
+    return nodes_[node]->address.host;
+  }
+
+  std::size_t node_index(const std::string& host, std::uint16_t port) {
+    {
+      std::shared_lock lock(map_mu_);
+      for (std::size_t i = 0; i < nodes_.size(); ++i) {
+        if (nodes_[i]->address.host == host && nodes_[i]->address.port == port) return i;
+      }
+    }
+    std::unique_lock lock(map_mu_);
+    return node_index_locked(host, port);
+  }
+
+  // REQUIRES: map_mu_ held exclusively.
+  std::size_t node_index_locked(const std::string& host, std::uint16_t port) {
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (nodes_[i]->address.host == host && nodes_[i]->address.port == port) return i;
+    }
+    auto node = std::make_unique<Node>();
+    node->address = {host, port};
+    redis::ConnectionOptions o;
+    o.host = host;
+    o.port = port;
+    o.timeout = config_.timeout;
+    o.connect_timeout = config_.connect_timeout;
+    o.backoff_initial = config_.backoff_initial;
+    o.backoff_max = config_.backoff_max;
+    o.password = config_.password;
+    for (int c = 0; c < config_.connections; ++c) {
+      node->conns.push_back(std::make_unique<redis::Connection>(io_, o));
+    }
+    nodes_.push_back(std::move(node));
+    return nodes_.size() - 1;
+  }
+
+  // Asks the known nodes in turn for CLUSTER SLOTS and installs the first valid answer.
+  void refresh_slots() {
+    std::lock_guard refresh(refresh_mu_);
+    static constexpr std::string_view kClusterSlots = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
+    std::size_t known = 0;
+    {
+      std::shared_lock lock(map_mu_);
+      known = nodes_.size();
+    }
+    for (std::size_t n = 0; n < known; ++n) {
+      std::vector<Request> reqs(1);
+      reqs[0].command = kClusterSlots;
+      reqs[0].node = n;
+      dispatch(reqs);
+      if (reqs[0].outcome != Outcome::kArray) continue;
+      const auto ranges = redis::parse_cluster_slots(*reqs[0].array);
+      if (ranges.empty()) continue;
+      const std::string asked = host_of(n);
+      std::unique_lock lock(map_mu_);
+      std::fill(slots_.begin(), slots_.end(), -1);
+      for (const auto& range : ranges) {
+        const auto idx = static_cast<std::int32_t>(node_index_locked(
+            range.master.host.empty() ? asked : range.master.host, range.master.port));
+        std::fill(slots_.begin() + range.first, slots_.begin() + range.last + 1, idx);
+      }
+      return;
+    }
+  }
+
+  RedisStorage& owner_;
+  const RedisConfig& config_;
+  redis::IoThreads io_;  // before the nodes: stopped explicitly, destroyed after them
+  std::mutex refresh_mu_;
+  mutable std::shared_mutex map_mu_;
+  std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
+  std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
+};
+
+RedisStorage::RedisStorage(RedisConfig config)
+    : config_(std::move(config)), impl_(std::make_unique<Impl>(*this, config_)) {
+  impl_->start();
+}
+
+RedisStorage::~RedisStorage() = default;
+
+std::size_t RedisStorage::batch_exists(std::span<const std::string> keys) {
+  for (const auto& k : keys) validate_key(k);
+  counters_.exists_queries += keys.size();
+  if (keys.empty()) return 0;
+  return impl_->exists(keys);
+}
+
+bool RedisStorage::remove(const std::string& key) {
+  validate_key(key);
+  return impl_->remove(key);
+}
+
+void RedisStorage::clear() { impl_->clear(); }
+
+std::vector<IoResult> RedisStorage::do_batch_get(std::span<const std::string> keys,
+                                                 std::span<const ByteSpan> dst) {
+  return impl_->get(keys, dst);
+}
+
+std::vector<IoResult> RedisStorage::do_batch_set(std::span<const std::string> keys,
+                                                 std::span<const ConstByteSpan> src) {
+  return impl_->set(keys, src);
+}
+
 std::unique_ptr<StorageBackend> make_redis_storage(std::string_view json_text) {
-  throw InvalidArgument(str_cat("redis storage is not built yet: ", json_text));
+  return std::make_unique<RedisStorage>(RedisConfig::from_json_text(json_text));
 }
 
 }  // namespace hicache

@@ -1,12 +1,93 @@
-// RedisStorage: placeholder until the Redis client lands.
+// RedisStorage: the L3 tier on Redis, one server or a Redis Cluster shared by many engines.
+//
+// - Every value is a record (storage/record.h): header + key + payload. A GET reply is checked
+//   and its payload copied from the reply parser's buffer into the caller's span; a value that is
+//   not a valid record for the key and span size is a miss, counted in bad_records and DELeted.
+// - A batch costs about one round trip: its commands are pipelined. Each node has a pool of
+//   `connections` connections; a batch is split over them by bytes, so large values travel over
+//   several sockets in parallel rather than down one deep pipeline (shared/MACHINE.md). SET
+//   payloads are sent from the caller's spans by scatter-gather writes, never copied; socket and
+//   parser buffers live as long as their connection.
+// - Threads: one io_context run by `io_threads` threads; each connection is a strand of it. A
+//   calling thread builds its requests, hands them to the connections and waits for them; calls
+//   from many threads run concurrently and share the connections' pipelines.
+// - Faults are per-key results, never exceptions: a connection that fails, is closed or makes no
+//   progress for timeout_ms fails the requests it holds with the reason; the next batch
+//   reconnects. A failed connect blocks further attempts to that node for a backoff that doubles
+//   from reconnect_backoff_ms[0] to [1] (requests fail at once meanwhile; nobody sleeps).
+// - A record larger than max_value_bytes, or than the server's proto-max-bulk-len (read at
+//   connect), is a per-key error naming both sizes and is not sent.
+// - batch_set asks EXISTS first (one pipelined round) and writes only the absent keys.
+// - Cluster ("cluster": true): the slot map comes from CLUSTER SLOTS of a seed node, keys are
+//   routed by CRC16 slot (hash tags honoured) and a batch is split per node. MOVED updates the
+//   map (and refreshes it), ASK is followed with ASKING; up to 5 redirects per key.
+// - clear() sends FLUSHDB to the server (every master of a cluster): it assumes the database is
+//   dedicated to this store. Best effort; failures are not reported.
+//
+// JSON: {"backend": "redis", "host": "127.0.0.1", "port": 6379, "cluster": false,
+//        "nodes": ["host:port", ...] (instead of host/port: the seeds of a cluster),
+//        "connections": 4, "io_threads": 2, "timeout_ms": 2000, "connect_timeout_ms": 1000,
+//        "reconnect_backoff_ms": [100, 5000], "password": "", "max_value_bytes": 536870912}
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "storage/storage_backend.h"
 
 namespace hicache {
+
+struct RedisEndpoint {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+struct RedisConfig {
+  std::vector<RedisEndpoint> nodes{{"127.0.0.1", 6379}};  // one server, or the cluster's seeds
+  bool cluster = false;
+  int connections = 4;  // per node
+  int io_threads = 2;
+  std::chrono::milliseconds timeout{2000};
+  std::chrono::milliseconds connect_timeout{1000};
+  std::chrono::milliseconds backoff_initial{100};
+  std::chrono::milliseconds backoff_max{5000};
+  std::string password;                              // AUTH at connect when not empty
+  std::uint64_t max_value_bytes = 512ull << 20;      // record bytes (header + key + payload)
+
+  // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
+  static RedisConfig from_json_text(std::string_view json_text);
+};
+
+class RedisStorage final : public StorageBackend {
+ public:
+  // Connects lazily; in cluster mode asks the seeds for the slot map (a cluster that cannot be
+  // reached yet is retried by later batches, whose keys go to the first seed until then).
+  explicit RedisStorage(RedisConfig config);
+  // Closes every connection and joins the I/O threads. REQUIRES: no call in progress.
+  ~RedisStorage() override;
+
+  std::string_view name() const override { return "redis"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override;
+  bool remove(const std::string& key) override;
+  void clear() override;
+
+  const RedisConfig& config() const { return config_; }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override;
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override;
+
+ private:
+  class Impl;
+  RedisConfig config_;
+  std::unique_ptr<Impl> impl_;
+};
 
 std::unique_ptr<StorageBackend> make_redis_storage(std::string_view json_text);
 

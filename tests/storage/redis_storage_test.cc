@@ -1,3 +1,611 @@
+#include "storage/redis_storage.h"
+
 #include <gtest/gtest.h>
 
-TEST(RedisStorage, Placeholder) { GTEST_SKIP() << "redis client not built yet"; }
+#include <chrono>
+#include <thread>
+
+#include "pools/kv_pattern.h"
+#include "storage/record.h"
+#include "storage/redis_cluster.h"
+#include "storage/redis_test_servers.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+using testing::RawClient;
+using testing::redis_cli;
+
+std::uint64_t seed_of(const std::string& key) { return std::hash<std::string>{}(key); }
+
+std::vector<std::byte> page_for(const std::string& key, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  fill_pattern(out, seed_of(key), 0, 0);
+  return out;
+}
+
+bool holds_page_of(const std::string& key, std::span<const std::byte> data) {
+  return find_pattern_mismatch(data, seed_of(key), 0, 0) < 0;
+}
+
+std::vector<std::string> make_keys(const std::string& stem, int n) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < n; ++i) keys.push_back(str_cat(stem, "-", i));
+  return keys;
+}
+
+std::vector<IoResult> put(StorageBackend& s, const std::vector<std::string>& keys,
+                          std::size_t bytes) {
+  std::vector<std::vector<std::byte>> pages;
+  std::vector<ConstByteSpan> spans;
+  for (const auto& k : keys) pages.push_back(page_for(k, bytes));
+  for (const auto& p : pages) spans.emplace_back(p);
+  return s.batch_set(keys, spans);
+}
+
+void put_ok(StorageBackend& s, const std::vector<std::string>& keys, std::size_t bytes) {
+  const auto results = put(s, keys, bytes);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(results[i].is_ok()) << keys[i] << ": " << results[i].reason;
+  }
+}
+
+// Reads keys into fresh buffers; every ok page must hold its key's bytes.
+std::vector<IoResult> get(StorageBackend& s, const std::vector<std::string>& keys,
+                          std::size_t bytes) {
+  std::vector<std::vector<std::byte>> pages(keys.size(), std::vector<std::byte>(bytes));
+  std::vector<ByteSpan> spans;
+  for (auto& p : pages) spans.emplace_back(p);
+  auto results = s.batch_get(keys, spans);
+  EXPECT_EQ(results.size(), keys.size());
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (results[i].is_ok()) {
+      EXPECT_TRUE(holds_page_of(keys[i], pages[i])) << keys[i];
+    }
+  }
+  return results;
+}
+
+void expect_all(const std::vector<IoResult>& results, IoStatus status) {
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    EXPECT_EQ(results[i].status, status) << i << ": " << results[i].reason;
+  }
+}
+
+std::string json_for(int port, const std::string& extra = "") {
+  return str_cat(R"({"backend": "redis", "host": "127.0.0.1", "port": )", port,
+                 extra.empty() ? "" : ", ", extra, "}");
+}
+
+std::unique_ptr<RedisStorage> open_redis(int port, const std::string& extra = "") {
+  return std::make_unique<RedisStorage>(RedisConfig::from_json_text(json_for(port, extra)));
+}
+
+// A raw SET of arbitrary bytes, bypassing the record format.
+void raw_set(int port, const std::string& key, std::string_view value) {
+  RawClient c(port);
+  ASSERT_TRUE(c.ok());
+  ASSERT_EQ(c.command({"SET", key, std::string(value)}), "+OK");
+}
+
+std::string record_of(const std::string& key, std::span<const std::byte> payload) {
+  std::string out(record_head_bytes(key), '\0');
+  encode_record_head(key, payload, std::as_writable_bytes(std::span(out)));
+  out.append(reinterpret_cast<const char*>(payload.data()), payload.size());
+  return out;
+}
+
+// ---- configuration and cluster helpers (no server) ----
+
+TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
+  const auto c = RedisConfig::from_json_text(
+      R"({"backend": "redis", "host": "10.0.0.1", "port": 7000, "connections": 2,
+          "timeout_ms": 300, "connect_timeout_ms": 200, "reconnect_backoff_ms": [5, 50],
+          "max_value_bytes": 4096, "io_threads": 1})");
+  ASSERT_EQ(c.nodes.size(), 1u);
+  EXPECT_EQ(c.nodes[0].host, "10.0.0.1");
+  EXPECT_EQ(c.nodes[0].port, 7000);
+  EXPECT_FALSE(c.cluster);
+  EXPECT_EQ(c.connections, 2);
+  EXPECT_EQ(c.timeout, 300ms);
+  EXPECT_EQ(c.connect_timeout, 200ms);
+  EXPECT_EQ(c.backoff_initial, 5ms);
+  EXPECT_EQ(c.backoff_max, 50ms);
+  EXPECT_EQ(c.max_value_bytes, 4096u);
+  const auto d = RedisConfig::from_json_text(R"({"backend": "redis"})");
+  EXPECT_EQ(d.nodes[0].port, 6379);
+  EXPECT_EQ(d.max_value_bytes, 512u << 20);
+  const auto cl = RedisConfig::from_json_text(
+      R"({"backend": "redis", "cluster": true, "nodes": ["127.0.0.1:7000", "[::1]:7001"]})");
+  ASSERT_EQ(cl.nodes.size(), 2u);
+  EXPECT_EQ(cl.nodes[1].host, "::1");
+  EXPECT_EQ(cl.nodes[1].port, 7001);
+}
+
+TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
+  auto message = [](const std::string& json) -> std::string {
+    try {
+      RedisConfig::from_json_text(json);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const auto unknown = message(R"({"backend": "redis", "hots": "x"})");
+  EXPECT_NE(unknown.find("'hots'"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("timeout_ms"), std::string::npos) << unknown;  // lists the valid ones
+  EXPECT_NE(message(R"({"port": 70000})").find("'port'"), std::string::npos);
+  EXPECT_NE(message(R"({"port": "6379"})").find("'port'"), std::string::npos);
+  EXPECT_NE(message(R"({"connections": 0})").find("'connections'"), std::string::npos);
+  EXPECT_NE(message(R"({"reconnect_backoff_ms": [10]})").find("reconnect_backoff_ms"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"reconnect_backoff_ms": [50, 10]})").find("reconnect_backoff_ms"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"cluster": true, "nodes": ["nohost"]})").find("nohost"), std::string::npos);
+  EXPECT_NE(message(R"({"nodes": ["a:1", "b:2"]})").find("'cluster' is false"), std::string::npos);
+  EXPECT_NE(message(R"({"nodes": ["a:1"], "port": 5})").find("not both"), std::string::npos);
+  EXPECT_NE(message("[1]").find("object"), std::string::npos);
+}
+
+TEST(RedisStorageConfig, FactoryBuildsARedisBackend) {
+  auto s = make_storage(R"({"backend": "redis", "port": 1, "connect_timeout_ms": 100})");
+  EXPECT_EQ(s->name(), "redis");
+}
+
+TEST(RedisClusterRouting, Crc16AndKeySlotsFollowTheClusterSpec) {
+  EXPECT_EQ(redis::crc16("123456789"), 0x31C3);
+  EXPECT_EQ(redis::key_slot("foo"), 12182);  // CLUSTER KEYSLOT foo
+  EXPECT_EQ(redis::key_slot("{user1000}.following"), redis::key_slot("{user1000}.followers"));
+  EXPECT_EQ(redis::key_slot("{user1000}.following"), redis::key_slot("user1000"));
+  EXPECT_EQ(redis::key_slot("foo{}{bar}"), redis::crc16("foo{}{bar}") % 16384);  // empty tag
+  EXPECT_EQ(redis::key_slot("foo{{bar}}zap"), redis::key_slot("{bar"));
+}
+
+TEST(RedisClusterRouting, ParsesRedirects) {
+  const auto moved = redis::parse_redirect("MOVED 3999 127.0.0.1:6381");
+  ASSERT_TRUE(moved);
+  EXPECT_FALSE(moved->ask);
+  EXPECT_EQ(moved->slot, 3999);
+  EXPECT_EQ(moved->target.host, "127.0.0.1");
+  EXPECT_EQ(moved->target.port, 6381);
+  const auto ask = redis::parse_redirect("ASK 1 :7000");
+  ASSERT_TRUE(ask);
+  EXPECT_TRUE(ask->ask);
+  EXPECT_EQ(ask->target.host, "");
+  EXPECT_FALSE(redis::parse_redirect("ERR wrong"));
+  EXPECT_FALSE(redis::parse_redirect("MOVED 99999 a:1"));
+  EXPECT_FALSE(redis::parse_redirect("MOVED 1 a:0"));
+}
+
+// ---- one server ----
+
+class RedisStorageTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
+    server_ = new testing::RedisServer();
+    if (!server_->start({}, 0, &start_error_)) {
+      delete server_;
+      server_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    if (testing::find_redis_server().empty()) GTEST_SKIP() << "redis-server is not installed";
+    ASSERT_NE(server_, nullptr) << start_error_;
+    RawClient c(port());
+    ASSERT_EQ(c.command({"FLUSHALL"}), "+OK");
+  }
+  static int port() { return server_->port(); }
+
+  static inline testing::RedisServer* server_ = nullptr;
+  static inline std::string start_error_;
+};
+
+TEST_F(RedisStorageTest, RoundTripsByteForByte) {
+  auto s = open_redis(port(), R"("connections": 3)");
+  for (std::size_t bytes : {std::size_t{4096}, std::size_t{65536}, std::size_t{1} << 20}) {
+    const auto keys = make_keys(str_cat("rt", bytes), 6);
+    put_ok(*s, keys, bytes);
+    expect_all(get(*s, keys, bytes), IoStatus::kOk);
+  }
+  const auto st = s->stats();
+  EXPECT_EQ(st.set_written, 18u);
+  EXPECT_EQ(st.get_hits, 18u);
+  EXPECT_EQ(st.bytes_written, 6u * (4096 + 65536 + (1 << 20)));
+  EXPECT_EQ(st.bytes_read, st.bytes_written);
+  EXPECT_EQ(st.bad_records, 0u);
+  // Stored as a record: header + key + payload.
+  const std::string size = redis_cli(port(), {"strlen", "rt4096-0"});
+  EXPECT_EQ(std::stoul(size), record_head_bytes("rt4096-0") + 4096);
+}
+
+TEST_F(RedisStorageTest, ManySmallValuesInOneBatch) {
+  auto s = open_redis(port(), R"("connections": 2)");
+  const auto keys = make_keys("many", 1500);
+  put_ok(*s, keys, 4096);
+  expect_all(get(*s, keys, 4096), IoStatus::kOk);
+  EXPECT_EQ(s->batch_exists(keys), keys.size());
+}
+
+TEST_F(RedisStorageTest, AbsentKeysMissAndExistsCountsThePrefix) {
+  auto s = open_redis(port());
+  put_ok(*s, {"a", "b", "d"}, 4096);
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{"a", "b", "c", "d"}), 2u);
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{"c", "a"}), 0u);
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{}), 0u);
+  const auto r = get(*s, {"a", "c"}, 4096);
+  EXPECT_TRUE(r[0].is_ok());
+  EXPECT_EQ(r[1].status, IoStatus::kMiss);
+  EXPECT_EQ(s->stats().exists_queries, 6u);
+  EXPECT_EQ(s->stats().get_misses, 1u);
+}
+
+TEST_F(RedisStorageTest, SetSkipsKeysAlreadyStored) {
+  auto s = open_redis(port());
+  put_ok(*s, {"x", "y"}, 8192);
+  put_ok(*s, {"x", "y", "z"}, 8192);
+  const auto st = s->stats();
+  EXPECT_EQ(st.set_written, 3u);
+  EXPECT_EQ(st.set_deduplicated, 2u);
+  // Another client (another engine) finds them too.
+  auto other = open_redis(port());
+  put_ok(*other, {"x", "z"}, 8192);
+  EXPECT_EQ(other->stats().set_written, 0u);
+  expect_all(get(*other, {"x", "y", "z"}, 8192), IoStatus::kOk);
+}
+
+TEST_F(RedisStorageTest, BadRecordsAreMissesCountedAndRemoved) {
+  auto s = open_redis(port());
+  const std::size_t bytes = 4096;
+  const auto good = page_for("k", bytes);
+  raw_set(port(), "garbage", "hello, not a record");
+  raw_set(port(), "foreign", record_of("someone-else", page_for("someone-else", bytes)));
+  const std::string full = record_of("truncated", page_for("truncated", bytes));
+  raw_set(port(), "truncated", std::string_view(full).substr(0, full.size() / 2));
+  std::string flipped = record_of("flipped", page_for("flipped", bytes));
+  flipped.back() ^= 1;
+  raw_set(port(), "flipped", flipped);
+  raw_set(port(), "headonly", std::string_view(full).substr(0, 20));
+  put_ok(*s, {"wrongsize"}, bytes / 2);  // a valid record, read with a span of the wrong size
+
+  const std::vector<std::string> keys = {"garbage", "foreign", "truncated", "flipped", "headonly",
+                                         "wrongsize"};
+  const auto r = get(*s, keys, bytes);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ(r[i].status, IoStatus::kMiss) << keys[i];
+    EXPECT_NE(r[i].reason.find("bad record"), std::string::npos) << r[i].reason;
+    EXPECT_EQ(redis_cli(port(), {"exists", keys[i]}), "0\n") << keys[i] << " was not removed";
+  }
+  EXPECT_NE(r[1].reason.find("someone-else"), std::string::npos) << r[1].reason;
+  EXPECT_NE(r[3].reason.find("checksum"), std::string::npos) << r[3].reason;
+  const auto st = s->stats();
+  EXPECT_EQ(st.bad_records, keys.size());
+  EXPECT_EQ(st.get_misses, keys.size());
+  EXPECT_EQ(st.get_hits, 0u);
+}
+
+TEST_F(RedisStorageTest, RejectsBadInputBeforeSendingAnything) {
+  auto s = open_redis(port());
+  std::vector<std::byte> page(64);
+  std::vector<ByteSpan> one = {ByteSpan(page)};
+  std::vector<ConstByteSpan> one_src = {ConstByteSpan(page)};
+  EXPECT_THROW(s->batch_get(std::vector<std::string>{""}, one), InvalidArgument);
+  EXPECT_THROW(s->batch_set(std::vector<std::string>{"a b"}, one_src), InvalidArgument);
+  EXPECT_THROW(s->batch_get(std::vector<std::string>{"a", "b"}, one), InvalidArgument);
+  std::vector<ByteSpan> empty = {ByteSpan()};
+  EXPECT_THROW(s->batch_get(std::vector<std::string>{"a"}, empty), InvalidArgument);
+  EXPECT_THROW(s->batch_exists(std::vector<std::string>{""}), InvalidArgument);
+  EXPECT_THROW(s->remove(""), InvalidArgument);
+  EXPECT_EQ(redis_cli(port(), {"dbsize"}), "0\n");
+}
+
+TEST_F(RedisStorageTest, ValueOverMaxValueBytesIsAPerKeyErrorAndNotSent) {
+  auto s = open_redis(port(), R"("max_value_bytes": 65536)");
+  const std::vector<std::string> keys = {"small", "large"};
+  std::vector<std::vector<std::byte>> pages = {page_for("small", 4096), page_for("large", 65536)};
+  std::vector<ConstByteSpan> spans(pages.begin(), pages.end());
+  const auto r = s->batch_set(keys, spans);
+  EXPECT_TRUE(r[0].is_ok()) << r[0].reason;
+  ASSERT_EQ(r[1].status, IoStatus::kError);
+  EXPECT_NE(r[1].reason.find("max_value_bytes 65536"), std::string::npos) << r[1].reason;
+  EXPECT_NE(r[1].reason.find(std::to_string(record_head_bytes("large") + 65536)),
+            std::string::npos) << r[1].reason;
+  EXPECT_EQ(redis_cli(port(), {"exists", "large"}), "0\n");
+  EXPECT_EQ(s->stats().set_errors, 1u);
+}
+
+TEST_F(RedisStorageTest, RemoveAndClear) {
+  auto s = open_redis(port());
+  put_ok(*s, {"r1", "r2", "r3"}, 4096);
+  EXPECT_TRUE(s->remove("r1"));
+  EXPECT_FALSE(s->remove("r1"));
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{"r2", "r1"}), 1u);
+  EXPECT_EQ(s->stats().removes, 1u);
+  s->clear();
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{"r2"}), 0u);
+  EXPECT_EQ(redis_cli(port(), {"dbsize"}), "0\n");
+}
+
+TEST_F(RedisStorageTest, ConcurrentBatchesFromSeveralThreads) {
+  auto s = open_redis(port(), R"("connections": 3, "io_threads": 2)");
+  const std::vector<std::string> shared = make_keys("shared", 8);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 5; ++round) {
+        auto keys = make_keys(str_cat("t", t, "r", round), 6);
+        keys.insert(keys.end(), shared.begin(), shared.end());
+        const std::size_t bytes = 16384;
+        for (const auto& r : put(*s, keys, bytes)) failures += r.is_ok() ? 0 : 1;
+        std::vector<std::vector<std::byte>> pages(keys.size(), std::vector<std::byte>(bytes));
+        std::vector<ByteSpan> spans(pages.begin(), pages.end());
+        const auto got = s->batch_get(keys, spans);
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          if (!got[i].is_ok() || !holds_page_of(keys[i], pages[i])) ++failures;
+        }
+        if (s->batch_exists(keys) != keys.size()) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  const auto st = s->stats();
+  EXPECT_EQ(st.set_written, 4u * 5 * 6 + shared.size());
+  EXPECT_EQ(st.get_hits, 4u * 5 * (6 + shared.size()));
+}
+
+// ---- faults, each on its own server ----
+
+class RedisStorageFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) {
+      GTEST_SKIP() << "redis-server / redis-cli are not installed";
+    }
+  }
+  void start(std::vector<std::string> extra = {}) {
+    std::string error;
+    ASSERT_TRUE(server_.start(std::move(extra), 0, &error)) << error;
+  }
+  testing::RedisServer server_;
+};
+
+TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
+  start();
+  const int port = server_.port();
+  server_.stop();
+  auto s = open_redis(port, R"("connect_timeout_ms": 500, "reconnect_backoff_ms": [2000, 4000])");
+  const auto t0 = Clock::now();
+  const auto r = get(*s, {"a", "b"}, 4096);
+  expect_all(r, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("cannot connect"), std::string::npos) << r[0].reason;
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{"a"}), 0u);  // an error counts as absent
+  const auto w = put(*s, {"a"}, 4096);
+  EXPECT_EQ(w[0].status, IoStatus::kError);
+  EXPECT_NE(w[0].reason.find("next attempt in"), std::string::npos) << w[0].reason;
+  EXPECT_LT(Clock::now() - t0, 1500ms);
+  EXPECT_EQ(s->stats().get_errors, 2u);
+}
+
+TEST_F(RedisStorageFaults, ServerKilledInTheMiddleOfABatch) {
+  start();
+  auto s = open_redis(server_.port(), R"("timeout_ms": 10000, "connections": 2)");
+  const auto keys = make_keys("mid", 8);
+  put_ok(*s, keys, 65536);  // connections are up
+  // The server stops answering (it sleeps) while our batch is on the wire; then it dies.
+  RawClient sleeper(server_.port());
+  ASSERT_TRUE(sleeper.send("*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$1\r\n5\r\n"));
+  std::this_thread::sleep_for(50ms);
+  std::thread killer([&] {
+    std::this_thread::sleep_for(300ms);
+    server_.stop();
+  });
+  const auto t0 = Clock::now();
+  const auto r = get(*s, keys, 65536);
+  const auto took = Clock::now() - t0;
+  killer.join();
+  expect_all(r, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find(str_cat(":", server_.port())), std::string::npos) << r[0].reason;
+  EXPECT_LT(took, 3s);  // ended by the kill, not by the 10 s timeout
+}
+
+TEST_F(RedisStorageFaults, ServerKilledDuringALargeTransfer) {
+  start();
+  auto s = open_redis(server_.port(), R"("connections": 4)");
+  const auto keys = make_keys("big", 24);
+  put_ok(*s, keys, 1 << 20);
+  std::thread killer([&] {
+    std::this_thread::sleep_for(3ms);
+    server_.stop();
+  });
+  const auto t0 = Clock::now();
+  const auto r = get(*s, keys, 1 << 20);  // ok pages are checked byte for byte
+  killer.join();
+  EXPECT_LT(Clock::now() - t0, 3s);
+  for (const auto& x : r) {
+    EXPECT_NE(x.status, IoStatus::kMiss) << x.reason;
+    if (!x.is_ok()) {
+      EXPECT_FALSE(x.reason.empty());
+    }
+  }
+  expect_all(get(*s, keys, 1 << 20), IoStatus::kError);  // and later batches fail cleanly
+}
+
+TEST_F(RedisStorageFaults, ClientRecoversAfterTheServerRestarts) {
+  start();
+  auto s = open_redis(server_.port(), R"("reconnect_backoff_ms": [10, 40])");
+  put_ok(*s, {"p"}, 4096);
+  server_.stop();
+  expect_all(get(*s, {"p"}, 4096), IoStatus::kError);
+  expect_all(get(*s, {"p"}, 4096), IoStatus::kError);
+  std::string error;
+  ASSERT_TRUE(server_.restart(&error)) << error;
+  std::this_thread::sleep_for(60ms);  // past the longest backoff
+  expect_all(get(*s, {"p"}, 4096), IoStatus::kMiss);  // the restarted server is empty
+  put_ok(*s, {"p", "q"}, 4096);
+  expect_all(get(*s, {"p", "q"}, 4096), IoStatus::kOk);
+}
+
+TEST_F(RedisStorageFaults, SlowServerTimesOut) {
+  start();
+  auto s = open_redis(server_.port(), R"("timeout_ms": 200, "connections": 1)");
+  put_ok(*s, {"slow"}, 4096);
+  RawClient sleeper(server_.port());
+  ASSERT_TRUE(sleeper.send("*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$3\r\n1.2\r\n"));
+  std::this_thread::sleep_for(30ms);
+  const auto t0 = Clock::now();
+  const auto r = get(*s, {"slow"}, 4096);
+  const auto took = Clock::now() - t0;
+  ASSERT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("timed out"), std::string::npos) << r[0].reason;
+  EXPECT_GE(took, 150ms);
+  EXPECT_LT(took, 900ms);
+  // Once the server is back, a later batch succeeds.
+  const auto until = Clock::now() + 5s;
+  IoStatus last = IoStatus::kError;
+  while (Clock::now() < until && last != IoStatus::kOk) {
+    std::this_thread::sleep_for(100ms);
+    last = get(*s, {"slow"}, 4096)[0].status;
+  }
+  EXPECT_EQ(last, IoStatus::kOk);
+}
+
+TEST_F(RedisStorageFaults, ValueOverTheServerLimitIsAClearErrorAndTheStoreStaysUsable) {
+  start({"--proto-max-bulk-len", "1mb"});
+  auto s = open_redis(server_.port(), R"("connections": 1)");
+  const auto r = put(*s, {"huge", "fine"}, 2 << 20);
+  ASSERT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("proto-max-bulk-len of 1048576"), std::string::npos) << r[0].reason;
+  EXPECT_EQ(r[1].status, IoStatus::kError);
+  put_ok(*s, {"small"}, 512 << 10);
+  expect_all(get(*s, {"small"}, 512 << 10), IoStatus::kOk);
+  EXPECT_EQ(redis_cli(server_.port(), {"exists", "huge"}), "0\n");
+}
+
+// ---- a 3-node cluster ----
+
+class RedisClusterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
+    cluster_ = new testing::RedisCluster();
+    if (!cluster_->start(3, &start_error_)) {
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override {
+    if (testing::find_redis_server().empty()) GTEST_SKIP() << "redis-server is not installed";
+    ASSERT_NE(cluster_, nullptr) << start_error_;
+    for (int p : cluster_->ports()) ASSERT_EQ(RawClient(p).command({"FLUSHALL"}), "+OK");
+  }
+  static std::unique_ptr<RedisStorage> open_cluster(std::vector<int> seeds) {
+    std::string nodes;
+    for (int p : seeds) nodes += str_cat(nodes.empty() ? "" : ", ", "\"127.0.0.1:", p, "\"");
+    return std::make_unique<RedisStorage>(RedisConfig::from_json_text(
+        str_cat(R"({"backend": "redis", "cluster": true, "connections": 2, "nodes": [)", nodes,
+                "]}")));
+  }
+  static int owner_port(const std::string& key) {
+    // The node that does not answer MOVED serves the key's slot.
+    for (int p : cluster_->ports()) {
+      if (RawClient(p).command({"GET", key}).rfind("-MOVED", 0) != 0) return p;
+    }
+    return 0;
+  }
+  static std::string node_id(int port) {
+    std::string id = redis_cli(port, {"cluster", "myid"});
+    while (!id.empty() && (id.back() == '\n' || id.back() == '\r')) id.pop_back();
+    return id;
+  }
+
+  static inline testing::RedisCluster* cluster_ = nullptr;
+  static inline std::string start_error_;
+};
+
+TEST_F(RedisClusterTest, KeySlotsMatchTheServer) {
+  for (const std::string key : {"foo", "page-0", "ns.p64.tp0of1-abcdef", "{tag}x"}) {
+    EXPECT_EQ(redis_cli(cluster_->ports()[0], {"cluster", "keyslot", key}),
+              str_cat(redis::key_slot(key), "\n"))
+        << key;
+  }
+}
+
+TEST_F(RedisClusterTest, RoundTripSpreadsKeysOverTheNodes) {
+  auto s = open_cluster(cluster_->ports());
+  const auto keys = make_keys("cl", 60);
+  put_ok(*s, keys, 16384);
+  expect_all(get(*s, keys, 16384), IoStatus::kOk);
+  EXPECT_EQ(s->batch_exists(keys), keys.size());
+  for (int p : cluster_->ports()) {
+    EXPECT_GT(std::stoi(redis_cli(p, {"dbsize"})), 5) << "node " << p << " holds too few keys";
+  }
+  EXPECT_TRUE(s->remove(keys[0]));
+  EXPECT_EQ(s->batch_exists(keys), 0u);
+  s->clear();
+  for (int p : cluster_->ports()) EXPECT_EQ(redis_cli(p, {"dbsize"}), "0\n");
+}
+
+TEST_F(RedisClusterTest, StartsFromOneSeedAndRemovesBadRecordsOnTheirNode) {
+  auto s = open_cluster({cluster_->ports()[2]});
+  const auto keys = make_keys("seed", 20);
+  put_ok(*s, keys, 4096);
+  expect_all(get(*s, keys, 4096), IoStatus::kOk);
+  const int owner = owner_port("seed-3");
+  ASSERT_NE(owner, 0);
+  raw_set(owner, "seed-3", "junk");
+  const auto r = get(*s, {"seed-3"}, 4096);
+  EXPECT_EQ(r[0].status, IoStatus::kMiss);
+  EXPECT_EQ(redis_cli(owner, {"exists", "seed-3"}), "0\n");
+  EXPECT_EQ(s->stats().bad_records, 1u);
+}
+
+// Moves one key's slot from its owner to another node by hand, as a resharding does: while the
+// slot migrates the client must follow ASK, afterwards MOVED.
+TEST_F(RedisClusterTest, FollowsAskAndMovedWhileASlotMigrates) {
+  auto s = open_cluster(cluster_->ports());
+  const std::string key = "migrating-key";
+  const std::string slot = std::to_string(redis::key_slot(key));
+  const int from = owner_port(key);
+  ASSERT_NE(from, 0);
+  int to = 0;
+  for (int p : cluster_->ports()) to = (p != from && to == 0) ? p : to;
+  const std::string from_id = node_id(from), to_id = node_id(to);
+  ASSERT_EQ(redis_cli(to, {"cluster", "setslot", slot, "importing", from_id}), "OK\n");
+  ASSERT_EQ(redis_cli(from, {"cluster", "setslot", slot, "migrating", to_id}), "OK\n");
+
+  // Absent on the source: ASK to the target, for EXISTS, SET and GET alike.
+  put_ok(*s, {key}, 8192);
+  EXPECT_EQ(redis_cli(to, {"exists", key}), "0\n");  // not visible without ASKING
+  EXPECT_EQ(redis_cli(from, {"exists", key}), "0\n");
+  expect_all(get(*s, {key}, 8192), IoStatus::kOk);
+  EXPECT_EQ(s->batch_exists(std::vector<std::string>{key}), 1u);
+
+  // The migration ends: every node learns the new owner; the client's map is stale -> MOVED.
+  for (int p : cluster_->ports()) {
+    ASSERT_EQ(redis_cli(p, {"cluster", "setslot", slot, "node", to_id}), "OK\n") << p;
+  }
+  EXPECT_EQ(redis_cli(to, {"exists", key}), "1\n");
+  expect_all(get(*s, {key}, 8192), IoStatus::kOk);
+  put_ok(*s, {key, "other-key"}, 8192);
+  EXPECT_EQ(s->stats().set_written, 2u);
+  EXPECT_EQ(s->stats().set_deduplicated, 1u);
+  // Give the slot back so the cluster is as it was.
+  ASSERT_EQ(RawClient(to).command({"DEL", key}), ":1");
+  for (int p : cluster_->ports()) redis_cli(p, {"cluster", "setslot", slot, "node", from_id});
+}
+
+}  // namespace
+}  // namespace hicache

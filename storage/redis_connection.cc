@@ -1,0 +1,582 @@
+#include "storage/redis_connection.h"
+
+#include <hiredis/read.h>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <new>
+#include <thread>
+
+#include "storage/record.h"
+#include "transfer/errors.h"
+
+namespace hicache::redis {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using boost::system::error_code;
+
+void Completion::finish_one() {
+  // Notified under the lock: the waiter cannot return (and destroy *this) before we let go.
+  std::lock_guard lock(mu_);
+  if (--remaining_ == 0) cv_.notify_all();
+}
+
+void Completion::wait() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return remaining_ == 0; });
+}
+
+std::size_t bulk_reply_bytes(std::size_t len) {
+  std::size_t digits = 1;
+  for (std::size_t v = len; v >= 10; v /= 10) ++digits;
+  return 1 + digits + 2 + len + 2;  // "$<len>\r\n<bytes>\r\n"
+}
+
+class IoThreads::Impl {
+ public:
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+  std::vector<std::thread> threads;
+};
+
+IoThreads::IoThreads(int threads) : impl_(std::make_unique<Impl>()) {
+  for (int i = 0; i < threads; ++i) {
+    impl_->threads.emplace_back([io = &impl_->io] { io->run(); });
+  }
+}
+
+IoThreads::~IoThreads() { stop(); }
+
+void IoThreads::stop() {
+  impl_->work.reset();
+  for (auto& t : impl_->threads) {
+    if (t.joinable()) t.join();
+  }
+}
+
+namespace {
+
+constexpr std::string_view kAsking = "*1\r\n$6\r\nASKING\r\n";
+constexpr std::string_view kCrlf = "\r\n";
+constexpr std::string_view kAskingReply = "+OK\r\n";
+constexpr std::size_t kReadChunk = 256 * 1024;
+// The reader compacts its buffer (a memmove of what is left) after each reply once 1 KiB is
+// consumed; feeding it about one reply at a time keeps that memmove short.
+constexpr std::size_t kMinFeed = 1024;
+
+std::string resp_command(std::initializer_list<std::string_view> args) {
+  std::string out = str_cat("*", args.size(), "\r\n");
+  for (std::string_view a : args) {
+    out += str_cat("$", a.size(), "\r\n");
+    out += a;
+    out += "\r\n";
+  }
+  return out;
+}
+
+// Top-level replies are stored in place into the request they answer; this object stands for
+// "handled" towards hiredis, which needs a non-null pointer.
+char g_in_place;
+void* const kInPlace = &g_in_place;
+
+}  // namespace
+
+class Connection::Impl {
+ public:
+  Impl(asio::io_context& io, ConnectionOptions options)
+      : opt_(std::move(options)),
+        name_(str_cat(opt_.host, ":", opt_.port)),
+        strand_(asio::make_strand(io)),
+        socket_(strand_),
+        timer_(strand_),
+        resolver_(strand_),
+        read_buf_(kReadChunk),
+        backoff_(opt_.backoff_initial) {
+    reset_reader();
+    if (!opt_.password.empty()) auth_.command = auth_command_ = resp_command({"AUTH", opt_.password});
+    config_command_ = resp_command({"CONFIG", "GET", "proto-max-bulk-len"});
+    config_.command = config_command_;
+  }
+
+  ~Impl() {
+    if (reader_ != nullptr) redisReaderFree(reader_);
+  }
+
+  const std::string& name() const { return name_; }
+
+  void submit(std::vector<Request*> requests) {
+    asio::post(strand_, [this, reqs = std::move(requests)] { on_submit(reqs); });
+  }
+
+  void shut_down() {
+    asio::post(strand_, [this] {
+      closed_ = true;
+      teardown(str_cat(name_, ": storage is shutting down"));
+    });
+  }
+
+ private:
+  enum class State : std::uint8_t { kIdle, kConnecting, kHandshake, kReady };
+  struct Pending {
+    Request* req;
+    bool asking_reply;  // the +OK of the ASKING sent before req
+  };
+
+  // ---- submission and writing ----
+
+  void on_submit(const std::vector<Request*>& reqs) {
+    if (closed_) {
+      for (Request* r : reqs) finish_error(r, str_cat(name_, ": storage is shutting down"));
+      return;
+    }
+    if (state_ == State::kIdle) {
+      const auto now = Clock::now();
+      if (now < next_connect_) {
+        const auto wait =
+            std::chrono::duration_cast<std::chrono::milliseconds>(next_connect_ - now).count();
+        for (Request* r : reqs) {
+          finish_error(r, str_cat(last_error_, " (next attempt in ", wait, " ms)"));
+        }
+        return;
+      }
+      queued_.insert(queued_.end(), reqs.begin(), reqs.end());
+      start_connect();
+      return;
+    }
+    queued_.insert(queued_.end(), reqs.begin(), reqs.end());
+    start_write();
+  }
+
+  void start_write() {
+    if (writing_ || state_ != State::kReady || queued_.empty()) return;
+    write_bufs_.clear();
+    const bool was_idle = pending_.empty();
+    for (Request* r : queued_) {
+      if (server_max_bulk_ != 0 && r->bulk_bytes > server_max_bulk_) {
+        finish_error(r, str_cat(name_, ": value of ", r->bulk_bytes,
+                                " bytes exceeds the server's proto-max-bulk-len of ",
+                                server_max_bulk_, " bytes; not sent"));
+        continue;
+      }
+      if (r->asking) {
+        write_bufs_.push_back(asio::buffer(kAsking));
+        pending_.push_back({r, true});
+      }
+      write_bufs_.push_back(asio::buffer(r->command));
+      if (!r->payload.empty()) {
+        write_bufs_.push_back(asio::buffer(r->payload.data(), r->payload.size()));
+        write_bufs_.push_back(asio::buffer(kCrlf));
+      }
+      pending_.push_back({r, false});
+    }
+    queued_.clear();
+    if (write_bufs_.empty()) return;
+    if (was_idle) {
+      deadline_ = Clock::now() + opt_.timeout;
+      arm_timer();
+    }
+    write_now();
+  }
+
+  void write_now() {
+    writing_ = true;
+    const auto gen = gen_;
+    asio::async_write(socket_, write_bufs_, [this, gen](const error_code& ec, std::size_t) {
+      if (gen != gen_) return;
+      writing_ = false;
+      if (ec) {
+        fail(str_cat(name_, ": write failed: ", ec.message()));
+        return;
+      }
+      start_write();
+    });
+  }
+
+  // ---- connecting ----
+
+  void start_connect() {
+    state_ = State::kConnecting;
+    const auto gen = ++gen_;
+    deadline_ = Clock::now() + opt_.connect_timeout;
+    arm_timer();
+    error_code ec;
+    const auto address = asio::ip::make_address(opt_.host, ec);
+    if (!ec) {
+      socket_.async_connect(tcp::endpoint(address, opt_.port),
+                            [this, gen](const error_code& e) { on_connect(gen, e); });
+      return;
+    }
+    resolver_.async_resolve(
+        opt_.host, std::to_string(opt_.port),
+        [this, gen](const error_code& e, const tcp::resolver::results_type& results) {
+          if (gen != gen_) return;
+          if (e) {
+            connect_failed(str_cat("resolve: ", e.message()));
+            return;
+          }
+          asio::async_connect(socket_, results, [this, gen](const error_code& e2, const auto&) {
+            on_connect(gen, e2);
+          });
+        });
+  }
+
+  void on_connect(std::uint64_t gen, const error_code& ec) {
+    if (gen != gen_) return;
+    if (ec) {
+      connect_failed(ec.message());
+      return;
+    }
+    error_code ignored;
+    socket_.set_option(tcp::no_delay(true), ignored);
+    state_ = State::kHandshake;
+    server_max_bulk_ = 0;
+    write_bufs_.clear();
+    for (Request* hs : {&auth_, &config_}) {
+      if (hs->command.empty()) continue;
+      hs->reset_outcome();
+      write_bufs_.push_back(asio::buffer(hs->command));
+      pending_.push_back({hs, false});
+    }
+    start_read();
+    write_now();
+  }
+
+  void on_handshake_reply(Request* r) {
+    if (r == &auth_) {
+      if (r->outcome != Outcome::kStatus) connect_failed(str_cat("AUTH refused: ", r->text));
+      return;
+    }
+    // CONFIG GET: ["proto-max-bulk-len", "<bytes>"]; an error (CONFIG disabled) leaves it unknown.
+    if (r->outcome == Outcome::kArray && r->array->elements.size() == 2 &&
+        r->array->elements[1]) {
+      try {
+        server_max_bulk_ = std::stoull(r->array->elements[1]->str);
+      } catch (const std::exception&) {
+        server_max_bulk_ = 0;
+      }
+    }
+    r->array.reset();
+    state_ = State::kReady;
+    backoff_ = opt_.backoff_initial;
+    last_error_.clear();
+    start_write();
+  }
+
+  void connect_failed(const std::string& why) {
+    last_error_ = str_cat(name_, ": cannot connect: ", why);
+    next_connect_ = Clock::now() + backoff_;
+    backoff_ = std::min(backoff_ * 2, opt_.backoff_max);
+    teardown(last_error_);
+  }
+
+  // An established connection failed: fail what it holds; the next submit may reconnect at once.
+  void fail(const std::string& why) {
+    if (state_ == State::kConnecting || state_ == State::kHandshake) {
+      connect_failed(why);
+      return;
+    }
+    last_error_ = why;
+    next_connect_ = Clock::time_point{};
+    teardown(why);
+  }
+
+  void teardown(const std::string& why) {
+    ++gen_;
+    error_code ignored;
+    socket_.close(ignored);
+    resolver_.cancel();
+    timer_.cancel();
+    writing_ = false;
+    state_ = State::kIdle;
+    reset_reader();
+    std::deque<Pending> pending;
+    pending.swap(pending_);
+    std::vector<Request*> queued;
+    queued.swap(queued_);
+    for (const Pending& p : pending) {
+      if (!p.asking_reply) finish_error(p.req, why);
+    }
+    for (Request* r : queued) finish_error(r, why);
+  }
+
+  // ---- timeouts ----
+
+  void arm_timer() {
+    if (timer_armed_) {
+      if (deadline_ < timer_.expiry()) timer_.cancel();  // the handler re-arms earlier
+      return;
+    }
+    timer_armed_ = true;
+    timer_.expires_at(deadline_);
+    timer_.async_wait([this](const error_code&) { on_timer(); });
+  }
+
+  void on_timer() {
+    timer_armed_ = false;
+    if (state_ == State::kIdle) return;
+    if (state_ == State::kReady && pending_.empty()) return;
+    if (Clock::now() < deadline_) {
+      arm_timer();
+      return;
+    }
+    if (state_ == State::kReady) {
+      fail(str_cat(name_, ": timed out: no reply within ", opt_.timeout.count(), " ms"));
+    } else {
+      connect_failed(str_cat("timed out after ", opt_.connect_timeout.count(), " ms"));
+    }
+  }
+
+  // ---- reading ----
+
+  void start_read() {
+    const auto gen = gen_;
+    socket_.async_read_some(asio::buffer(read_buf_),
+                            [this, gen](const error_code& ec, std::size_t n) {
+                              if (gen != gen_) return;
+                              on_read(ec, n);
+                            });
+  }
+
+  void on_read(const error_code& ec, std::size_t n) {
+    if (ec) {
+      fail(ec == asio::error::eof ? str_cat(name_, ": connection closed by the server")
+                                  : str_cat(name_, ": read failed: ", ec.message()));
+      return;
+    }
+    deadline_ = Clock::now() + (state_ == State::kReady ? opt_.timeout : opt_.connect_timeout);
+    if (consume(read_buf_.data(), n)) start_read();
+  }
+
+  // Feeds bytes to the reader and finishes every complete reply. False when the connection was
+  // torn down meanwhile.
+  bool consume(const char* data, std::size_t n) {
+    const auto gen = gen_;
+    std::size_t off = 0;
+    while (off < n) {
+      const std::size_t piece = std::min(n - off, std::max(front_missing_bytes(), kMinFeed));
+      if (redisReaderFeed(reader_, data + off, piece) != REDIS_OK) {
+        fail(str_cat(name_, ": reply parser: ", reader_->errstr));
+        return false;
+      }
+      off += piece;
+      if (!drain() || gen != gen_) return false;
+    }
+    return true;
+  }
+
+  // Bytes still missing for the reply at the front, when its size is known (GET, ASKING).
+  std::size_t front_missing_bytes() const {
+    if (pending_.empty()) return 0;
+    const Pending& p = pending_.front();
+    std::size_t expected = 0;
+    if (p.asking_reply) {
+      expected = kAskingReply.size();
+    } else if (p.req->is_get) {
+      expected = bulk_reply_bytes(record_head_bytes(p.req->key) + p.req->dst.size());
+    }
+    const std::size_t buffered = reader_->len - reader_->pos;
+    return expected > buffered ? expected - buffered : 0;
+  }
+
+  bool drain() {
+    const auto gen = gen_;
+    for (;;) {
+      void* reply = nullptr;
+      t_current = this;
+      const int rc = redisReaderGetReply(reader_, &reply);
+      t_current = nullptr;
+      if (rc != REDIS_OK) {
+        fail(str_cat(name_, ": reply parser: ", reader_->errstr));
+        return false;
+      }
+      if (reply == nullptr) return true;
+      std::unique_ptr<RespValue> tree;
+      if (reply != kInPlace) tree.reset(static_cast<RespValue*>(reply));
+      if (pending_.empty()) {
+        fail(str_cat(name_, ": a reply arrived with no request pending"));
+        return false;
+      }
+      const Pending p = pending_.front();
+      pending_.pop_front();
+      if (p.asking_reply) continue;
+      if (tree) {
+        p.req->outcome = Outcome::kArray;
+        p.req->array = std::move(tree);
+      }
+      finish(p.req);
+      if (gen != gen_) return false;
+    }
+  }
+
+  void finish(Request* r) {
+    if (r->completion == nullptr) {
+      on_handshake_reply(r);
+      return;
+    }
+    r->completion->finish_one();  // r may be gone after this
+  }
+
+  void finish_error(Request* r, std::string why) {
+    if (r->completion == nullptr) return;  // a handshake request: the connection is going anyway
+    r->outcome = Outcome::kIoError;
+    r->text = std::move(why);
+    r->completion->finish_one();
+  }
+
+  // ---- hiredis object functions ----
+  // They run inside redisReaderGetReply on this connection's strand (t_current). Top-level
+  // replies go into the request at the front of pending_; array elements build a RespValue.
+
+  static thread_local Impl* t_current;
+
+  static void* attach(const redisReadTask* task, std::unique_ptr<RespValue> v) {
+    RespValue* raw = v.get();
+    if (task->parent != nullptr) {
+      auto* parent = static_cast<RespValue*>(task->parent->obj);
+      parent->elements[static_cast<std::size_t>(task->idx)] = std::move(v);
+    } else {
+      v.release();  // the root: owned by the reader until handed back by GetReply
+    }
+    return raw;
+  }
+
+  Request* front_request() {
+    if (pending_.empty() || pending_.front().asking_reply) return nullptr;
+    return pending_.front().req;
+  }
+
+  static void* create_string(const redisReadTask* task, char* str, std::size_t len) {
+    if (task->parent != nullptr) {
+      auto v = std::make_unique<RespValue>();
+      v->type = task->type;
+      v->str.assign(str, len);
+      return attach(task, std::move(v));
+    }
+    Request* r = t_current->front_request();
+    if (r == nullptr) return kInPlace;  // ASKING's +OK, or a stray reply drain() catches
+    if (task->type == REDIS_REPLY_ERROR) {
+      r->outcome = Outcome::kServerError;
+      r->text.assign(str, len);
+    } else if (task->type == REDIS_REPLY_STATUS) {
+      r->outcome = Outcome::kStatus;
+      r->text.assign(str, len);
+    } else if (r->is_get) {
+      check_record(r, reinterpret_cast<const std::byte*>(str), len);
+    } else {
+      r->outcome = Outcome::kString;
+      r->text.assign(str, len);
+    }
+    return kInPlace;
+  }
+
+  static void check_record(Request* r, const std::byte* data, std::size_t len) {
+    const std::size_t head = record_head_bytes(r->key);
+    const std::size_t want = head + r->dst.size();
+    auto bad = [&](std::string why) {
+      r->outcome = Outcome::kBadRecord;
+      r->text = std::move(why);
+    };
+    if (len < head) return bad(str_cat("truncated record: ", len, " bytes"));
+    std::uint64_t checksum = 0;
+    if (auto why = check_record_head({data, head}, r->key, r->dst.size(), &checksum);
+        !why.empty()) {
+      return bad(std::move(why));
+    }
+    if (len != want) return bad(str_cat("record of ", len, " bytes, expected ", want));
+    std::memcpy(r->dst.data(), data + head, r->dst.size());
+    if (auto why = check_record_payload(r->dst, checksum); !why.empty()) return bad(std::move(why));
+    r->outcome = Outcome::kValue;
+  }
+
+  static void* create_array(const redisReadTask* task, int elements) {
+    auto v = std::make_unique<RespValue>();
+    v->type = REDIS_REPLY_ARRAY;
+    v->elements.resize(static_cast<std::size_t>(std::max(elements, 0)));
+    return attach(task, std::move(v));
+  }
+
+  static void* create_integer(const redisReadTask* task, long long value) {
+    if (task->parent != nullptr) {
+      auto v = std::make_unique<RespValue>();
+      v->type = REDIS_REPLY_INTEGER;
+      v->integer = value;
+      return attach(task, std::move(v));
+    }
+    if (Request* r = t_current->front_request()) {
+      r->outcome = Outcome::kInteger;
+      r->integer = value;
+    }
+    return kInPlace;
+  }
+
+  static void* create_nil(const redisReadTask* task) {
+    if (task->parent != nullptr) {
+      auto v = std::make_unique<RespValue>();
+      v->type = REDIS_REPLY_NIL;
+      return attach(task, std::move(v));
+    }
+    if (Request* r = t_current->front_request()) r->outcome = Outcome::kNil;
+    return kInPlace;
+  }
+
+  static void free_object(void* obj) {
+    if (obj != kInPlace) delete static_cast<RespValue*>(obj);
+  }
+
+  static inline redisReplyObjectFunctions functions_ = {create_string, create_array,
+                                                        create_integer, create_nil, free_object};
+
+  void reset_reader() {
+    if (reader_ != nullptr) redisReaderFree(reader_);
+    reader_ = redisReaderCreateWithFunctions(&functions_);
+    if (reader_ == nullptr) throw std::bad_alloc();
+    reader_->maxbuf = 0;  // keep the buffer between replies
+  }
+
+  const ConnectionOptions opt_;
+  const std::string name_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  // Everything below is touched only on strand_.
+  tcp::socket socket_;
+  asio::steady_timer timer_;
+  tcp::resolver resolver_;
+  std::vector<char> read_buf_;
+  redisReader* reader_ = nullptr;
+  std::vector<asio::const_buffer> write_bufs_;
+  std::vector<Request*> queued_;  // not yet written
+  std::deque<Pending> pending_;   // written, awaiting their replies in order
+  State state_ = State::kIdle;
+  bool writing_ = false;
+  bool closed_ = false;
+  bool timer_armed_ = false;
+  std::uint64_t gen_ = 0;  // bumped on every (re)connect and teardown; stale handlers compare it
+  Clock::time_point deadline_{};
+  Clock::time_point next_connect_{};
+  std::chrono::milliseconds backoff_;
+  std::string last_error_;
+  std::uint64_t server_max_bulk_ = 0;  // 0: unknown
+  std::string auth_command_, config_command_;
+  Request auth_, config_;  // handshake requests (completion == nullptr)
+};
+
+thread_local Connection::Impl* Connection::Impl::t_current = nullptr;
+
+Connection::Connection(IoThreads& io, ConnectionOptions options)
+    : impl_(std::make_unique<Impl>(io.impl().io, std::move(options))) {}
+Connection::~Connection() = default;
+void Connection::submit(std::vector<Request*> requests) { impl_->submit(std::move(requests)); }
+void Connection::shut_down() { impl_->shut_down(); }
+const std::string& Connection::name() const { return impl_->name(); }
+
+}  // namespace hicache::redis

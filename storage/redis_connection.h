@@ -1,0 +1,158 @@
+// The connection layer under RedisStorage (private to storage/): pipelined Redis connections on
+// Boost.Asio, with hiredis's reader parsing the replies.
+//
+// - IoThreads owns one io_context and the threads that run it. Each Connection lives on a strand
+//   of it, so its state is touched by one handler at a time whatever the thread count.
+// - A caller builds Requests (RESP bytes, plus for a GET the key and destination span), hands
+//   them to Connection::submit and waits on their Completion. Requests on one connection are
+//   pipelined: written in one scatter-gather write (a SET's payload is sent from the caller's
+//   span, never copied) and answered in order.
+// - Replies are parsed by hiredis's redisReader with our own object functions: a GET's bulk
+//   string is checked as a record and its payload copied straight from the reader's buffer into
+//   the destination span; integers, statuses and errors land in the Request; only arrays
+//   (CLUSTER SLOTS, CONFIG GET) are built as RespValue trees. The reader's and the socket's
+//   buffers are kept for the connection's life (reader->maxbuf = 0): no allocation per value.
+// - Timeouts: a connection must make progress (bytes of a reply) within timeout of sending or of
+//   its last progress, and connect plus handshake within connect_timeout; otherwise it is closed.
+//   A closed connection (timeout, socket error, server gone) fails every request it holds with
+//   the reason; the next submit reconnects. A failed connect sets a backoff (doubling from
+//   backoff_initial up to backoff_max): until it passes, submits fail at once, nobody sleeps.
+// - The handshake (AUTH when a password is set, CONFIG GET proto-max-bulk-len) runs before any
+//   request is written; a SET whose value is over the server's bulk limit fails without being
+//   sent, so the connection stays usable.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "storage/storage_backend.h"
+
+namespace hicache::redis {
+
+// An array reply (or one of its elements). `type` is a hiredis REDIS_REPLY_* constant.
+struct RespValue {
+  int type = 0;
+  long long integer = 0;
+  std::string str;
+  std::vector<std::unique_ptr<RespValue>> elements;
+};
+
+// Counts the requests of one dispatch still unanswered; the dispatching thread waits on it.
+class Completion {
+ public:
+  explicit Completion(std::size_t requests) : remaining_(requests) {}
+  void finish_one();
+  void wait();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::size_t remaining_;  // guarded by mu_
+};
+
+enum class Outcome : std::uint8_t {
+  kPending,
+  kNil,          // nil reply (GET of an absent key)
+  kInteger,      // `integer`
+  kStatus,       // `text` ("OK")
+  kString,       // `text`: a bulk string for a request that is not a GET
+  kValue,        // GET: a valid record; its payload is in `dst`
+  kBadRecord,    // GET: the value is not a valid record for this key and size; `text` says why
+  kServerError,  // `text`: the server's error reply (MOVED/ASK included)
+  kIoError,      // `text`: the connection failed, timed out, or the value was refused unsent
+  kArray,        // `array`
+};
+
+// One command and, once finished, its outcome. The submitter owns it and keeps it (and the
+// memory its views point to) alive until its Completion is done.
+struct Request {
+  // What to send: `command`, then when not empty `payload` followed by "\r\n".
+  std::string_view command;
+  ConstByteSpan payload;
+  std::uint64_t bulk_bytes = 0;  // largest bulk string sent (checked against the server limit)
+  bool asking = false;           // precede with ASKING (cluster ASK redirect)
+  // For a GET: the key the record must hold, and where its payload goes.
+  bool is_get = false;
+  std::string_view key;
+  ByteSpan dst;
+  // Routing, owned by the storage layer.
+  std::uint16_t slot = 0;
+  std::size_t node = 0;
+
+  Outcome outcome = Outcome::kPending;
+  long long integer = 0;
+  std::string text;
+  std::unique_ptr<RespValue> array;
+  Completion* completion = nullptr;
+
+  void reset_outcome() {
+    outcome = Outcome::kPending;
+    integer = 0;
+    text.clear();
+    array.reset();
+  }
+};
+
+// Bytes a bulk-string reply of `len` bytes takes on the wire.
+std::size_t bulk_reply_bytes(std::size_t len);
+
+// One io_context and `threads` threads running it, until stop() or destruction.
+class IoThreads {
+ public:
+  explicit IoThreads(int threads);
+  ~IoThreads();
+  IoThreads(const IoThreads&) = delete;
+  IoThreads& operator=(const IoThreads&) = delete;
+
+  // Lets the threads finish the work queued (connections must be shut down first) and joins
+  // them. Idempotent.
+  void stop();
+
+  class Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ConnectionOptions {
+  std::string host;
+  std::uint16_t port = 0;
+  std::chrono::milliseconds timeout{2000};
+  std::chrono::milliseconds connect_timeout{1000};
+  std::chrono::milliseconds backoff_initial{100};
+  std::chrono::milliseconds backoff_max{5000};
+  std::string password;
+};
+
+class Connection {
+ public:
+  Connection(IoThreads& io, ConnectionOptions options);
+  // REQUIRES: shut_down() was called and the IoThreads stopped (or never ran a handler of it).
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Queues requests (connecting first when needed). Each one finishes exactly once: its outcome
+  // is set, then its completion's finish_one() is called. Thread-safe.
+  void submit(std::vector<Request*> requests);
+
+  // Closes the socket, fails whatever is queued or pending, and fails later submits. Thread-safe;
+  // takes effect on the connection's strand.
+  void shut_down();
+
+  const std::string& name() const;  // "host:port"
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hicache::redis

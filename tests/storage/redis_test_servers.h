@@ -1,0 +1,73 @@
+// Real redis-server processes for the Redis storage tests: one server, or a 3-node cluster, on
+// free loopback ports, started with MALLOC_CONF=thp:always and stopped by PID.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hicache::testing {
+
+// Paths of redis-server / redis-cli (PATH, then /usr/bin); empty when absent.
+std::string find_redis_server();
+std::string find_redis_cli();
+
+// Runs redis-cli -p port args... and returns its stdout.
+std::string redis_cli(int port, const std::vector<std::string>& args);
+
+// A plain TCP connection for raw RESP commands (garbage values, DEBUG SLEEP).
+class RawClient {
+ public:
+  explicit RawClient(int port);  // connects; ok() says whether it did
+  ~RawClient();
+  RawClient(const RawClient&) = delete;
+  RawClient& operator=(const RawClient&) = delete;
+  bool ok() const { return fd_ >= 0; }
+  bool send(std::string_view bytes);
+  // Sends a command of these arguments and returns the first line of the reply ("" on error).
+  std::string command(const std::vector<std::string>& args);
+
+ private:
+  int fd_ = -1;
+};
+
+class RedisServer {
+ public:
+  RedisServer() = default;
+  ~RedisServer();
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+
+  // Starts on a free port (or on `port`), with `extra` arguments; false with *error otherwise.
+  bool start(std::vector<std::string> extra = {}, int port = 0, std::string* error = nullptr);
+  // Same port and arguments as the last start.
+  bool restart(std::string* error = nullptr);
+  // SIGKILL + waitpid; idempotent.
+  void stop();
+  int port() const { return port_; }
+  bool running() const { return pid_ > 0; }
+
+ private:
+  bool start_on(int port, std::string* error);
+  std::vector<std::string> extra_;
+  int port_ = 0;
+  pid_t pid_ = -1;
+  std::string dir_;
+};
+
+// A 3-master cluster; false with *error when it could not be formed.
+class RedisCluster {
+ public:
+  bool start(int nodes, std::string* error);
+  std::vector<int> ports() const;
+  RedisServer& node(std::size_t i) { return *servers_[i]; }
+  std::size_t size() const { return servers_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<RedisServer>> servers_;
+};
+
+}  // namespace hicache::testing
