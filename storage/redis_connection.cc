@@ -130,7 +130,8 @@ class Connection::Impl {
   enum class State : std::uint8_t { kIdle, kConnecting, kHandshake, kReady };
   struct Pending {
     Request* req;
-    bool asking_reply;  // the +OK of the ASKING sent before req
+    bool asking_reply;        // the +OK of the ASKING sent before req
+    std::uint64_t write_seq;  // the write that carries it
   };
 
   // ---- submission and writing ----
@@ -171,14 +172,14 @@ class Connection::Impl {
       }
       if (r->asking) {
         write_bufs_.push_back(asio::buffer(kAsking));
-        pending_.push_back({r, true});
+        pending_.push_back({r, true, write_seq_ + 1});
       }
       write_bufs_.push_back(asio::buffer(r->command));
       if (!r->payload.empty()) {
         write_bufs_.push_back(asio::buffer(r->payload.data(), r->payload.size()));
         write_bufs_.push_back(asio::buffer(kCrlf));
       }
-      pending_.push_back({r, false});
+      pending_.push_back({r, false, write_seq_ + 1});
     }
     queued_.clear();
     if (write_bufs_.empty()) return;
@@ -192,15 +193,26 @@ class Connection::Impl {
   void write_now() {
     writing_ = true;
     const auto gen = gen_;
-    asio::async_write(socket_, write_bufs_, [this, gen](const error_code& ec, std::size_t) {
+    const auto seq = ++write_seq_;
+    asio::async_write(socket_, write_bufs_, [this, gen, seq](const error_code& ec, std::size_t) {
       if (gen != gen_) return;
       writing_ = false;
       if (ec) {
         fail(str_cat(name_, ": write failed: ", ec.message()));
         return;
       }
-      start_write();
+      written_seq_ = seq;
+      finish_answered();
+      if (gen == gen_) start_write();
     });
+  }
+
+  // Requests answered while the write carrying them was still running (a server may reply
+  // early, e.g. with an error): their memory is handed back only once the write let go of it.
+  void finish_answered() {
+    std::vector<Request*> answered;
+    answered.swap(answered_);
+    for (Request* r : answered) finish(r);
   }
 
   // ---- connecting ----
@@ -246,7 +258,7 @@ class Connection::Impl {
       if (hs->command.empty()) continue;
       hs->reset_outcome();
       write_bufs_.push_back(asio::buffer(hs->command));
-      pending_.push_back({hs, false});
+      pending_.push_back({hs, false, write_seq_ + 1});
     }
     start_read();
     write_now();
@@ -304,6 +316,7 @@ class Connection::Impl {
     pending.swap(pending_);
     std::vector<Request*> queued;
     queued.swap(queued_);
+    finish_answered();  // the socket is closed: no write touches their memory any more
     for (const Pending& p : pending) {
       if (!p.asking_reply) finish_error(p.req, why);
     }
@@ -413,6 +426,10 @@ class Connection::Impl {
       if (tree) {
         p.req->outcome = Outcome::kArray;
         p.req->array = std::move(tree);
+      }
+      if (p.write_seq > written_seq_ && p.req->completion != nullptr) {
+        answered_.push_back(p.req);
+        continue;
       }
       finish(p.req);
       if (gen != gen_) return false;
@@ -556,6 +573,9 @@ class Connection::Impl {
   std::vector<asio::const_buffer> write_bufs_;
   std::vector<Request*> queued_;  // not yet written
   std::deque<Pending> pending_;   // written, awaiting their replies in order
+  std::vector<Request*> answered_;  // answered before their write completed
+  std::uint64_t write_seq_ = 0;     // writes started
+  std::uint64_t written_seq_ = 0;   // the last write completed
   State state_ = State::kIdle;
   bool writing_ = false;
   bool closed_ = false;
