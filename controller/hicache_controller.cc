@@ -1,4 +1,5 @@
 #include "controller/hicache_controller.h"
+#include "controller/drain_queue.h"
 
 #include <concurrentqueue/concurrentqueue.h>
 
@@ -150,26 +151,12 @@ std::int32_t HiCacheController::start_loading() {
   return slot;
 }
 
-namespace {
-
-std::size_t drain(moodycamel::ConcurrentQueue<Ack>& queue, std::vector<Ack>& out) {
-  Ack ack{};
-  std::size_t n = 0;
-  while (queue.try_dequeue(ack)) {
-    out.push_back(ack);
-    ++n;
-  }
-  return n;
-}
-
-}  // namespace
-
 std::size_t HiCacheController::drain_write_acks(std::vector<Ack>& out) {
-  return drain(acks_->write, out);
+  return drain_queue(acks_->write, out);
 }
 
 std::size_t HiCacheController::drain_load_acks(std::vector<Ack>& out) {
-  return drain(acks_->load, out);
+  return drain_queue(acks_->load, out);
 }
 
 void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
@@ -327,8 +314,8 @@ void HiCacheController::return_queued_slots() {
     device_pool_.allocator().free(batch.op.device_slots);
   }
   std::vector<Ack> dropped;
-  drain(acks_->write, dropped);
-  drain(acks_->load, dropped);
+  drain_queue(acks_->write, dropped);
+  drain_queue(acks_->load, dropped);
 }
 
 void HiCacheController::stop() {

@@ -1,39 +1,97 @@
 #include "controller/storage_controller.h"
+#include "controller/drain_queue.h"
 
 #include <algorithm>
 
 #include "pools/paged_token_allocator.h"
-#include "storage/page_key.h"
 #include "transfer/errors.h"
 
 namespace hicache {
 
+PrefetchPolicy parse_prefetch_policy(std::string_view name) {
+  if (name == "best_effort") return PrefetchPolicy::kBestEffort;
+  if (name == "wait_complete") return PrefetchPolicy::kWaitComplete;
+  if (name == "timeout") return PrefetchPolicy::kTimeout;
+  throw InvalidArgument(str_cat("prefetch policy '", name,
+                                "' (valid: best_effort, wait_complete, timeout)"));
+}
+
+PrefetchOperation::PrefetchOperation(std::string request_id, std::vector<std::int32_t> tokens,
+                                     std::optional<PageDigest> prior, std::int64_t page_size)
+    : request_id_(std::move(request_id)), tokens_(std::move(tokens)), prior_(prior),
+      page_size_(page_size) {}
+
+PrefetchStage PrefetchOperation::stage() const {
+  std::lock_guard lock(mu_);
+  return stage_;
+}
+
+std::string PrefetchOperation::error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
 StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
-                                     Collective& collective, StorageControllerConfig config)
-    : host_(host), storage_(storage), collective_(collective), config_(config),
-      page_size_(host.geometry().page_size), backup_queue_(config.queue_capacity) {
+                                     const KeyNamespace& keys, Collective& prefetch_collective,
+                                     Collective& backup_collective, Collective& main_collective,
+                                     StorageControllerConfig config)
+    : host_(host), storage_(storage), keyer_(keys), prefetch_collective_(prefetch_collective),
+      backup_collective_(backup_collective), main_collective_(main_collective), config_(config),
+      page_size_(host.geometry().page_size), prefetch_queue_(config.queue_capacity),
+      prefetch_io_queue_(config.queue_capacity), backup_queue_(config.queue_capacity) {
   if (config_.io_batch_pages < 1) {
     throw InvalidArgument(str_cat("storage controller: io_batch_pages ", config_.io_batch_pages,
                                   " < 1"));
   }
   if (config_.queue_capacity < 1) throw InvalidArgument("storage controller: queue_capacity 0");
+  if (keyer_.page_size() != page_size_) {
+    throw InvalidArgument(str_cat("storage controller: key namespace page_size ",
+                                  keyer_.page_size(), " differs from the host pool's ", page_size_));
+  }
+  if (config_.prefetch_budget_tokens < page_size_) {
+    throw InvalidArgument(str_cat("storage controller: prefetch_budget_tokens ",
+                                  config_.prefetch_budget_tokens, " is less than one page (",
+                                  page_size_, " tokens)"));
+  }
+  if (config_.prefetch_threshold_tokens < 0) {
+    throw InvalidArgument(str_cat("storage controller: prefetch_threshold_tokens ",
+                                  config_.prefetch_threshold_tokens, " < 0"));
+  }
+  config_.prefetch_threshold_tokens = std::max(config_.prefetch_threshold_tokens, page_size_);
+  if (config_.timeout_base.count() < 0 || config_.timeout_per_page.count() < 0 ||
+      config_.timeout_cap.count() < 0) {
+    throw InvalidArgument("storage controller: prefetch timeouts must be >= 0 ms");
+  }
   if (!host_.has_contiguous_pages()) {
-    staging_.resize(static_cast<std::size_t>(host_.geometry().page_bytes() *
-                                             config_.io_batch_pages));
+    const auto bytes = static_cast<std::size_t>(host_.geometry().page_bytes() *
+                                                config_.io_batch_pages);
+    staging_.resize(bytes);
+    prefetch_staging_.resize(bytes);
   }
   backup_thread_ = std::thread([this] { backup_loop(); });
+  prefetch_thread_ = std::thread([this] { prefetch_loop(); });
+  prefetch_io_thread_ = std::thread([this] { prefetch_io_loop(); });
 }
 
 StorageController::~StorageController() { stop(); }
 
 void StorageController::stop() {
   backup_queue_.stop();
+  prefetch_queue_.stop();
+  prefetch_io_queue_.stop();
   if (backup_thread_.joinable()) backup_thread_.join();
+  if (prefetch_thread_.joinable()) prefetch_thread_.join();
+  if (prefetch_io_thread_.joinable()) prefetch_io_thread_.join();
   for (BackupOp& op : backup_queue_.drain()) {
     backup_acks_.enqueue(BackupAck{op.id, 0, static_cast<std::int64_t>(op.pages.size()) * page_size_,
                                    "stopped before the backup ran"});
   }
+  for (PrefetchTask& t : prefetch_queue_.drain()) revoke(*t.op);
+  for (PrefetchTask& t : prefetch_io_queue_.drain()) finish(*t.op);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Backup
 
 std::optional<std::int64_t> StorageController::write_storage(
     std::span<const std::int64_t> host_slots, std::vector<std::string> keys) {
@@ -53,47 +111,35 @@ std::optional<std::int64_t> StorageController::write_storage(
 }
 
 std::size_t StorageController::drain_backup_acks(std::vector<BackupAck>& out) {
-  BackupAck ack;
-  std::size_t n = 0;
-  while (backup_acks_.try_dequeue(ack)) {
-    out.push_back(std::move(ack));
-    ++n;
-  }
-  return n;
+  return drain_queue(backup_acks_, out);
 }
 
 void StorageController::backup_loop() {
-  while (auto op = backup_queue_.pop()) {
-    BackupAck ack;
-    try {
-      ack = run_backup(*op);
-    } catch (const std::exception& e) {
-      // The op's collective may not have run on this rank: the collective then fails on the
-      // others (divergence or timeout) and stays failed, which turns L3 off visibly everywhere.
-      ++failed_ops_;
-      ack = BackupAck{op->id, 0, static_cast<std::int64_t>(op->pages.size()) * page_size_,
-                      str_cat("backup failed: ", e.what())};
-    }
-    backup_acks_.enqueue(std::move(ack));
-  }
+  while (auto op = backup_queue_.pop()) backup_acks_.enqueue(run_backup(*op));
 }
 
 BackupAck StorageController::run_backup(const BackupOp& op) {
   const auto total_pages = static_cast<std::int64_t>(op.pages.size());
   BackupAck ack{op.id, 0, total_pages * page_size_, {}};
   std::int64_t stored = total_pages;  // ranks other than 0 under MLA store nothing and agree
-  if (!config_.mla || collective_.rank() == 0) {
+  if (!config_.mla || backup_collective_.rank() == 0) {
     stored = 0;
-    const auto batch = static_cast<std::size_t>(config_.io_batch_pages);
-    for (std::size_t begin = 0; begin < op.pages.size(); begin += batch) {
-      const std::size_t end = std::min(op.pages.size(), begin + batch);
-      const std::int64_t ok = write_batch(op, begin, end, ack.error);
-      stored += ok;
-      if (ok != static_cast<std::int64_t>(end - begin)) break;  // the first failure ends it
+    try {
+      const auto batch = static_cast<std::size_t>(config_.io_batch_pages);
+      for (std::size_t begin = 0; begin < op.pages.size(); begin += batch) {
+        const std::size_t end = std::min(op.pages.size(), begin + batch);
+        const std::int64_t ok = write_batch(op, begin, end, ack.error);
+        stored += ok;
+        if (ok != static_cast<std::int64_t>(end - begin)) break;  // the first failure ends it
+      }
+    } catch (const std::exception& e) {
+      ++failed_ops_;
+      ack.error = str_cat("backup failed: ", e.what());
     }
   }
+  // Always reduce, whatever happened locally: a skipped call would hang the other ranks.
   std::int64_t agreed[1] = {stored * page_size_};
-  if (const auto r = collective_.min_allreduce(agreed, "backup.completed"); !r.ok) {
+  if (const auto r = backup_collective_.min_allreduce(agreed, "backup.completed"); !r.ok) {
     ++failed_ops_;
     if (ack.error.empty()) ack.error = r.error;
   }
@@ -125,6 +171,241 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
                     to_string(results[ok].status), " ", results[ok].reason);
   }
   return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch
+
+std::shared_ptr<PrefetchOperation> StorageController::prefetch(
+    std::string request_id, std::span<const std::int32_t> tokens,
+    std::optional<PageDigest> prior) {
+  if (request_id.empty()) throw InvalidArgument("prefetch: empty request id");
+  auto op = std::make_shared<PrefetchOperation>(
+      std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
+      page_size_);
+  if (prefetch_queue_.push(PrefetchTask{0, op}) != PushResult::kOk) return nullptr;
+  return op;
+}
+
+std::size_t StorageController::drain_revokes(std::vector<std::string>& out) {
+  return drain_queue(revokes_, out);
+}
+
+void StorageController::prefetch_loop() {
+  while (auto task = prefetch_queue_.pop()) agree_and_reserve(task->op);
+}
+
+void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperation>& handle) {
+  PrefetchOperation& op = *handle;
+  // Phase 1: the hit. Local failures become a zero hit; the reduction always runs.
+  std::int64_t hit_pages = 0;
+  try {
+    keyer_.keys(op.tokens_, op.prior_ ? &*op.prior_ : nullptr, op.keys_);
+    hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
+  } catch (const std::exception& e) {
+    ++failed_ops_;
+    std::lock_guard lock(op.mu_);
+    op.error_ = str_cat("prefetch hit query failed: ", e.what());
+  }
+  std::int64_t agreed_hit[1] = {hit_pages};
+  if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
+  if (agreed_hit[0] * page_size_ < config_.prefetch_threshold_tokens) {
+    revoke(op);
+    return;
+  }
+  // Phase 2: every rank reserves exactly the agreed hit (budget, then host pages), then the
+  // ranks agree on what all of them got.
+  const std::int64_t want = agreed_hit[0] * page_size_;
+  std::int64_t got = 0;
+  try {
+    std::int64_t used = budget_used_.load();
+    bool credited = false;
+    while (used + want <= config_.prefetch_budget_tokens &&
+           !(credited = budget_used_.compare_exchange_weak(used, used + want))) {
+    }
+    if (credited) {
+      op.budget_tokens_ = want;
+      if (host_.alloc(want, op.slots_)) {
+        got = agreed_hit[0];
+      } else {
+        release_budget(op);
+      }
+    }
+  } catch (const std::exception& e) {
+    ++failed_ops_;
+    std::lock_guard lock(op.mu_);
+    op.error_ = str_cat("prefetch reservation failed: ", e.what());
+  }
+  std::int64_t agreed_got[1] = {got};
+  if (!prefetch_collective_.min_allreduce(agreed_got, "prefetch.reserve").ok) ++failed_ops_;
+  if (agreed_got[0] < agreed_hit[0]) {  // some rank is short: abort everywhere
+    if (!op.slots_.empty()) host_.free(op.slots_);
+    op.slots_.clear();
+    release_budget(op);
+    revoke(op);
+    return;
+  }
+  op.keys_.resize(static_cast<std::size_t>(agreed_hit[0]));
+  op.hit_pages_ = agreed_hit[0];
+  {
+    std::lock_guard lock(op.mu_);
+    op.stage_ = PrefetchStage::kLoading;
+  }
+  op.cv_.notify_all();
+  if (prefetch_io_queue_.push(PrefetchTask{0, handle}) != PushResult::kOk) {
+    finish(op);  // stopped or full: nothing is read, terminate frees the pages
+  }
+}
+
+void StorageController::revoke(PrefetchOperation& op) {
+  revokes_.enqueue(op.request_id_);  // queued before the stage shows it, so a waiter finds it
+  {
+    std::lock_guard lock(op.mu_);
+    op.stage_ = PrefetchStage::kRevoked;
+  }
+  op.cv_.notify_all();
+}
+
+void StorageController::finish(PrefetchOperation& op) {
+  {
+    std::lock_guard lock(op.mu_);
+    if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
+  }
+  op.cv_.notify_all();
+}
+
+void StorageController::release_budget(PrefetchOperation& op) {
+  budget_used_ -= op.budget_tokens_;
+  op.budget_tokens_ = 0;
+}
+
+void StorageController::prefetch_io_loop() {
+  while (auto task = prefetch_io_queue_.pop()) {
+    PrefetchOperation& op = *task->op;
+    {
+      std::lock_guard lock(op.mu_);
+      if (op.terminate_) {  // terminated before it started: read nothing, touch nothing
+        if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
+        op.cv_.notify_all();
+        continue;
+      }
+      op.worker_started_ = true;
+    }
+    try {
+      read_pages(op);
+    } catch (const std::exception& e) {
+      ++failed_ops_;
+      std::lock_guard lock(op.mu_);
+      op.error_ = str_cat("prefetch read failed: ", e.what());
+    }
+    finish(op);
+  }
+}
+
+void StorageController::read_pages(PrefetchOperation& op) {
+  const auto pages = static_cast<std::size_t>(op.hit_pages_.load());
+  const auto batch = static_cast<std::size_t>(config_.io_batch_pages);
+  const auto page_bytes = static_cast<std::size_t>(host_.geometry().page_bytes());
+  const std::span<const std::int64_t> all_slots(op.slots_);
+  std::vector<ByteSpan> spans;
+  for (std::size_t begin = 0; begin < pages && !op.terminate_; begin += batch) {
+    const std::size_t n = std::min(pages, begin + batch) - begin;
+    const auto slots = all_slots.subspan(begin * page_size_, n * page_size_);
+    host_.protect_write(slots);
+    std::size_t ok = 0;
+    std::string error;
+    try {
+      spans.clear();
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::int64_t page = slots[i * page_size_] / page_size_;
+        spans.push_back(host_.has_contiguous_pages()
+                            ? host_.page_bytes(page)
+                            : ByteSpan(prefetch_staging_.data() + i * page_bytes, page_bytes));
+      }
+      const auto results = storage_.batch_get(
+          std::span<const std::string>(op.keys_).subspan(begin, n), spans);
+      while (ok < n && results[ok].is_ok()) ++ok;
+      if (ok < n) {
+        error = str_cat("page ", begin + ok, " (key '", op.keys_[begin + ok], "'): ",
+                        to_string(results[ok].status), " ", results[ok].reason);
+      }
+      if (!host_.has_contiguous_pages()) {
+        for (std::size_t i = 0; i < ok; ++i) {
+          host_.copy_page_in(slots[i * page_size_] / page_size_, spans[i]);
+        }
+      }
+    } catch (const std::exception& e) {
+      ok = 0;
+      error = e.what();
+    }
+    // Pages count as completed only now that their bytes are in host memory.
+    if (ok > 0) host_.complete_io(slots.first(ok * page_size_), PageState::kBackup);
+    if (ok < n) host_.abort_io(slots.subspan(ok * page_size_));
+    op.completed_pages_ += static_cast<std::int64_t>(ok);
+    if (ok < n) {
+      std::lock_guard lock(op.mu_);
+      op.error_ = std::move(error);
+      break;
+    }
+  }
+}
+
+bool StorageController::can_terminate(const PrefetchOperation& op) const {
+  const PrefetchStage stage = op.stage();
+  const bool done = stage != PrefetchStage::kQueued && stage != PrefetchStage::kLoading;
+  switch (config_.policy) {
+    case PrefetchPolicy::kBestEffort: return true;
+    case PrefetchPolicy::kWaitComplete: return done;
+    case PrefetchPolicy::kTimeout: {
+      if (done) return true;
+      const auto limit = std::min(config_.timeout_cap,
+                                  config_.timeout_base + config_.timeout_per_page *
+                                                             std::max<std::int64_t>(
+                                                                 op.hit_pages_.load(), 1));
+      return std::chrono::steady_clock::now() - op.queued_at_ >= limit;
+    }
+  }
+  return true;
+}
+
+PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
+  {
+    std::unique_lock lock(op.mu_);
+    if (op.stage_ == PrefetchStage::kTerminated) {
+      throw StateError(str_cat("terminate_prefetch: request '", op.request_id_,
+                               "' was terminated already"));
+    }
+    op.terminate_ = true;
+    // Wait for the agreement (bounded by two collectives) and for the batch in flight.
+    op.cv_.wait(lock, [&] {
+      return op.stage_ == PrefetchStage::kRevoked || op.stage_ == PrefetchStage::kFinished ||
+             (op.stage_ == PrefetchStage::kLoading && !op.worker_started_);
+    });
+  }
+  // A loading op the worker has not started yet will be skipped by it: from here on nothing
+  // of the op is read. A revoked op holds nothing and makes no collective call (the revoke was
+  // agreed by every rank); any other op's completed prefix is agreed by every rank, since all
+  // terminate the same ops in the same order.
+  PrefetchResult result;
+  if (op.stage() != PrefetchStage::kRevoked) {
+    std::int64_t completed[1] = {op.completed_pages_.load()};
+    if (!main_collective_.min_allreduce(completed, "prefetch.terminate").ok) ++failed_ops_;
+    const auto agreed = static_cast<std::size_t>(
+        std::clamp<std::int64_t>(completed[0], 0, op.completed_pages_.load()));
+    const std::span<const std::int64_t> slots(op.slots_);
+    const std::size_t keep = agreed * static_cast<std::size_t>(page_size_);
+    if (keep < slots.size()) host_.free(slots.subspan(keep));
+    result.tokens = static_cast<std::int64_t>(keep);
+    result.host_slots.assign(slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(keep));
+    result.keys.assign(op.keys_.begin(), op.keys_.begin() + static_cast<std::ptrdiff_t>(agreed));
+    release_budget(op);
+  }
+  {
+    std::lock_guard lock(op.mu_);
+    op.stage_ = PrefetchStage::kTerminated;
+  }
+  op.cv_.notify_all();
+  return result;
 }
 
 }  // namespace hicache

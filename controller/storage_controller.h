@@ -1,5 +1,24 @@
 // StorageController: the L2 <-> L3 half of the controller (shared/DESIGN.md, threads table).
-// This file has the backup path; prefetch follows (issue 5).
+//
+// Prefetch (L3 -> L2), in two phases so host memory is never reserved for misses:
+// prefetch(request_id, tokens, prior) queues an op and returns its handle. The prefetch thread
+// hashes the tokens page by page, asks the backend how many leading pages it holds, and
+// min-reduces that over the ranks. Below prefetch_threshold tokens the op is revoked (its request
+// id goes on the revoke queue). Otherwise every rank reserves host pages for exactly the agreed
+// hit, within the prefetch budget, and the ranks agree on what all of them got (reserve -> agree
+// -> commit or abort: one rank short of memory or budget aborts it everywhere). The I/O worker
+// then reads batch by batch into the host pages (in place where the layout has contiguous pages),
+// counting a page as completed only once its bytes are in host memory, and stops at the first
+// failed page or when terminated. terminate_prefetch(op) stops the op, min-reduces the completed
+// pages over the ranks, hands the agreed prefix to the caller (host pages in state backup, and
+// their keys) and frees the rest, exactly once.
+//
+// Collectives: each thread that reduces has its own Collective (prefetch thread, backup thread,
+// and the caller's thread for terminate_prefetch), as SGLang uses separate process groups: two
+// threads sharing one communicator would interleave their calls differently on different ranks.
+// Every rank must queue the same ops in the same order (the scheduler is deterministic), and each
+// op makes the same collective calls on every rank whatever the local outcome: local failures
+// become values (zero hits, zero reserved, zero completed), never skipped calls.
 //
 // Backup: write_storage(host_slots, keys) queues an op; the backup thread writes it batch by
 // batch (io_batch_pages pages per batch_set, zero-copy from host pages where the layout has
@@ -19,7 +38,11 @@
 #include <concurrentqueue/concurrentqueue.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -28,15 +51,84 @@
 
 #include "pools/host_kv_pool.h"
 #include "storage/collective.h"
+#include "storage/page_key.h"
 #include "storage/storage_backend.h"
 #include "transfer/op_queue.h"
 
 namespace hicache {
 
+enum class PrefetchPolicy {
+  kBestEffort,    // the scheduler may terminate whenever it wants
+  kWaitComplete,  // terminate only once the op has finished
+  kTimeout,       // terminate once finished or after a time that grows with the pages, capped
+};
+// "best_effort", "wait_complete", "timeout"; throws InvalidArgument naming anything else.
+PrefetchPolicy parse_prefetch_policy(std::string_view name);
+
 struct StorageControllerConfig {
   std::int64_t io_batch_pages = 16;  // pages per storage call
   bool mla = false;                  // KV identical on every rank: rank 0 alone writes
   std::size_t queue_capacity = 1024;
+  // A hit below this many tokens is revoked (at least one page: smaller values mean one page).
+  std::int64_t prefetch_threshold_tokens = 0;
+  // Host tokens that prefetches may hold at once (reserved until terminated); must be >= one
+  // page. A prefetch that would exceed it is declined (revoked).
+  std::int64_t prefetch_budget_tokens = std::int64_t{1} << 40;
+  PrefetchPolicy policy = PrefetchPolicy::kBestEffort;
+  // kTimeout: base + per_page * pages, at most cap.
+  std::chrono::milliseconds timeout_base{100}, timeout_per_page{2}, timeout_cap{5000};
+};
+
+enum class PrefetchStage {
+  kQueued,   // waiting for, or in, the hit query and agreement
+  kRevoked,  // below threshold, declined for budget or memory, or stopped: holds nothing
+  kLoading,  // host pages reserved, the I/O worker reads (or will)
+  kFinished, // the I/O worker is done with it (all read, failed, or terminated early)
+  kTerminated,  // terminate_prefetch returned its result
+};
+
+class StorageController;
+
+// The handle of one prefetch. Thread-safe to query.
+class PrefetchOperation {
+ public:
+  const std::string& request_id() const { return request_id_; }
+  PrefetchStage stage() const;
+  // Agreed hit (tokens) once past the agreement; 0 before and when revoked.
+  std::int64_t hit_tokens() const { return hit_pages_.load() * page_size_; }
+  // Tokens whose bytes are in host memory on this rank so far.
+  std::int64_t completed_tokens() const { return completed_pages_.load() * page_size_; }
+  // The first storage error met on this rank, if any.
+  std::string error() const;
+
+  PrefetchOperation(std::string request_id, std::vector<std::int32_t> tokens,
+                    std::optional<PageDigest> prior, std::int64_t page_size);
+
+ private:
+  friend class StorageController;
+  const std::string request_id_;
+  std::vector<std::int32_t> tokens_;
+  std::optional<PageDigest> prior_;
+  const std::int64_t page_size_;
+  std::chrono::steady_clock::time_point queued_at_ = std::chrono::steady_clock::now();
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  PrefetchStage stage_ = PrefetchStage::kQueued;  // GUARDED_BY mu_
+  bool worker_started_ = false;                   // GUARDED_BY mu_
+  std::string error_;                             // GUARDED_BY mu_
+  std::atomic<bool> terminate_{false};
+  std::atomic<std::int64_t> hit_pages_{0};
+  std::atomic<std::int64_t> completed_pages_{0};
+  std::vector<std::string> keys_;      // the agreed hit's keys
+  std::vector<std::int64_t> slots_;    // host slots reserved for them
+  std::int64_t budget_tokens_ = 0;     // credits held
+};
+
+struct PrefetchResult {
+  std::int64_t tokens = 0;                // agreed completed prefix
+  std::vector<std::int64_t> host_slots;   // its host slots (pages in state backup)
+  std::vector<std::string> keys;          // one per page
 };
 
 struct BackupAck {
@@ -48,9 +140,12 @@ struct BackupAck {
 
 class StorageController {
  public:
-  // Throws InvalidArgument naming a bad config value.
-  StorageController(HostKVPool& host, StorageBackend& storage, Collective& collective,
-                    StorageControllerConfig config = {});
+  // Throws InvalidArgument naming a bad config value. `keyer` names the pages (this rank's
+  // namespace); the three collectives serve the prefetch thread, the backup thread and the
+  // caller of terminate_prefetch (all of one TP group, one communicator each).
+  StorageController(HostKVPool& host, StorageBackend& storage, const KeyNamespace& keys,
+                    Collective& prefetch_collective, Collective& backup_collective,
+                    Collective& main_collective, StorageControllerConfig config = {});
   ~StorageController();
   StorageController(const StorageController&) = delete;
   StorageController& operator=(const StorageController&) = delete;
@@ -65,10 +160,30 @@ class StorageController {
   // Moves finished backups' acks into `out` (appends); never blocks.
   std::size_t drain_backup_acks(std::vector<BackupAck>& out);
 
+  // Queues a prefetch of the whole pages of `tokens`, chained after `prior` (the digest of the
+  // page before tokens[0]; nothing at the start of a sequence). Returns nothing when the queue is
+  // full or stopped. Throws InvalidArgument for an empty request id.
+  std::shared_ptr<PrefetchOperation> prefetch(std::string request_id,
+                                              std::span<const std::int32_t> tokens,
+                                              std::optional<PageDigest> prior = std::nullopt);
+  // Moves revoked request ids into `out`; never blocks.
+  std::size_t drain_revokes(std::vector<std::string>& out);
+  // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
+  // agrees across ranks before acting on it).
+  bool can_terminate(const PrefetchOperation& op) const;
+  // Stops `op` (waiting at most for the batch in flight and for the hit agreement), agrees on the
+  // completed prefix with the other ranks (main_collective), frees the host pages past it, and
+  // returns the prefix. Throws StateError when called twice for one op.
+  PrefetchResult terminate_prefetch(PrefetchOperation& op);
+  // Host tokens held by prefetches now.
+  std::int64_t prefetch_tokens_held() const { return budget_used_.load(); }
+
   // Ops that ended in an exception (backend or collective failure), since construction.
   std::int64_t failed_ops() const { return failed_ops_.load(); }
 
-  // Stops the thread promptly: queued ops are acked with zero completed tokens. Idempotent.
+  // Stops the threads promptly: queued backups are acked with zero completed tokens, queued
+  // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
+  // their pages). Idempotent.
   void stop();
 
  private:
@@ -79,7 +194,19 @@ class StorageController {
     std::vector<std::string> keys;
   };
 
+  struct PrefetchTask {
+    std::int64_t priority = 0;  // always 0: FIFO
+    std::shared_ptr<PrefetchOperation> op;
+  };
+
   void backup_loop();
+  void prefetch_loop();
+  void prefetch_io_loop();
+  void agree_and_reserve(const std::shared_ptr<PrefetchOperation>& handle);
+  void read_pages(PrefetchOperation& op);
+  void revoke(PrefetchOperation& op);
+  void finish(PrefetchOperation& op);
+  void release_budget(PrefetchOperation& op);
   BackupAck run_backup(const BackupOp& op);
   // Writes the pages [begin, end) of op; returns how many leading pages are stored.
   std::int64_t write_batch(const BackupOp& op, std::size_t begin, std::size_t end,
@@ -87,9 +214,20 @@ class StorageController {
 
   HostKVPool& host_;
   StorageBackend& storage_;
-  Collective& collective_;
+  PageKeyer keyer_;  // prefetch thread only
+  Collective& prefetch_collective_;
+  Collective& backup_collective_;
+  Collective& main_collective_;
   StorageControllerConfig config_;
   std::int64_t page_size_;
+  std::atomic<std::int64_t> budget_used_{0};
+
+  OpQueue<PrefetchTask> prefetch_queue_;
+  OpQueue<PrefetchTask> prefetch_io_queue_;
+  moodycamel::ConcurrentQueue<std::string> revokes_;
+  std::vector<std::byte> prefetch_staging_;  // prefetch I/O worker only
+  std::thread prefetch_thread_;
+  std::thread prefetch_io_thread_;
 
   OpQueue<BackupOp> backup_queue_;
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;

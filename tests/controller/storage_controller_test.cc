@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -28,34 +29,62 @@ class FaultyStorage final : public StorageBackend {
   explicit FaultyStorage(StorageBackend& inner) : inner_(inner) {}
   std::string_view name() const override { return "faulty"; }
   std::size_t batch_exists(std::span<const std::string> keys) override {
+    std::lock_guard hold(gate);  // a test holds the gate to keep a prefetch in its hit query
     return inner_.batch_exists(keys);
   }
+  std::mutex gate;
   bool remove(const std::string& key) override { return inner_.remove(key); }
   void clear() override { inner_.clear(); }
-  std::atomic<std::int64_t> fail_from{-1};
-  std::atomic<bool> throw_all{false};
+  std::atomic<std::int64_t> fail_from{-1};      // batch_set: keys from this index on fail
+  std::atomic<bool> throw_all{false};           // batch_set throws
+  std::atomic<std::int64_t> get_fail_from{-1};  // batch_get: keys from this index on fail
+  std::atomic<bool> throw_get{false};           // batch_get throws
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
                                      std::span<const ByteSpan> dst) override {
-    return inner_.batch_get(keys, dst);
+    if (throw_get) throw std::runtime_error("backend exploded on read");
+    return inject(inner_.batch_get(keys, dst), get_seen_, get_fail_from, "injected read failure");
   }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
                                      std::span<const ConstByteSpan> src) override {
     if (throw_all) throw std::runtime_error("backend exploded");
-    std::vector<IoResult> out = inner_.batch_set(keys, src);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (fail_from >= 0 && seen_ + static_cast<std::int64_t>(i) >= fail_from) {
-        out[i] = IoResult::error("injected failure");
-      }
-    }
-    seen_ += static_cast<std::int64_t>(keys.size());
-    return out;
+    return inject(inner_.batch_set(keys, src), seen_, fail_from, "injected failure");
   }
 
  private:
+  // Turns every result from the `fail_from`-th key seen on into an error.
+  static std::vector<IoResult> inject(std::vector<IoResult> out, std::atomic<std::int64_t>& seen,
+                                      std::int64_t fail_from, const char* why) {
+    const std::int64_t first = seen.fetch_add(static_cast<std::int64_t>(out.size()));
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (fail_from >= 0 && first + static_cast<std::int64_t>(i) >= fail_from) {
+        out[i] = IoResult::error(why);
+      }
+    }
+    return out;
+  }
+
   StorageBackend& inner_;
-  std::int64_t seen_ = 0;
+  std::atomic<std::int64_t> seen_{0};      // several controllers may share one test backend
+  std::atomic<std::int64_t> get_seen_{0};
+};
+
+KeyNamespace test_ns() {
+  return {.model = "m", .fingerprint = "f", .dtype = "fp16", .layout = "l", .page_size = kPage};
+}
+
+// Three collectives for one rank: prefetch thread, backup thread, caller.
+struct Comms {
+  std::shared_ptr<InProcessGroup> group_prefetch, group_backup, group_main;  // set first
+  std::vector<std::unique_ptr<Collective>> prefetch, backup, main;
+  explicit Comms(int size)
+      : prefetch(InProcessGroup::make_ranks(size, std::chrono::seconds(30), &group_prefetch)),
+        backup(InProcessGroup::make_ranks(size, std::chrono::seconds(30), &group_backup)),
+        main(InProcessGroup::make_ranks(size, std::chrono::seconds(30), &group_main)) {}
+  std::string divergence() const {
+    return group_prefetch->divergence() + group_backup->divergence() + group_main->divergence();
+  }
 };
 
 std::vector<BackupAck> wait_acks(StorageController& c, std::size_t n) {
@@ -98,7 +127,7 @@ class BackupLayouts : public ::testing::TestWithParam<HostLayout> {};
 TEST_P(BackupLayouts, StoresEveryPageByteForByte) {
   Rank r(GetParam(), str_cat("rt", static_cast<int>(GetParam())));
   LocalCollective local;
-  StorageController c(r.host, r.storage, local, {.io_batch_pages = 3});
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 3});
   const auto slots = r.filled_pages(7);
   const auto keys = keys_for("bk", 7);
   const auto id = c.write_storage(slots, keys);
@@ -126,7 +155,7 @@ INSTANTIATE_TEST_SUITE_P(StorageController, BackupLayouts,
 TEST(StorageController, AckCountsOnlyTheStoredPrefix) {
   Rank r(HostLayout::kPageFirst, "partial");
   LocalCollective local;
-  StorageController c(r.host, r.storage, local, {.io_batch_pages = 2});
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 2});
   r.storage.fail_from = 3;  // the 4th page fails: the prefix is 3 pages
   c.write_storage(r.filled_pages(6), keys_for("pp", 6));
   const auto acks = wait_acks(c, 1);
@@ -139,7 +168,7 @@ TEST(StorageController, AckCountsOnlyTheStoredPrefix) {
 TEST(StorageController, ThreadSurvivesAThrowingBackend) {
   Rank r(HostLayout::kPageFirst, "throw");
   LocalCollective local;
-  StorageController c(r.host, r.storage, local);
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
   r.storage.throw_all = true;
   c.write_storage(r.filled_pages(2), keys_for("tb", 2));
   auto acks = wait_acks(c, 1);
@@ -155,9 +184,11 @@ TEST(StorageController, ThreadSurvivesAThrowingBackend) {
 
 TEST(StorageController, TwoRanksAckTheMinimum) {
   Rank r0(HostLayout::kPageFirst, "tp0"), r1(HostLayout::kPageFirst, "tp1");
-  std::shared_ptr<InProcessGroup> group;
-  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
-  StorageController c0(r0.host, r0.storage, *ranks[0]), c1(r1.host, r1.storage, *ranks[1]);
+  Comms comms(2);
+  StorageController c0(r0.host, r0.storage, test_ns(), *comms.prefetch[0], *comms.backup[0],
+                       *comms.main[0]);
+  StorageController c1(r1.host, r1.storage, test_ns(), *comms.prefetch[1], *comms.backup[1],
+                       *comms.main[1]);
   r1.storage.fail_from = 2;
   c0.write_storage(r0.filled_pages(5), keys_for("tp", 5));
   c1.write_storage(r1.filled_pages(5), keys_for("tp", 5));
@@ -166,14 +197,16 @@ TEST(StorageController, TwoRanksAckTheMinimum) {
   ASSERT_EQ(a1.size(), 1u);
   EXPECT_EQ(a0[0].completed_tokens, 2 * kPage) << "rank 0 stored 5 but rank 1 only 2";
   EXPECT_EQ(a1[0].completed_tokens, 2 * kPage);
-  EXPECT_EQ(group->divergence(), "");
+  EXPECT_EQ(comms.divergence(), "");
 }
 
 TEST(StorageController, MlaBackupIsWrittenByRankZeroOnly) {
   Rank r0(HostLayout::kPageFirst, "mla0"), r1(HostLayout::kPageFirst, "mla1");
-  auto ranks = InProcessGroup::make_ranks(2);
-  StorageController c0(r0.host, r0.storage, *ranks[0], {.mla = true});
-  StorageController c1(r1.host, r1.storage, *ranks[1], {.mla = true});
+  Comms comms(2);
+  StorageController c0(r0.host, r0.storage, test_ns(), *comms.prefetch[0], *comms.backup[0],
+                       *comms.main[0], {.mla = true});
+  StorageController c1(r1.host, r1.storage, test_ns(), *comms.prefetch[1], *comms.backup[1],
+                       *comms.main[1], {.mla = true});
   c0.write_storage(r0.filled_pages(3), keys_for("mla", 3));
   c1.write_storage(r1.filled_pages(3), keys_for("mla", 3));
   const auto a0 = wait_acks(c0, 1), a1 = wait_acks(c1, 1);
@@ -187,7 +220,7 @@ TEST(StorageController, MlaBackupIsWrittenByRankZeroOnly) {
 TEST(StorageController, BadInputIsRefusedAndNothingIsQueued) {
   Rank r(HostLayout::kPageFirst, "bad");
   LocalCollective local;
-  StorageController c(r.host, r.storage, local);
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
   const auto slots = r.filled_pages(2);
   EXPECT_THROW(c.write_storage(slots, keys_for("b", 3)), InvalidArgument);
   EXPECT_THROW(c.write_storage(slots, {"ok", "bad/key"}), InvalidArgument);
@@ -196,8 +229,18 @@ TEST(StorageController, BadInputIsRefusedAndNothingIsQueued) {
   const std::vector<std::int64_t> outside = {1000 * kPage, 1000 * kPage + 1, 1000 * kPage + 2,
                                              1000 * kPage + 3};
   EXPECT_THROW(c.write_storage(outside, keys_for("b", 1)), InvalidArgument);
-  EXPECT_THROW(StorageController(r.host, r.storage, local, {.io_batch_pages = 0}),
+  EXPECT_THROW(StorageController(r.host, r.storage, test_ns(), local, local, local,
+                                 {.io_batch_pages = 0}),
                InvalidArgument);
+  EXPECT_THROW(StorageController(r.host, r.storage, test_ns(), local, local, local,
+                                 {.prefetch_budget_tokens = kPage - 1}),
+               InvalidArgument);
+  KeyNamespace other = test_ns();
+  other.page_size = 2 * kPage;
+  EXPECT_THROW(StorageController(r.host, r.storage, other, local, local, local), InvalidArgument);
+  EXPECT_THROW(parse_prefetch_policy("eager"), InvalidArgument);
+  EXPECT_EQ(parse_prefetch_policy("timeout"), PrefetchPolicy::kTimeout);
+  EXPECT_THROW(c.prefetch("", std::vector<std::int32_t>(kPage, 1)), InvalidArgument);
   c.stop();
   std::vector<BackupAck> acks;
   EXPECT_EQ(c.drain_backup_acks(acks), 0u);
@@ -206,13 +249,267 @@ TEST(StorageController, BadInputIsRefusedAndNothingIsQueued) {
 TEST(StorageController, StopAcksQueuedOpsWithZero) {
   Rank r(HostLayout::kPageFirst, "stop");
   LocalCollective local;
-  StorageController c(r.host, r.storage, local);
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
   for (int i = 0; i < 12; ++i) c.write_storage(r.filled_pages(1), keys_for(str_cat("s", i), 1));
   c.stop();
   std::vector<BackupAck> acks;
   c.drain_backup_acks(acks);
   EXPECT_EQ(acks.size(), 12u) << "every op is acked, run or not";
   EXPECT_FALSE(c.write_storage(r.filled_pages(1), keys_for("late", 1)).has_value());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch
+
+std::vector<std::int32_t> tokens_for(int pages, int seed) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(pages * kPage));
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = seed * 100000 + static_cast<std::int32_t>(i);
+  return t;
+}
+
+std::uint64_t seed_of(const std::string& key) { return std::hash<std::string>{}(key); }
+
+// Stores pages [0, pages) of `tokens` directly into `storage` (data derived from each key), as
+// an earlier engine's backup would have; `skip` leaves one page out.
+void seed_storage(StorageBackend& storage, const HostKVPool& like,
+                  std::span<const std::int32_t> tokens, int pages, int skip = -1) {
+  PageKeyer keyer(test_ns());
+  std::vector<std::string> keys;
+  keyer.keys(tokens.first(static_cast<std::size_t>(pages * kPage)), nullptr, keys);
+  HostDevice device;
+  HostKVPool scratch(device, like.geometry(), like.host_layout(), kPage);
+  std::vector<std::byte> bytes(static_cast<std::size_t>(like.geometry().page_bytes()));
+  for (int i = 0; i < pages; ++i) {
+    if (i == skip) continue;
+    fill_page(scratch.layout(), 0, seed_of(keys[i]));
+    scratch.copy_page_out(0, bytes);
+    const std::vector<std::string> k = {keys[i]};
+    const std::vector<ConstByteSpan> src = {bytes};
+    ASSERT_TRUE(storage.batch_set(k, src)[0].is_ok());
+  }
+}
+
+PrefetchResult wait_and_terminate(StorageController& c, PrefetchOperation& op) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (op.stage() == PrefetchStage::kQueued || op.stage() == PrefetchStage::kLoading) {
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::yield();
+  }
+  return c.terminate_prefetch(op);
+}
+
+// Every page handed over holds the bytes of its key.
+void expect_pages_verify(const HostKVPool& host, const PrefetchResult& r) {
+  ASSERT_EQ(r.host_slots.size(), r.keys.size() * kPage);
+  for (std::size_t i = 0; i < r.keys.size(); ++i) {
+    const std::int64_t page = r.host_slots[i * kPage] / kPage;
+    EXPECT_TRUE(verify_page(host.layout(), page, seed_of(r.keys[i]))) << r.keys[i];
+    EXPECT_EQ(host.page_state(page), PageState::kBackup);
+  }
+}
+
+class PrefetchLayouts : public ::testing::TestWithParam<HostLayout> {};
+
+TEST_P(PrefetchLayouts, ReadsTheLeadingHitIntoHostPagesByteForByte) {
+  Rank r(GetParam(), str_cat("pf", static_cast<int>(GetParam())));
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 2});
+  const auto tokens = tokens_for(7, 1);
+  seed_storage(r.file, r.host, tokens, 6, /*skip=*/4);  // hit: pages 0-3
+  const std::int64_t free_before = r.host.free_tokens();
+  auto op = c.prefetch("req-1", tokens);
+  ASSERT_TRUE(op);
+  const PrefetchResult res = wait_and_terminate(c, *op);
+  EXPECT_EQ(op->hit_tokens(), 4 * kPage);
+  EXPECT_EQ(res.tokens, 4 * kPage) << op->error();
+  expect_pages_verify(r.host, res);
+  EXPECT_EQ(r.host.free_tokens(), free_before - 4 * kPage) << "exactly the hit is held";
+  EXPECT_EQ(c.prefetch_tokens_held(), 0);
+  r.host.free(res.host_slots);
+  EXPECT_EQ(r.host.free_tokens(), free_before);
+}
+
+INSTANTIATE_TEST_SUITE_P(StorageController, PrefetchLayouts,
+                         ::testing::Values(HostLayout::kLayerFirst, HostLayout::kPageFirst));
+
+TEST(StorageController, PrefetchBelowThresholdIsRevokedAndHoldsNothing) {
+  Rank r(HostLayout::kPageFirst, "thr");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local,
+                      {.prefetch_threshold_tokens = 3 * kPage});
+  const auto tokens = tokens_for(4, 2);
+  seed_storage(r.file, r.host, tokens, 2);
+  const std::int64_t free_before = r.host.free_tokens();
+  auto op = c.prefetch("short", tokens);
+  const PrefetchResult res = wait_and_terminate(c, *op);
+  EXPECT_EQ(op->stage(), PrefetchStage::kTerminated);
+  EXPECT_EQ(res.tokens, 0);
+  std::vector<std::string> revoked;
+  c.drain_revokes(revoked);
+  EXPECT_EQ(revoked, std::vector<std::string>{"short"});
+  EXPECT_EQ(r.host.free_tokens(), free_before);
+  EXPECT_THROW(c.terminate_prefetch(*op), StateError) << "terminated twice";
+}
+
+TEST(StorageController, PrefetchPastTheBudgetIsDeclined) {
+  Rank r(HostLayout::kPageFirst, "budget");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local,
+                      {.prefetch_budget_tokens = 3 * kPage});
+  const auto a = tokens_for(2, 3), b = tokens_for(2, 4);
+  seed_storage(r.file, r.host, a, 2);
+  seed_storage(r.file, r.host, b, 2);
+  auto first = c.prefetch("a", a);
+  while (first->stage() == PrefetchStage::kQueued) std::this_thread::yield();
+  EXPECT_EQ(c.prefetch_tokens_held(), 2 * kPage);
+  auto second = c.prefetch("b", b);  // 2 more pages would pass the budget of 3
+  const PrefetchResult rb = wait_and_terminate(c, *second);
+  EXPECT_EQ(rb.tokens, 0);
+  EXPECT_EQ(second->hit_tokens(), 0);
+  const PrefetchResult ra = wait_and_terminate(c, *first);
+  EXPECT_EQ(ra.tokens, 2 * kPage);
+  EXPECT_EQ(c.prefetch_tokens_held(), 0) << "credits come back on every path";
+  // With the credits back, b fits.
+  auto again = c.prefetch("b2", b);
+  EXPECT_EQ(wait_and_terminate(c, *again).tokens, 2 * kPage);
+}
+
+TEST(StorageController, StorageFailureMidPrefetchKeepsThePrefixAndLaterOnesWork) {
+  Rank r(HostLayout::kPageFirst, "midfail");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 2});
+  const auto tokens = tokens_for(6, 5);
+  seed_storage(r.file, r.host, tokens, 6);
+  const std::int64_t free_before = r.host.free_tokens();
+  r.storage.get_fail_from = 3;  // the server "dies" at the 4th page
+  auto op = c.prefetch("mid", tokens);
+  PrefetchResult res = wait_and_terminate(c, *op);
+  EXPECT_EQ(res.tokens, 3 * kPage);
+  EXPECT_NE(op->error().find("injected read failure"), std::string::npos) << op->error();
+  expect_pages_verify(r.host, res);
+  r.host.free(res.host_slots);
+  EXPECT_EQ(r.host.free_tokens(), free_before) << "the failed pages went back to the pool";
+  r.storage.get_fail_from = -1;
+  r.storage.throw_get = true;
+  op = c.prefetch("throws", tokens);
+  res = wait_and_terminate(c, *op);
+  EXPECT_EQ(res.tokens, 0);
+  EXPECT_NE(op->error().find("exploded"), std::string::npos) << op->error();
+  r.storage.throw_get = false;
+  op = c.prefetch("after", tokens);
+  res = wait_and_terminate(c, *op);
+  EXPECT_EQ(res.tokens, 6 * kPage) << "the threads survived: L3 is still on";
+  r.host.free(res.host_slots);
+  EXPECT_EQ(r.host.free_tokens(), free_before);
+}
+
+TEST(StorageController, TerminateRacingTheWorkerFreesEveryPageExactlyOnce) {
+  Rank r(HostLayout::kPageFirst, "race");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 1});
+  const auto tokens = tokens_for(8, 6);
+  seed_storage(r.file, r.host, tokens, 8);
+  const std::int64_t free_before = r.host.free_tokens();
+  int full = 0, cut = 0;
+  for (int i = 0; i < 300; ++i) {
+    auto op = c.prefetch(str_cat("race-", i), tokens);
+    // Terminate at once, once the first page is in, or once the op is done.
+    if (i % 3 == 1) {
+      while (op->completed_tokens() == 0 && op->stage() != PrefetchStage::kRevoked &&
+             op->stage() != PrefetchStage::kFinished) {
+        std::this_thread::yield();
+      }
+    } else if (i % 3 == 2) {
+      while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
+        std::this_thread::yield();
+      }
+    }
+    const PrefetchResult res = c.terminate_prefetch(*op);
+    ASSERT_EQ(res.tokens % kPage, 0);
+    ASSERT_LE(res.tokens, 8 * kPage);
+    ASSERT_GE(res.tokens, i % 3 == 0 ? 0 : i % 3 == 1 ? kPage : 8 * kPage) << "round " << i;
+    (res.tokens == 8 * kPage ? full : cut) += 1;
+    expect_pages_verify(r.host, res);
+    if (!res.host_slots.empty()) r.host.free(res.host_slots);
+    ASSERT_EQ(r.host.free_tokens(), free_before) << "round " << i;
+  }
+  EXPECT_EQ(c.prefetch_tokens_held(), 0);
+  EXPECT_EQ(r.host.count_in_state(PageState::kFree), r.host.num_pages());
+  EXPECT_GE(full, 100);
+  EXPECT_GT(cut, 0) << "terminate never cut an op short";
+}
+
+TEST(StorageController, FourRanksPrefetchTheMinimumAndAgree) {
+  constexpr int kRanks = 4;
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int i = 0; i < kRanks; ++i) {
+    ranks.push_back(std::make_unique<Rank>(HostLayout::kPageFirst, str_cat("tp4-", i)));
+  }
+  Comms comms(kRanks);
+  const auto tokens = tokens_for(8, 7);
+  std::vector<std::unique_ptr<StorageController>> ctl;
+  for (int i = 0; i < kRanks; ++i) {
+    seed_storage(ranks[i]->file, ranks[i]->host, tokens, 3 + i);  // rank i holds 3 + i pages
+    ctl.push_back(std::make_unique<StorageController>(
+        ranks[i]->host, ranks[i]->storage, test_ns(), *comms.prefetch[i], *comms.backup[i],
+        *comms.main[i], StorageControllerConfig{.io_batch_pages = 2}));
+  }
+  std::vector<PrefetchResult> results(kRanks);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRanks; ++i) {
+    threads.emplace_back([&, i] {
+      for (int round = 0; round < 20; ++round) {
+        auto op = ctl[i]->prefetch(str_cat("r", round), tokens);
+        results[i] = wait_and_terminate(*ctl[i], *op);
+        if (round + 1 < 20) ranks[i]->host.free(results[i].host_slots);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kRanks; ++i) {
+    EXPECT_EQ(results[i].tokens, 3 * kPage) << "rank " << i;
+    EXPECT_EQ(results[i].keys, results[0].keys);
+    expect_pages_verify(ranks[i]->host, results[i]);
+  }
+  EXPECT_EQ(comms.divergence(), "");
+}
+
+TEST(StorageController, PoliciesDecideWhenTerminateMayRun) {
+  Rank r(HostLayout::kPageFirst, "policy");
+  LocalCollective local;
+  const auto tokens = tokens_for(2, 8);
+  seed_storage(r.file, r.host, tokens, 2);
+  for (auto policy : {PrefetchPolicy::kBestEffort, PrefetchPolicy::kWaitComplete,
+                      PrefetchPolicy::kTimeout}) {
+    StorageController c(r.host, r.storage, test_ns(), local, local, local,
+                        {.policy = policy, .timeout_base = std::chrono::milliseconds(0),
+                         .timeout_per_page = std::chrono::milliseconds(0)});
+    auto op = c.prefetch("p", tokens);
+    if (policy != PrefetchPolicy::kWaitComplete) {
+      EXPECT_TRUE(c.can_terminate(*op)) << "best effort at once; timeout of 0 ms expired";
+    }
+    while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
+      std::this_thread::yield();
+    }
+    EXPECT_TRUE(c.can_terminate(*op));
+    const auto res = c.terminate_prefetch(*op);
+    r.host.free(res.host_slots);
+  }
+  StorageController slow(r.host, r.storage, test_ns(), local, local, local,
+                         {.policy = PrefetchPolicy::kTimeout,
+                          .timeout_base = std::chrono::milliseconds(60000)});
+  StorageController patient(r.host, r.storage, test_ns(), local, local, local,
+                            {.policy = PrefetchPolicy::kWaitComplete});
+  std::shared_ptr<PrefetchOperation> op, op2;
+  {
+    std::lock_guard hold(r.storage.gate);  // both ops stay in their hit query
+    op = slow.prefetch("q", tokens);
+    op2 = patient.prefetch("q2", tokens);
+    EXPECT_FALSE(slow.can_terminate(*op)) << "not finished, timeout a minute away";
+    EXPECT_FALSE(patient.can_terminate(*op2)) << "not finished";
+  }
+  r.host.free(wait_and_terminate(patient, *op2).host_slots);
+  r.host.free(wait_and_terminate(slow, *op).host_slots);
 }
 
 }  // namespace
