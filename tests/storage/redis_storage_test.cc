@@ -491,6 +491,19 @@ TEST_F(RedisStorageFaults, ValueOverTheServerLimitIsAClearErrorAndTheStoreStaysU
   EXPECT_EQ(redis_cli(server_.port(), {"exists", "huge"}), "0\n");
 }
 
+// Without CONFIG the client cannot learn the limit: the server itself refuses the value (an
+// error reply, then it closes the connection), which must still end as per-key errors.
+TEST_F(RedisStorageFaults, ServerRefusingAValueUnannouncedIsAPerKeyErrorToo) {
+  start({"--proto-max-bulk-len", "1mb", "--rename-command", "CONFIG", ""});
+  auto s = open_redis(server_.port(), R"("connections": 1)");
+  put_ok(*s, {"before"}, 4096);
+  const auto r = put(*s, {"huge", "after"}, 2 << 20);
+  ASSERT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_FALSE(r[0].reason.empty());
+  put_ok(*s, {"small"}, 4096);  // a new connection
+  expect_all(get(*s, {"before", "small"}, 4096), IoStatus::kOk);
+}
+
 // ---- a 3-node cluster ----
 
 class RedisClusterTest : public ::testing::Test {
