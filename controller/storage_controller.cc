@@ -2,6 +2,7 @@
 #include "controller/drain_queue.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "pools/paged_token_allocator.h"
 #include "transfer/errors.h"
@@ -14,6 +15,35 @@ PrefetchPolicy parse_prefetch_policy(std::string_view name) {
   if (name == "timeout") return PrefetchPolicy::kTimeout;
   throw InvalidArgument(str_cat("prefetch policy '", name,
                                 "' (valid: best_effort, wait_complete, timeout)"));
+}
+
+BudgetCredit BudgetCredit::take(std::shared_ptr<std::atomic<std::int64_t>> used,
+                                std::int64_t tokens, std::int64_t limit) {
+  BudgetCredit credit;
+  std::int64_t now = used->load();
+  while (now + tokens <= limit) {
+    if (used->compare_exchange_weak(now, now + tokens)) {
+      credit.used_ = std::move(used);
+      credit.tokens_ = tokens;
+      break;
+    }
+  }
+  return credit;
+}
+
+BudgetCredit& BudgetCredit::operator=(BudgetCredit&& other) noexcept {
+  if (this != &other) {
+    release();
+    used_ = std::move(other.used_);
+    tokens_ = std::exchange(other.tokens_, 0);
+  }
+  return *this;
+}
+
+void BudgetCredit::release() {
+  if (used_) *used_ -= tokens_;
+  used_.reset();
+  tokens_ = 0;
 }
 
 PrefetchOperation::PrefetchOperation(std::string request_id, std::vector<std::int32_t> tokens,
@@ -218,17 +248,12 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   const std::int64_t want = agreed_hit[0] * page_size_;
   std::int64_t got = 0;
   try {
-    std::int64_t used = budget_used_.load();
-    bool credited = false;
-    while (used + want <= config_.prefetch_budget_tokens &&
-           !(credited = budget_used_.compare_exchange_weak(used, used + want))) {
-    }
-    if (credited) {
-      op.budget_tokens_ = want;
+    op.budget_ = BudgetCredit::take(budget_used_, want, config_.prefetch_budget_tokens);
+    if (op.budget_.tokens() == want) {
       if (host_.alloc(want, op.slots_)) {
         got = agreed_hit[0];
       } else {
-        release_budget(op);
+        op.budget_.release();
       }
     }
   } catch (const std::exception& e) {
@@ -241,7 +266,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   if (agreed_got[0] < agreed_hit[0]) {  // some rank is short: abort everywhere
     if (!op.slots_.empty()) host_.free(op.slots_);
     op.slots_.clear();
-    release_budget(op);
+    op.budget_.release();
     revoke(op);
     return;
   }
@@ -272,11 +297,6 @@ void StorageController::finish(PrefetchOperation& op) {
     if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
   }
   op.cv_.notify_all();
-}
-
-void StorageController::release_budget(PrefetchOperation& op) {
-  budget_used_ -= op.budget_tokens_;
-  op.budget_tokens_ = 0;
 }
 
 void StorageController::prefetch_io_loop() {
@@ -398,7 +418,7 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
     result.tokens = static_cast<std::int64_t>(keep);
     result.host_slots.assign(slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(keep));
     result.keys.assign(op.keys_.begin(), op.keys_.begin() + static_cast<std::ptrdiff_t>(agreed));
-    release_budget(op);
+    op.budget_.release();
   }
   {
     std::lock_guard lock(op.mu_);

@@ -89,6 +89,27 @@ enum class PrefetchStage {
 
 class StorageController;
 
+// Prefetch budget credits (host tokens held by prefetches). A credit gives its tokens back when
+// released or destroyed, whichever comes first, so no path (error, revoke, stop, an op dropped
+// by its owner) can leak budget and turn L3 off. The counter is shared so that a credit may
+// outlive the controller.
+class BudgetCredit {
+ public:
+  BudgetCredit() = default;
+  // Takes `tokens` from `used` if that keeps it within `limit`; empty (tokens() == 0) otherwise.
+  static BudgetCredit take(std::shared_ptr<std::atomic<std::int64_t>> used, std::int64_t tokens,
+                           std::int64_t limit);
+  BudgetCredit(BudgetCredit&& other) noexcept { *this = std::move(other); }
+  BudgetCredit& operator=(BudgetCredit&& other) noexcept;
+  ~BudgetCredit() { release(); }
+  void release();
+  std::int64_t tokens() const { return tokens_; }
+
+ private:
+  std::shared_ptr<std::atomic<std::int64_t>> used_;
+  std::int64_t tokens_ = 0;
+};
+
 // The handle of one prefetch. Thread-safe to query.
 class PrefetchOperation {
  public:
@@ -122,7 +143,7 @@ class PrefetchOperation {
   std::atomic<std::int64_t> completed_pages_{0};
   std::vector<std::string> keys_;      // the agreed hit's keys
   std::vector<std::int64_t> slots_;    // host slots reserved for them
-  std::int64_t budget_tokens_ = 0;     // credits held
+  BudgetCredit budget_;                // credits held while host pages are reserved
 };
 
 struct PrefetchResult {
@@ -176,7 +197,7 @@ class StorageController {
   // returns the prefix. Throws StateError when called twice for one op.
   PrefetchResult terminate_prefetch(PrefetchOperation& op);
   // Host tokens held by prefetches now.
-  std::int64_t prefetch_tokens_held() const { return budget_used_.load(); }
+  std::int64_t prefetch_tokens_held() const { return budget_used_->load(); }
 
   // Ops that ended in an exception (backend or collective failure), since construction.
   std::int64_t failed_ops() const { return failed_ops_.load(); }
@@ -206,7 +227,6 @@ class StorageController {
   void read_pages(PrefetchOperation& op);
   void revoke(PrefetchOperation& op);
   void finish(PrefetchOperation& op);
-  void release_budget(PrefetchOperation& op);
   BackupAck run_backup(const BackupOp& op);
   // Writes the pages [begin, end) of op; returns how many leading pages are stored.
   std::int64_t write_batch(const BackupOp& op, std::size_t begin, std::size_t end,
@@ -220,7 +240,8 @@ class StorageController {
   Collective& main_collective_;
   StorageControllerConfig config_;
   std::int64_t page_size_;
-  std::atomic<std::int64_t> budget_used_{0};
+  std::shared_ptr<std::atomic<std::int64_t>> budget_used_ =
+      std::make_shared<std::atomic<std::int64_t>>(0);
 
   OpQueue<PrefetchTask> prefetch_queue_;
   OpQueue<PrefetchTask> prefetch_io_queue_;

@@ -512,5 +512,25 @@ TEST(StorageController, PoliciesDecideWhenTerminateMayRun) {
   r.host.free(wait_and_terminate(slow, *op).host_slots);
 }
 
+TEST(StorageController, BudgetCreditsComeBackOnEveryPath) {
+  auto used = std::make_shared<std::atomic<std::int64_t>>(0);
+  {
+    BudgetCredit a = BudgetCredit::take(used, 6, 10);
+    EXPECT_EQ(a.tokens(), 6);
+    BudgetCredit refused = BudgetCredit::take(used, 5, 10);
+    EXPECT_EQ(refused.tokens(), 0) << "6 + 5 passes the limit of 10";
+    EXPECT_EQ(used->load(), 6);
+    BudgetCredit moved = std::move(a);
+    EXPECT_EQ(a.tokens(), 0);
+    EXPECT_EQ(used->load(), 6) << "a move keeps one owner";
+    BudgetCredit b = BudgetCredit::take(used, 4, 10);
+    EXPECT_EQ(used->load(), 10);
+    b.release();
+    b.release();
+    EXPECT_EQ(used->load(), 6) << "released once only";
+  }
+  EXPECT_EQ(used->load(), 0) << "destruction returns what is left";
+}
+
 }  // namespace
 }  // namespace hicache
