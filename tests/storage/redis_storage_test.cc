@@ -504,6 +504,21 @@ TEST_F(RedisStorageFaults, ServerRefusingAValueUnannouncedIsAPerKeyErrorToo) {
   expect_all(get(*s, {"before", "small"}, 4096), IoStatus::kOk);
 }
 
+TEST_F(RedisStorageFaults, PasswordIsSentAtConnect) {
+  start({"--requirepass", "s3cret"});
+  auto s = open_redis(server_.port(), R"("password": "s3cret")");
+  put_ok(*s, {"locked"}, 4096);
+  expect_all(get(*s, {"locked"}, 4096), IoStatus::kOk);
+  auto anonymous = open_redis(server_.port());
+  const auto r = get(*anonymous, {"locked"}, 4096);
+  ASSERT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("NOAUTH"), std::string::npos) << r[0].reason;
+  auto wrong = open_redis(server_.port(), R"("password": "nope")");
+  const auto w = get(*wrong, {"locked"}, 4096);
+  ASSERT_EQ(w[0].status, IoStatus::kError);
+  EXPECT_NE(w[0].reason.find("AUTH refused"), std::string::npos) << w[0].reason;
+}
+
 // ---- a 3-node cluster ----
 
 class RedisClusterTest : public ::testing::Test {
