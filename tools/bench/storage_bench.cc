@@ -2,7 +2,9 @@
 //   page keys: chained SHA-256 over 64-token pages (pages/s; target >= 1M/s);
 //   FileStorage batch_exists from the in-memory index (keys/s; target >= 1M/s);
 //   FileStorage batch_set / batch_get of 8 MiB and 256 KiB pages (GB/s) against fio on the same
-//   directory: sequential 1 MiB blocks, buffered and O_DIRECT (target >= 0.8 of fio buffered).
+//   directory: sequential 1 MiB blocks, buffered and O_DIRECT (target >= 0.8 of fio buffered);
+//   StorageController backup and prefetch through FileStorage, same shapes, against the store's
+//   own batch_set / batch_get (target >= 0.9).
 // The directory is $HICACHE_BENCH_DIR (default /var/tmp); fio is optional (without it the
 // baseline lines say so).
 #include <benchmark/benchmark.h>
@@ -17,11 +19,14 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 
+#include "controller/storage_controller.h"
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
 #include "storage/page_key.h"
 #include "transfer/errors.h"
+#include "transfer/host_device.h"
 #include "transfer/host_memory.h"
 
 namespace {
@@ -141,6 +146,141 @@ BENCHMARK(BM_FileSet)->Args({8192, 16})->Args({256, 256})->Iterations(4)->Repeti
 BENCHMARK(BM_FileGet)->Args({8192, 16})->Args({256, 256})->Repetitions(3)
     ->ReportAggregatesOnly(true)->UseRealTime()->Unit(benchmark::kMillisecond);
 
+// A page_first host pool of `pages` pages of `page_bytes` (32 layers x 8 heads x 128 dims fp16:
+// 128 KiB per token, so 8 MiB pages hold 64 tokens and 256 KiB pages 2), a file store and a
+// storage controller on one rank.
+struct ControllerRig {
+  HostDevice device;
+  KVGeometry g;
+  HostKVPool host;
+  fs::path dir;
+  FileStorage store;
+  LocalCollective local;
+  StorageController ctl;
+  ControllerRig(std::size_t page_bytes, std::size_t pages, const char* name, std::uint64_t capacity)
+      : g(KVGeometry::mha(32, 8, 128, DType::kFloat16,
+                          static_cast<std::int32_t>(page_bytes / (128 << 10)))),
+        host(device, g, HostLayout::kPageFirst, static_cast<std::int64_t>(2 * pages) * g.page_size),
+        dir(bench_dir() / name),
+        store(FileStorageConfig{.root = dir.string(), .capacity_bytes = capacity}),
+        ctl(host, store, ns(), local, local, local,
+            {.io_batch_pages = static_cast<std::int64_t>(std::min<std::size_t>(pages, 64))}) {}
+  KeyNamespace ns() const {
+    KeyNamespace k = bench_ns();
+    k.page_size = g.page_size;
+    return k;
+  }
+  ~ControllerRig() {
+    ctl.stop();
+    store.clear();
+    store.flush_trash();
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+// Paired measurements (disk figures drift within seconds here): each iteration times the
+// store's own call and the controller's op on the same bytes, alternating which goes first, and
+// reports both rates and their ratio.
+using Clock = std::chrono::steady_clock;
+
+void report_pair(benchmark::State& state, double bytes, double store_s, double ctl_s) {
+  state.counters["store_GBps"] = bytes / store_s / 1e9;
+  state.counters["controller_GBps"] = bytes / ctl_s / 1e9;
+  state.counters["ratio"] = store_s / ctl_s;
+}
+
+void BM_BackupVsSet(benchmark::State& state) {
+  const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
+  const auto pages = static_cast<std::size_t>(state.range(1));
+  ControllerRig rig(page_bytes, pages, "backup", 8 * pages * (page_bytes + 4096));
+  const auto slots = *rig.host.alloc(static_cast<std::int64_t>(pages) * rig.g.page_size);
+  std::vector<ConstByteSpan> spans;
+  for (std::size_t i = 0; i < pages; ++i) {
+    const std::int64_t page = slots[i * rig.g.page_size] / rig.g.page_size;
+    fill_page(rig.host.layout(), page, i);
+    spans.push_back(rig.host.page_bytes(page));
+  }
+  std::vector<BackupAck> acks;
+  double store_s = 0, ctl_s = 0;
+  std::uint64_t round = 0;
+  for (auto _ : state) {
+    std::vector<std::string> set_keys, backup_keys;
+    for (std::size_t i = 0; i < pages; ++i) {
+      set_keys.push_back(str_cat("s", round, "-", i));
+      backup_keys.push_back(str_cat("b", round, "-", i));
+    }
+    for (int half = 0; half < 2; ++half) {
+      const auto t0 = Clock::now();
+      if ((half + round) % 2 == 0) {
+        for (const auto& r : rig.store.batch_set(set_keys, spans)) {
+          if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
+        }
+        store_s += std::chrono::duration<double>(Clock::now() - t0).count();
+      } else {
+        rig.ctl.write_storage(slots, backup_keys);
+        acks.clear();
+        while (rig.ctl.drain_backup_acks(acks) == 0) std::this_thread::yield();
+        if (acks[0].completed_tokens != acks[0].total_tokens) {
+          state.SkipWithError(acks[0].error.c_str());
+        }
+        ctl_s += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    }
+    ++round;
+  }
+  report_pair(state, static_cast<double>(state.iterations() * pages * page_bytes), store_s, ctl_s);
+}
+
+void BM_PrefetchVsGet(benchmark::State& state) {
+  const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
+  const auto pages = static_cast<std::size_t>(state.range(1));
+  ControllerRig rig(page_bytes, pages, "prefetch", 0);
+  std::vector<std::int32_t> tokens(pages * static_cast<std::size_t>(rig.g.page_size));
+  std::iota(tokens.begin(), tokens.end(), 11);
+  PageKeyer keyer(rig.ns());
+  std::vector<std::string> keys;
+  keyer.keys(tokens, nullptr, keys);
+  const auto slots = *rig.host.alloc(static_cast<std::int64_t>(tokens.size()));
+  std::vector<ByteSpan> spans;
+  for (std::size_t i = 0; i < pages; ++i) {
+    spans.push_back(rig.host.page_bytes(slots[i * rig.g.page_size] / rig.g.page_size));
+  }
+  rig.ctl.write_storage(slots, keys);
+  std::vector<BackupAck> acks;
+  while (rig.ctl.drain_backup_acks(acks) == 0) std::this_thread::yield();
+  double store_s = 0, ctl_s = 0;
+  std::uint64_t round = 0;
+  for (auto _ : state) {
+    for (int half = 0; half < 2; ++half) {
+      const auto t0 = Clock::now();
+      if ((half + round) % 2 == 0) {
+        for (const auto& r : rig.store.batch_get(keys, spans)) {
+          if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
+        }
+        store_s += std::chrono::duration<double>(Clock::now() - t0).count();
+      } else {
+        auto op = rig.ctl.prefetch("bench", tokens);
+        while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
+          std::this_thread::yield();
+        }
+        const PrefetchResult res = rig.ctl.terminate_prefetch(*op);
+        if (res.tokens != static_cast<std::int64_t>(tokens.size())) {
+          state.SkipWithError("short prefetch");
+        }
+        rig.host.free(res.host_slots);
+        ctl_s += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    }
+    ++round;
+  }
+  report_pair(state, static_cast<double>(state.iterations() * pages * page_bytes), store_s, ctl_s);
+}
+BENCHMARK(BM_BackupVsSet)->Args({8192, 16})->Args({256, 256})->Iterations(6)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PrefetchVsGet)->Args({8192, 16})->Args({256, 256})->Iterations(20)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
@@ -152,9 +292,17 @@ class RatioReporter : public benchmark::ConsoleReporter {
       if (auto it = run.counters.find("items_per_second"); it != run.counters.end()) {
         items_per_s[run.benchmark_name()] = it->second;
       }
+      if (auto it = run.counters.find("ratio"); it != run.counters.end()) {
+        pairs[run.benchmark_name()] = {run.counters.at("controller_GBps"),
+                                       run.counters.at("store_GBps"), it->second};
+      }
     }
   }
   std::map<std::string, double> bytes_per_s, items_per_s;
+  struct Pair {
+    double controller, store, ratio;
+  };
+  std::map<std::string, Pair> pairs;
 };
 
 // fio shaped like a benchmark: `files` new files of `file_bytes`, written then read sequentially
@@ -211,6 +359,11 @@ int main(int argc, char** argv) {
   if (ips.count("BM_FileExists")) {
     std::printf("file batch_exists, 4096 keys per batch: %.2f M keys/s (target >= 1)\n",
                 ips["BM_FileExists"] / 1e6);
+  }
+  for (const auto& [name, p] : reporter.pairs) {
+    std::printf("%s: controller %.2f GB/s, the store's own call %.2f GB/s, ratio %.2f "
+                "(target >= 0.9)\n",
+                name.c_str(), p.controller, p.store, p.ratio);
   }
   bool any_file = false;
   for (const auto& [name, v] : bps) any_file |= name.rfind("BM_File", 0) == 0;
