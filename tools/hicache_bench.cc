@@ -1,9 +1,11 @@
 // hicache-bench: the main job. Until the synthetic workload lands (issue: hicache-bench), it
-// runs a smoke round trip through the controller and prints what it did: it builds the device
+// runs a smoke round trip through all three tiers and prints what it did: it builds the device
 // and host KV pools on the chosen device backend, writes pages whose bytes derive from their
 // keys into device memory, backs them up to host through the write thread (L1 -> L2), loads
-// them back into fresh device pages layer by layer through the load thread (L2 -> L1), and
-// verifies every byte at both ends.
+// them back into fresh device pages layer by layer through the load thread (L2 -> L1), backs
+// the host pages up to a file store in a temporary directory (L2 -> L3, the backup thread),
+// drops them from host memory and prefetches them back (L3 -> L2: hit query, reservation,
+// read, terminate), verifying every byte at every step.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,7 +19,12 @@
 #include <span>
 #include <thread>
 
+#include <filesystem>
+#include <unistd.h>
+
 #include "controller/hicache_controller.h"
+#include "controller/storage_controller.h"
+#include "storage/file_storage.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
 #include "pools/kv_pattern.h"
@@ -37,6 +44,7 @@ struct Options {
   int layers = 32, heads = 8, head_dim = 128, page_size = 64;
   long pages = 32;  // pages moved each way (the device pool holds twice that)
   double host_ratio = 2.0;
+  std::string storage_dir;  // empty: a temporary directory
 };
 
 constexpr const char* kUsage = R"(usage: hicache-bench [options]
@@ -47,6 +55,8 @@ constexpr const char* kUsage = R"(usage: hicache-bench [options]
   --layers N --heads N --head-dim N --page-size N   KV geometry (default 32 8 128 64)
   --pages N                   pages to move each way (default 32)
   --host-ratio X              host pool size as a ratio of the device pool (default 2)
+  --storage-dir DIR           file store root (default: a fresh directory under /tmp, removed
+                              at the end)
   --help
 )";
 
@@ -84,6 +94,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--head-dim") o.head_dim = static_cast<int>(parse_long(flag, value));
     else if (flag == "--page-size") o.page_size = static_cast<int>(parse_long(flag, value));
     else if (flag == "--pages") o.pages = parse_long(flag, value);
+    else if (flag == "--storage-dir") o.storage_dir = value;
     else if (flag == "--host-ratio") {
       char* end = nullptr;
       o.host_ratio = std::strtod(value, &end);
@@ -202,12 +213,82 @@ int run(const Options& o) {
               "(%.2f GB/s)\n",
               o.pages, bytes / 1048576.0, load_s, bytes / load_s / 1e9);
   controller.evict_device(*back, host_slots);
-  controller.evict_host(host_slots);
+
+  // 4. L2 -> L3: back the host pages up to a file store under their chained page keys.
+  namespace fs = std::filesystem;
+  const bool temporary = o.storage_dir.empty();
+  const fs::path root = temporary ? fs::temp_directory_path() /
+                                        str_cat("hicache-bench-", ::getpid())
+                                  : fs::path(o.storage_dir);
+  long storage_pages = 0;
+  {
+    hicache::FileStorage store(hicache::FileStorageConfig{.root = root.string()});
+    hicache::LocalCollective local;
+    const hicache::KeyNamespace ns{.model = "hicache-bench", .fingerprint = "smoke",
+                                   .dtype = o.dtype, .layout = o.layout,
+                                   .page_size = o.page_size};
+    hicache::StorageController storage(host_pool, store, ns, local, local, local);
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(o.pages * o.page_size));
+    for (std::size_t t = 0; t < tokens.size(); ++t) tokens[t] = static_cast<std::int32_t>(t * 7 + 1);
+    hicache::PageKeyer keyer(ns);
+    std::vector<std::string> keys;
+    keyer.keys(tokens, nullptr, keys);
+    t0 = Clock::now();
+    storage.write_storage(host_slots, keys);
+    std::vector<hicache::BackupAck> backup;
+    while (storage.drain_backup_acks(backup) == 0) std::this_thread::yield();
+    const double backup_s = seconds_since(t0);
+    if (backup[0].completed_tokens != backup[0].total_tokens) {
+      std::fprintf(stderr, "[hicache-bench] backup stored %lld of %lld tokens: %s\n",
+                   static_cast<long long>(backup[0].completed_tokens),
+                   static_cast<long long>(backup[0].total_tokens), backup[0].error.c_str());
+      ++failed;
+    }
+    // The host copy goes; storage holds the only copy now.
+    controller.evict_host(host_slots);
+
+    // 5. L3 -> L2: prefetch the sequence back into fresh host pages.
+    t0 = Clock::now();
+    auto op = storage.prefetch("smoke", tokens);
+    while (op->stage() == hicache::PrefetchStage::kQueued ||
+           op->stage() == hicache::PrefetchStage::kLoading) {
+      std::this_thread::yield();
+    }
+    const hicache::PrefetchResult got = storage.terminate_prefetch(*op);
+    const double prefetch_s = seconds_since(t0);
+    storage_pages = static_cast<long>(got.keys.size());
+    if (storage_pages != o.pages) {
+      std::fprintf(stderr, "[hicache-bench] prefetch returned %ld of %ld pages: %s\n",
+                   storage_pages, o.pages, op->error().c_str());
+      ++failed;
+    }
+    std::vector<std::int64_t> fetched_pages;
+    hicache::slots_to_pages(got.host_slots, o.page_size, host_pool.num_pages(), "smoke",
+                            fetched_pages);
+    for (std::size_t i = 0; i < fetched_pages.size(); ++i) {
+      bad += !hicache::verify_page(host_pool.layout(), fetched_pages[i], 1000 + src_pages[i]);
+    }
+    if (!got.host_slots.empty()) host_pool.free(got.host_slots);
+    std::printf("[hicache-bench] L2->L3: backup of %ld pages to %s, %.1f MiB in %.4f s "
+                "(%.2f GB/s)\n",
+                o.pages, root.c_str(), bytes / 1048576.0, backup_s, bytes / backup_s / 1e9);
+    std::printf("[hicache-bench] L3->L2: prefetch of %ld pages (hit query, reservation, read), "
+                "%.1f MiB in %.4f s (%.2f GB/s)\n",
+                storage_pages, bytes / 1048576.0, prefetch_s, bytes / prefetch_s / 1e9);
+    if (temporary) {
+      store.clear();
+      store.flush_trash();
+    }
+  }
+  if (temporary) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
   const bool clean = host_pool.free_tokens() == host_pool.capacity_tokens() &&
                      allocator.free_tokens() == allocator.capacity_tokens();
-  std::printf("[hicache-bench] verified %ld pages at both ends: %ld mismatches, %ld failed acks; "
-              "pools clean: %s\n",
-              2 * o.pages, bad, failed, clean ? "yes" : "no");
+  std::printf("[hicache-bench] verified %ld pages across L1, L2 and L3: %ld mismatches, %ld "
+              "failures; pools clean: %s\n",
+              2 * o.pages + storage_pages, bad, failed, clean ? "yes" : "no");
   return bad == 0 && failed == 0 && clean ? 0 : 1;
 }
 
