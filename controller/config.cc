@@ -62,7 +62,11 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
   reject_unknown(root,
                  {"device", "page_size", "device_tokens", "model", "host_ratio", "host_bytes",
                   "host_tokens", "host_layout", "io_backend", "write_policy", "layer_slots",
-                  "queue_capacity", "kernel_max_blocks"},
+                  "queue_capacity", "kernel_max_blocks", "storage", "model_name",
+                  "model_fingerprint", "prefetch_policy", "prefetch_threshold_tokens",
+                  "prefetch_budget_tokens", "prefetch_timeout_base_ms",
+                  "prefetch_timeout_per_page_ms", "prefetch_timeout_cap_ms",
+                  "storage_batch_pages"},
                  "");
   HiCacheConfig c;
   c.device = get<std::string>(root, "device", "auto");
@@ -95,6 +99,33 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
     throw InvalidArgument(str_cat("config: kernel_max_blocks must be >= 0, got ",
                                   c.controller.kernel_max_blocks));
   }
+  // L3: the backend's own object is validated by make_storage when the engine builds it; here it
+  // only has to be an object.
+  if (root.contains("storage")) {
+    if (!root["storage"].is_object()) throw InvalidArgument("config: 'storage' must be an object");
+    c.storage = root["storage"].dump();
+  }
+  c.model_name = get<std::string>(root, "model_name", c.model_name);
+  c.model_fingerprint = get<std::string>(root, "model_fingerprint", c.model_fingerprint);
+  auto& s = c.storage_controller;
+  s.policy = parse_prefetch_policy(get<std::string>(root, "prefetch_policy", "best_effort"));
+  const auto page = static_cast<std::int64_t>(c.geometry.page_size);
+  s.prefetch_threshold_tokens =
+      json_fields::get_int(root, "prefetch_threshold_tokens", page, 0, INT64_MAX, "config");
+  s.prefetch_budget_tokens = json_fields::get_int(root, "prefetch_budget_tokens",
+                                                  s.prefetch_budget_tokens, page, INT64_MAX,
+                                                  "config");
+  s.timeout_base = std::chrono::milliseconds(
+      json_fields::get_int(root, "prefetch_timeout_base_ms", s.timeout_base.count(), 0,
+                           INT32_MAX, "config"));
+  s.timeout_per_page = std::chrono::milliseconds(
+      json_fields::get_int(root, "prefetch_timeout_per_page_ms", s.timeout_per_page.count(), 0,
+                           INT32_MAX, "config"));
+  s.timeout_cap = std::chrono::milliseconds(json_fields::get_int(
+      root, "prefetch_timeout_cap_ms", s.timeout_cap.count(), 0, INT32_MAX, "config"));
+  s.io_batch_pages =
+      json_fields::get_int(root, "storage_batch_pages", s.io_batch_pages, 1, 1 << 20, "config");
+  s.mla = c.geometry.attention == AttentionKind::kMLA;
   return c;
 }
 

@@ -8,6 +8,13 @@
 //    "write_policy": "write_through_selective", "layer_slots": 3, "queue_capacity": 4096}
 //
 // Host size: exactly one of host_ratio, host_bytes, host_tokens (host_ratio 2.0 by default).
+//
+// L3 (optional): "storage" is the backend's object for make_storage (e.g. {"backend": "file",
+// "root": "/var/cache/hicache"}); "model_name" and "model_fingerprint" (the weights revision) go
+// into every page key's namespace; "prefetch_policy" (best_effort | wait_complete | timeout),
+// "prefetch_threshold_tokens" (default one page), "prefetch_budget_tokens" (default unlimited,
+// at least one page), "prefetch_timeout_base_ms" / "_per_page_ms" / "_cap_ms" (100 / 2 / 5000),
+// "storage_batch_pages" (16).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +22,7 @@
 #include <string_view>
 
 #include "controller/hicache_controller.h"
+#include "controller/storage_controller.h"
 #include "pools/host_kv_pool.h"
 #include "pools/kv_geometry.h"
 #include "pools/kv_layout.h"
@@ -28,6 +36,10 @@ struct HiCacheConfig {
   HostPoolSize host_size{.ratio = 2.0};
   HostLayout host_layout = HostLayout::kLayerFirst;
   ControllerConfig controller;
+  std::string storage;  // JSON object for make_storage; empty: no L3
+  std::string model_name = "model";
+  std::string model_fingerprint = "unversioned";
+  StorageControllerConfig storage_controller;
 
   // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
   static HiCacheConfig from_json_text(std::string_view text);

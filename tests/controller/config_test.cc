@@ -7,6 +7,14 @@
 namespace hicache {
 namespace {
 
+// The backend name inside a storage object, found without a JSON parser in the test.
+std::string storage_backend_name(const std::string& json) {
+  const auto at = json.find("\"backend\":\"");
+  if (at == std::string::npos) return "";
+  const auto begin = at + 11;
+  return json.substr(begin, json.find('"', begin) - begin);
+}
+
 constexpr const char* kFull = R"({
   "device": "host", "page_size": 64, "device_tokens": 8192,
   "model": {"attention": "mha", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
@@ -25,6 +33,30 @@ TEST(HiCacheConfig, ParsesEveryKey) {
   EXPECT_EQ(c.controller.layer_slots, 4);
   EXPECT_EQ(c.controller.queue_capacity, 16u);
   EXPECT_EQ(c.controller.kernel_max_blocks, 8);
+}
+
+TEST(HiCacheConfig, ParsesTheStorageKeys) {
+  const HiCacheConfig c = HiCacheConfig::from_json_text(R"({
+    "device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8},
+    "storage": {"backend": "file", "root": "/tmp/x"}, "model_name": "llama", "model_fingerprint": "r7",
+    "prefetch_policy": "timeout", "prefetch_threshold_tokens": 256,
+    "prefetch_budget_tokens": 4096, "prefetch_timeout_base_ms": 50,
+    "prefetch_timeout_per_page_ms": 1, "prefetch_timeout_cap_ms": 900, "storage_batch_pages": 8})");
+  EXPECT_EQ(storage_backend_name(c.storage), "file");
+  EXPECT_EQ(c.model_name, "llama");
+  EXPECT_EQ(c.model_fingerprint, "r7");
+  EXPECT_EQ(c.storage_controller.policy, PrefetchPolicy::kTimeout);
+  EXPECT_EQ(c.storage_controller.prefetch_threshold_tokens, 256);
+  EXPECT_EQ(c.storage_controller.prefetch_budget_tokens, 4096);
+  EXPECT_EQ(c.storage_controller.timeout_base.count(), 50);
+  EXPECT_EQ(c.storage_controller.timeout_per_page.count(), 1);
+  EXPECT_EQ(c.storage_controller.timeout_cap.count(), 900);
+  EXPECT_EQ(c.storage_controller.io_batch_pages, 8);
+  EXPECT_FALSE(c.storage_controller.mla);
+  const HiCacheConfig none = HiCacheConfig::from_json_text(
+      R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})");
+  EXPECT_EQ(none.storage, "") << "no L3 unless configured";
+  EXPECT_EQ(none.storage_controller.prefetch_threshold_tokens, 64) << "one page by default";
 }
 
 TEST(HiCacheConfig, DefaultsAndMla) {
@@ -66,6 +98,14 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "layer_slots": 0})", "layer_slots"},
       {R"({"device_tokens": 64})", "'model'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "prefetch_policy": "eager"})", "'eager'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "prefetch_budget_tokens": 10})", "prefetch_budget_tokens"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "storage": "file"})", "'storage'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "storage_batch_pages": 0})", "storage_batch_pages"},
       {R"([1, 2])", "object"},
       {R"({"model": )", "not valid JSON"},
   };
