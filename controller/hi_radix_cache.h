@@ -1,0 +1,146 @@
+// HiRadixCache: the radix-tree prefix cache that drives the controller, as an engine's scheduler
+// calls it every step (the reference is SGLang's HiRadixCache over its RadixCache).
+//
+// Keys are token ids; every edge holds whole pages (page_size tokens). A node's KV may be on the
+// device (device slots), on the host (host slots), on both, or on neither (then the node is
+// gone: this version keeps no storage-only nodes; see the README). Per node: lock count, last
+// access, hit count.
+//
+// How an engine uses it, each step:
+//   check_events()                     drain the controller's acks (writes done, loads done)
+//   m = match_prefix(tokens)           device-resident prefix (slots ready to use), plus how many
+//                                      more tokens sit on host (m.host_hit_tokens)
+//   lock(m.last_host_node)             protect what the request uses from eviction
+//   load_back(m.last_host_node)        host pages -> fresh device slots (layer by layer once the
+//                                      controller's start_loading() runs); nothing when refused
+//   ... forward pass; new KV in device slots from the device allocator ...
+//   insert(tokens, slots)              returns how many leading tokens were cached already: the
+//                                      caller frees those of its slots (they duplicate the tree's)
+//   unlock(node)                       when the request finishes
+//   evict_device(n) / evict_host(n)    when a pool runs short
+//
+// Write policies (ControllerConfig::write_policy): write_through backs a node up to host as soon
+// as it is inserted; write_through_selective once its hit count reaches write_through_threshold;
+// write_back only when it is evicted from the device (the device pages are freed when the write
+// is acknowledged). A node with a write or a load in flight is locked; the ack unlocks it.
+//
+// Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "controller/hicache_controller.h"
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+
+namespace hicache {
+
+struct RadixCacheConfig {
+  std::int32_t write_through_threshold = 2;  // hits before a selective write
+  std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
+};
+
+struct RadixCacheStats {
+  std::int64_t nodes = 0;
+  std::int64_t device_tokens = 0;       // tokens whose KV the tree holds on the device
+  std::int64_t host_tokens = 0;         // ... on the host
+  std::int64_t writes_in_flight = 0;    // nodes
+  std::int64_t loads_in_flight = 0;     // nodes
+  std::int64_t write_failures = 0, load_failures = 0;
+  std::int64_t evicted_device_tokens = 0, evicted_host_tokens = 0;
+  std::int64_t loaded_back_tokens = 0;
+};
+
+class HiRadixCache {
+ public:
+  struct Node;  // opaque to callers
+
+  struct MatchResult {
+    std::vector<std::int64_t> device_slots;  // KV of the device-resident prefix
+    Node* last_device_node = nullptr;        // deepest node of that prefix (root when empty)
+    Node* last_host_node = nullptr;          // deepest node whose KV is on device or host
+    std::int64_t host_hit_tokens = 0;        // what load_back(last_host_node) would add
+  };
+
+  // The pools and the controller must outlive the cache and share the page size.
+  HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool, HostKVPool& host_pool,
+               RadixCacheConfig config = {});
+  ~HiRadixCache();
+  HiRadixCache(const HiRadixCache&) = delete;
+  HiRadixCache& operator=(const HiRadixCache&) = delete;
+
+  std::int32_t page_size() const { return page_size_; }
+
+  // Longest cached prefix of the whole pages of `tokens`; splits nodes at page boundaries and
+  // updates access times and hit counts on the way.
+  MatchResult match_prefix(std::span<const std::int32_t> tokens);
+
+  // Adds tokens (whole pages) whose KV is in `device_slots` (one slot per token). Returns the
+  // number of leading tokens already in the tree (on the device or the host); their slots stay
+  // the caller's to free, the rest belong to the tree from now on. Throws
+  // InvalidArgument for a partial page or a slot count that differs.
+  std::int64_t insert(std::span<const std::int32_t> tokens,
+                      std::span<const std::int64_t> device_slots);
+
+  // Brings the host-resident nodes on the path to `node` back to the device (one controller
+  // load; the forward pass waits per layer after start_loading()). Returns the device slots of
+  // the whole prefix up to `node`, or nothing when refused: the host part is smaller than
+  // load_back_min_tokens, or the device is short even after evicting. Nodes being loaded are
+  // locked until the load ack.
+  std::optional<std::vector<std::int64_t>> load_back(Node* node);
+
+  // Lock counts protect a node and its ancestors from eviction. Throws StateError when unlock
+  // would take a count below zero.
+  void lock(Node* node);
+  void unlock(Node* node);
+
+  // Frees at least `tokens` device tokens when it can (LRU over unlocked nodes none of whose
+  // children is on the device); returns how many were freed now. write_back nodes without a
+  // host copy are written first and freed on the ack (not counted here, but counted towards
+  // `tokens` so that no more is written than needed); when the host is full they are dropped
+  // like any node without a host copy.
+  std::int64_t evict_device(std::int64_t tokens);
+  // Frees host tokens of nodes that are on the host only (LRU, unlocked, leaves); returns how
+  // many. Such nodes leave the tree.
+  std::int64_t evict_host(std::int64_t tokens);
+
+  // Drains the controller's write and load acks and applies them. Call once per step.
+  void check_events();
+
+  RadixCacheStats stats() const;
+  // Empty when the tree is consistent with itself and the pools: every lock count >= 0, no
+  // node without KV, keys of whole pages, slot counts that match, parents locked at least as
+  // much as their children; else the first problem found. For tests.
+  std::string check_invariants() const;
+
+ private:
+  Node* split(Node* node, std::size_t tokens);
+  void touch(Node* node);
+  void write_node(Node* node);
+  void drop_device(Node* node);
+  void remove_leaf(Node* node);
+  std::vector<Node*> device_leaves() const;
+  std::vector<Node*> host_leaves() const;
+  Node* child_of(Node* node, std::span<const std::int32_t> page) const;
+
+  HiCacheController& controller_;
+  DeviceKVPool& device_pool_;
+  HostKVPool& host_pool_;
+  RadixCacheConfig config_;
+  std::int32_t page_size_;
+  WritePolicy policy_;
+  std::unique_ptr<Node> root_;
+  std::int64_t next_id_ = 1;
+  std::uint64_t clock_ = 0;
+  struct Pending;
+  std::unique_ptr<Pending> pending_;
+  RadixCacheStats counters_;
+  std::vector<Ack> acks_;  // reused
+};
+
+}  // namespace hicache

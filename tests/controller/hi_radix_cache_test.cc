@@ -1,0 +1,304 @@
+#include "controller/hi_radix_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "pools/kv_pattern.h"
+#include "transfer/errors.h"
+#include "transfer/host_device.h"
+
+namespace hicache {
+namespace {
+
+constexpr std::int32_t kPage = 4;
+
+KVGeometry geometry() { return KVGeometry::mha(2, 1, 8, DType::kFloat16, kPage); }
+
+// The data of page i of a sequence derives from its whole token prefix, as a model's KV does.
+std::uint64_t page_seed(std::span<const std::int32_t> tokens, std::size_t page) {
+  const auto prefix = tokens.first((page + 1) * kPage);
+  return std::hash<std::string_view>{}(std::string_view(
+      reinterpret_cast<const char*>(prefix.data()), prefix.size_bytes()));
+}
+
+// A small engine around the cache: what a scheduler does for one request.
+struct Engine {
+  HostDevice device;
+  DeviceKVPool device_pool;
+  HostKVPool host_pool;
+  HiCacheController controller;
+  HiRadixCache cache;
+  std::int64_t verified_pages = 0, recomputed_pages = 0, loaded_requests = 0, dropped = 0;
+
+  Engine(WritePolicy policy, std::int64_t device_pages, std::int64_t host_pages,
+         RadixCacheConfig config = {})
+      : device_pool(device, geometry(), device_pages * kPage),
+        host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
+        controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy}),
+        cache(controller, device_pool, host_pool, config) {}
+
+  // Runs one request: match, load back, "compute" the rest, insert, release. Every page it reads
+  // from the cache is checked byte for byte against the data its prefix derives.
+  void run(std::span<const std::int32_t> tokens) {
+    cache.check_events();
+    auto m = cache.match_prefix(tokens);
+    HiRadixCache::Node* held = m.last_host_node;
+    cache.lock(held);
+    std::vector<std::int64_t> slots = m.device_slots;
+    if (m.host_hit_tokens > 0) {
+      if (auto back = cache.load_back(held)) {
+        slots = std::move(*back);
+        const std::int32_t slot = controller.start_loading();
+        if (slot >= 0) {
+          for (std::int32_t l = 0; l < geometry().num_layers; ++l) device_pool.wait_for_layer(l);
+          controller.layer_done_counter().release(slot);
+        }
+        ++loaded_requests;
+      } else {
+        cache.unlock(held);
+        held = m.last_device_node;
+        cache.lock(held);
+      }
+    }
+    const std::size_t cached_pages = slots.size() / kPage;
+    for (std::size_t p = 0; p < cached_pages; ++p) {
+      ASSERT_TRUE(verify_page(device_pool.layout(), slots[p * kPage] / kPage, page_seed(tokens, p)))
+          << "page " << p << " served with wrong bytes";
+      ++verified_pages;
+    }
+    const std::size_t total_pages = tokens.size() / kPage;
+    const auto missing = static_cast<std::int64_t>((total_pages - cached_pages) * kPage);
+    if (missing > 0) {
+      auto fresh = device_pool.allocator().alloc(missing);
+      if (!fresh) {
+        cache.evict_device(missing);
+        fresh = device_pool.allocator().alloc(missing);
+      }
+      for (int attempt = 0; attempt < 4 && !fresh; ++attempt) {
+        // Nodes with writes or loads in flight cannot go yet (write-back frees on the ack):
+        // wait for them, as a scheduler keeps the request queued, then evict again.
+        settle();
+        fresh = device_pool.allocator().alloc(missing);
+        if (!fresh) {
+          cache.evict_device(missing);
+          fresh = device_pool.allocator().alloc(missing);
+        }
+      }
+      if (!fresh) {  // everything left is in use by this request: drop it
+        ++dropped;
+        cache.unlock(held);
+        return;
+      }
+      for (std::size_t p = cached_pages; p < total_pages; ++p) {
+        fill_page(device_pool.layout(), (*fresh)[(p - cached_pages) * kPage] / kPage,
+                  page_seed(tokens, p));
+        ++recomputed_pages;
+      }
+      slots.insert(slots.end(), fresh->begin(), fresh->end());
+    }
+    const std::int64_t dup = cache.insert(tokens.first(total_pages * kPage), slots);
+    // Slots [cached, dup) are ours and duplicate the tree's: free them.
+    const auto ours_from = static_cast<std::int64_t>(cached_pages * kPage);
+    if (dup > ours_from) {
+      device_pool.allocator().free(std::span(slots).subspan(ours_from, dup - ours_from));
+    }
+    cache.unlock(held);
+  }
+
+  // Lets every write and load finish and applies the acks.
+  void settle() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    do {
+      cache.check_events();
+      const auto s = cache.stats();
+      if (s.writes_in_flight == 0 && s.loads_in_flight == 0) return;
+      std::this_thread::yield();
+    } while (std::chrono::steady_clock::now() < deadline);
+    FAIL() << "writes or loads never finished";
+  }
+
+  // Every device and host slot is the tree's (no request holds any between runs).
+  void expect_accounting() {
+    settle();
+    const auto s = cache.stats();
+    EXPECT_EQ(device_pool.allocator().capacity_tokens() - device_pool.allocator().free_tokens(),
+              s.device_tokens);
+    EXPECT_EQ(host_pool.capacity_tokens() - host_pool.free_tokens(), s.host_tokens);
+    EXPECT_EQ(cache.check_invariants(), "");
+  }
+};
+
+std::vector<std::int32_t> seq(std::initializer_list<std::int32_t> pages_of) {
+  std::vector<std::int32_t> t;
+  for (std::int32_t v : pages_of) {
+    for (int i = 0; i < kPage; ++i) t.push_back(v * 10 + i);
+  }
+  return t;
+}
+
+TEST(HiRadixCache, MatchSplitsAtPageBoundariesAndReturnsTheDevicePrefix) {
+  Engine e(WritePolicy::kWriteThroughSelective, 32, 64);
+  const auto a = seq({1, 2, 3, 4});
+  e.run(a);
+  const auto b = seq({1, 2, 7});
+  auto m = e.cache.match_prefix(b);
+  EXPECT_EQ(m.device_slots.size(), 2u * kPage);
+  EXPECT_EQ(m.host_hit_tokens, 0);
+  e.run(b);
+  EXPECT_EQ(e.cache.stats().nodes, 3) << "[1,2] split off, [3,4] and [7] below it";
+  EXPECT_EQ(e.cache.match_prefix(a).device_slots.size(), 4u * kPage);
+  // A partial trailing page never matches.
+  auto partial = seq({1, 2});
+  partial.push_back(99);
+  EXPECT_EQ(e.cache.match_prefix(partial).device_slots.size(), 2u * kPage);
+  e.expect_accounting();
+  EXPECT_EQ(e.verified_pages, 2);
+}
+
+TEST(HiRadixCache, InsertReturnsTheCachedPrefixAndRejectsBadInput) {
+  Engine e(WritePolicy::kWriteThroughSelective, 32, 64);
+  const auto a = seq({1, 2});
+  e.run(a);
+  auto slots = *e.device_pool.allocator().alloc(3 * kPage);
+  const auto b = seq({1, 2, 3});
+  EXPECT_EQ(e.cache.insert(b, slots), 2 * kPage);
+  e.device_pool.allocator().free(std::span(slots).first(2 * kPage));
+  EXPECT_THROW(e.cache.insert(std::vector<std::int32_t>(kPage + 1, 5),
+                              std::vector<std::int64_t>(kPage + 1, 0)),
+               InvalidArgument);
+  EXPECT_THROW(e.cache.insert(seq({9}), std::vector<std::int64_t>(kPage - 1, 0)), InvalidArgument);
+  auto m = e.cache.match_prefix(b);
+  EXPECT_THROW(e.cache.unlock(m.last_device_node), StateError) << "unlock below zero";
+  e.expect_accounting();
+}
+
+TEST(HiRadixCache, WriteThroughBacksUpOnInsertAndEvictionKeepsTheHostCopy) {
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  const auto a = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 3 * kPage);
+  EXPECT_EQ(e.cache.evict_device(100), 3 * kPage);
+  auto m = e.cache.match_prefix(a);
+  EXPECT_TRUE(m.device_slots.empty());
+  EXPECT_EQ(m.host_hit_tokens, 3 * kPage);
+  e.run(a);  // loads back and verifies every page
+  EXPECT_EQ(e.loaded_requests, 1);
+  EXPECT_EQ(e.verified_pages, 3);
+  EXPECT_EQ(e.recomputed_pages, 3) << "nothing recomputed the second time";
+  e.expect_accounting();
+}
+
+TEST(HiRadixCache, SelectiveWritesAfterTheThresholdOnly) {
+  Engine e(WritePolicy::kWriteThroughSelective, 32, 64, {.write_through_threshold = 2});
+  const auto a = seq({1, 2});
+  e.run(a);  // insert: no hit yet
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 0);
+  e.run(a);  // hit 1
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 0);
+  e.run(a);  // hit 2: written
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 2 * kPage);
+  // Without a host copy, eviction drops the KV entirely.
+  const auto b = seq({5, 6});
+  e.run(b);
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(100), 4 * kPage);
+  EXPECT_EQ(e.cache.match_prefix(b).host_hit_tokens, 0) << "b had no host copy";
+  EXPECT_EQ(e.cache.match_prefix(a).host_hit_tokens, 2 * kPage);
+  e.expect_accounting();
+}
+
+TEST(HiRadixCache, WriteBackWritesOnEvictionAndFreesOnTheAck) {
+  Engine e(WritePolicy::kWriteBack, 32, 64);
+  const auto a = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 0) << "nothing written before eviction";
+  EXPECT_EQ(e.cache.evict_device(100), 0) << "freed on the ack, not now";
+  e.settle();
+  const auto s = e.cache.stats();
+  EXPECT_EQ(s.device_tokens, 0);
+  EXPECT_EQ(s.host_tokens, 3 * kPage);
+  e.run(a);
+  EXPECT_EQ(e.verified_pages, 3);
+  e.expect_accounting();
+}
+
+TEST(HiRadixCache, LockedNodesAreNeverEvictedAndHostEvictionTakesLeaves) {
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  const auto a = seq({1, 2}), b = seq({1, 3});
+  e.run(a);
+  e.run(b);
+  e.settle();
+  auto m = e.cache.match_prefix(a);
+  e.cache.lock(m.last_device_node);
+  EXPECT_EQ(e.cache.evict_device(100), kPage) << "only b's own page is free to go";
+  e.cache.unlock(m.last_device_node);
+  EXPECT_EQ(e.cache.evict_device(100), 2 * kPage);
+  EXPECT_EQ(e.cache.evict_host(kPage), kPage);  // one leaf
+  EXPECT_EQ(e.cache.evict_host(100), 2 * kPage);  // the other leaf, then their parent
+  EXPECT_EQ(e.cache.stats().nodes, 0);
+  e.expect_accounting();
+}
+
+TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
+  Engine e(WritePolicy::kWriteThrough, 32, 2);
+  e.run(seq({1, 2}));
+  e.run(seq({3, 4}));  // the host pool holds 2 pages: this write finds it full
+  e.settle();
+  const auto s = e.cache.stats();
+  EXPECT_EQ(s.device_tokens, 4 * kPage);
+  EXPECT_EQ(s.host_tokens, 2 * kPage);
+  e.expect_accounting();
+}
+
+class RadixPolicies : public ::testing::TestWithParam<WritePolicy> {};
+
+// Seeded random requests over a few shared prefixes, with pools small enough to evict all the
+// time: every page served is verified, and the invariants and the slot accounting hold after
+// every step.
+TEST_P(RadixPolicies, RandomWorkloadServesOnlyCorrectBytes) {
+  Engine e(GetParam(), 24, 40, {.write_through_threshold = 1});
+  std::mt19937 rng(1234 + static_cast<int>(GetParam()));
+  std::vector<std::vector<std::int32_t>> families;
+  for (int f = 0; f < 5; ++f) {
+    std::vector<std::int32_t> t;
+    for (int i = 0; i < 8 * kPage; ++i) t.push_back(f * 1000 + i);
+    families.push_back(std::move(t));
+  }
+  for (int step = 0; step < 400; ++step) {
+    const auto& fam = families[rng() % families.size()];
+    std::vector<std::int32_t> tokens(fam.begin(),
+                                     fam.begin() + static_cast<std::ptrdiff_t>((1 + rng() % 6) * kPage));
+    const int extra = static_cast<int>(rng() % 3);
+    for (int i = 0; i < extra * kPage; ++i) tokens.push_back(500000 + static_cast<int>(rng() % 50));
+    e.run(tokens);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(e.cache.check_invariants(), "") << "step " << step;
+    if (step % 7 == 0) e.cache.evict_host(static_cast<std::int64_t>(rng() % 8) * kPage);
+  }
+  e.expect_accounting();
+  const auto s = e.cache.stats();
+  EXPECT_GT(e.verified_pages, 100);
+  EXPECT_GT(s.evicted_device_tokens, 0);
+  EXPECT_EQ(e.dropped, 0) << "a request needs at most 8 of the 24 device pages";
+  std::printf("policy %s: %lld pages verified, %lld recomputed, %lld load-backs, %lld tokens "
+              "loaded back\n",
+              std::string(to_string(GetParam())).c_str(), static_cast<long long>(e.verified_pages),
+              static_cast<long long>(e.recomputed_pages), static_cast<long long>(e.loaded_requests),
+              static_cast<long long>(s.loaded_back_tokens));
+}
+
+INSTANTIATE_TEST_SUITE_P(HiRadixCache, RadixPolicies,
+                         ::testing::Values(WritePolicy::kWriteThrough,
+                                           WritePolicy::kWriteThroughSelective,
+                                           WritePolicy::kWriteBack));
+
+}  // namespace
+}  // namespace hicache
