@@ -21,6 +21,9 @@ struct HiRadixCache::Node {
   std::int64_t hits = 0;
   NodeId write_op = 0;  // in flight, 0: none
   NodeId load_op = 0;
+  std::int64_t backup_op = 0;
+  std::vector<PageDigest> digests;  // one per page, when storage is on (chains the keys)
+  std::int64_t stored_pages = 0;    // leading pages known to be in L3
   bool evict_after_write = false;  // write_back: free the device copy on the ack
 };
 
@@ -31,7 +34,13 @@ struct HiRadixCache::Pending {
     Node* holder = nullptr;
     std::vector<Node*> nodes;
   };
-  std::unordered_map<NodeId, Op> writes, loads;
+  std::unordered_map<NodeId, Op> writes, loads, backups;
+  struct Prefetch {
+    std::shared_ptr<PrefetchOperation> op;
+    Node* node = nullptr;  // locked while the prefetch lasts
+    std::vector<std::int32_t> tokens;
+  };
+  std::unordered_map<std::string, Prefetch> prefetches;
 
   // Removes and returns the op an ack names (nothing for an op this cache did not start).
   static std::optional<Op> take(std::unordered_map<NodeId, Op>& ops, NodeId id) {
@@ -57,10 +66,21 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
 }  // namespace
 
 HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool,
-                           HostKVPool& host_pool, RadixCacheConfig config)
+                           HostKVPool& host_pool, RadixCacheConfig config,
+                           StorageController* storage, const KeyNamespace* keys)
     : controller_(controller), device_pool_(device_pool), host_pool_(host_pool), config_(config),
       page_size_(device_pool.geometry().page_size), policy_(controller.config().write_policy),
-      root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()) {
+      root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()), storage_(storage) {
+  if ((storage == nullptr) != (keys == nullptr)) {
+    throw InvalidArgument("radix cache: storage and its key namespace go together");
+  }
+  if (keys != nullptr) {
+    keyer_ = std::make_unique<PageKeyer>(*keys);
+    if (keyer_->page_size() != page_size_) {
+      throw InvalidArgument(str_cat("radix cache: key namespace page_size ", keyer_->page_size(),
+                                    " differs from the pools' ", page_size_));
+    }
+  }
   if (host_pool.geometry().page_size != page_size_) {
     throw InvalidArgument(str_cat("radix cache: host page size ", host_pool.geometry().page_size,
                                   " differs from the device's ", page_size_));
@@ -86,6 +106,19 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
 
 void HiRadixCache::touch(Node* node) { node->last_access = ++clock_; }
 
+std::size_t HiRadixCache::common_tokens(const Node* child,
+                                        std::span<const std::int32_t> tokens) const {
+  std::size_t common = 0;
+  const std::size_t limit = std::min(child->key.size(), tokens.size() / page_size_ * page_size_);
+  while (common < limit &&
+         std::equal(child->key.begin() + static_cast<std::ptrdiff_t>(common),
+                    child->key.begin() + static_cast<std::ptrdiff_t>(common + page_size_),
+                    tokens.begin() + static_cast<std::ptrdiff_t>(common))) {
+    common += page_size_;
+  }
+  return common;
+}
+
 HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   auto mid = std::make_unique<Node>();
   Node* m = mid.get();
@@ -101,6 +134,15 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
     node->host.erase(node->host.begin(), node->host.begin() + static_cast<std::ptrdiff_t>(tokens));
   }
   node->key.erase(node->key.begin(), node->key.begin() + static_cast<std::ptrdiff_t>(tokens));
+  const auto upper_pages = static_cast<std::ptrdiff_t>(tokens / page_size_);
+  if (!node->digests.empty()) {
+    m->digests.assign(node->digests.begin(), node->digests.begin() + upper_pages);
+    node->digests.erase(node->digests.begin(), node->digests.begin() + upper_pages);
+  }
+  m->stored_pages = std::min<std::int64_t>(node->stored_pages, upper_pages);
+  node->stored_pages = std::max<std::int64_t>(0, node->stored_pages - upper_pages);
+  m->backup_op = node->backup_op;
+  if (node->backup_op != 0) pending_->backups[node->backup_op].nodes.push_back(m);
   m->lock = node->lock;  // every lock at or below node passed through the whole old node
   m->last_access = node->last_access;
   m->hits = node->hits;
@@ -129,14 +171,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   while (pos < usable) {
     Node* child = child_of(node, tokens.subspan(pos, page_size_));
     if (child == nullptr) break;
-    std::size_t common = 0;
-    const std::size_t limit = std::min(child->key.size(), usable - pos);
-    while (common < limit &&
-           std::equal(child->key.begin() + static_cast<std::ptrdiff_t>(common),
-                      child->key.begin() + static_cast<std::ptrdiff_t>(common + page_size_),
-                      tokens.begin() + static_cast<std::ptrdiff_t>(pos + common))) {
-      common += page_size_;
-    }
+    const std::size_t common = common_tokens(child, tokens.subspan(pos, usable - pos));
     if (common < child->key.size()) child = split(child, common);
     touch(child);
     ++child->hits;
@@ -184,19 +219,13 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
       l->parent = node;
       l->key.assign(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end());
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
+      set_digests(l);
       touch(l);
       node->children.emplace(page_key(tokens.subspan(pos, page_size_)), std::move(leaf));
       if (policy_ == WritePolicy::kWriteThrough) write_node(l);
       return duplicate;
     }
-    std::size_t common = 0;
-    const std::size_t limit = std::min(child->key.size(), tokens.size() - pos);
-    while (common < limit &&
-           std::equal(child->key.begin() + static_cast<std::ptrdiff_t>(common),
-                      child->key.begin() + static_cast<std::ptrdiff_t>(common + page_size_),
-                      tokens.begin() + static_cast<std::ptrdiff_t>(pos + common))) {
-      common += page_size_;
-    }
+    const std::size_t common = common_tokens(child, tokens.subspan(pos));
     if (common < child->key.size()) child = split(child, common);
     touch(child);
     // Cached already, on the device or on the host: the caller's slots duplicate it. (Adopting
@@ -380,6 +409,7 @@ void HiRadixCache::check_events() {
         n->evict_after_write = false;
         if (n->lock == 0 && n->load_op == 0) drop_device(n);
       }
+      if (ack.ok) backup_node(n);
     }
   }
   acks_.clear();
@@ -398,6 +428,142 @@ void HiRadixCache::check_events() {
     if (!ack.ok) ++counters_.load_failures;
     unlock(op.holder);
   }
+  if (storage_ == nullptr) return;
+  backup_acks_.clear();
+  storage_->drain_backup_acks(backup_acks_);
+  for (const BackupAck& ack : backup_acks_) {
+    auto taken = pending_->take(pending_->backups, ack.id);
+    if (!taken) continue;
+    // The op's pages run from the uppermost part (split off last) down to the holder.
+    std::vector<Node*> nodes = taken->nodes;
+    std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
+      int da = 0, db = 0;
+      for (Node* n = a; n != nullptr; n = n->parent) ++da;
+      for (Node* n = b; n != nullptr; n = n->parent) ++db;
+      return da < db;
+    });
+    std::int64_t pages = ack.completed_tokens / page_size_;
+    for (Node* n : nodes) {
+      n->backup_op = 0;
+      const auto own = static_cast<std::int64_t>(n->key.size()) / page_size_;
+      n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
+      pages = std::max<std::int64_t>(0, pages - own);
+    }
+    unlock(taken->holder);
+  }
+  revoked_.clear();
+  storage_->drain_revokes(revoked_);
+  for (const std::string& id : revoked_) {
+    if (pending_->prefetches.count(id) != 0) {
+      ++counters_.revoked_prefetches;
+      finish_prefetch(id, false);
+    }
+  }
+  // Finished prefetches become visible now, not when the scheduler next looks at the request.
+  std::vector<std::string> finished;
+  for (const auto& [id, p] : pending_->prefetches) {
+    if (p.op->stage() == PrefetchStage::kFinished) finished.push_back(id);
+  }
+  for (const std::string& id : finished) finish_prefetch(id, true);
+}
+
+void HiRadixCache::set_digests(Node* node) {
+  if (!keyer_) return;
+  const PageDigest* prior =
+      node->parent == root_.get() || node->parent->digests.empty() ? nullptr
+                                                                    : &node->parent->digests.back();
+  std::vector<std::string> keys;
+  node->digests.clear();
+  keyer_->keys(node->key, prior, keys, &node->digests);
+}
+
+void HiRadixCache::backup_node(Node* node) {
+  if (storage_ == nullptr || node->host.empty() || node->backup_op != 0 ||
+      node->digests.size() * page_size_ != node->key.size() ||
+      node->stored_pages * page_size_ == static_cast<std::int64_t>(node->key.size())) {
+    return;
+  }
+  std::vector<std::string> keys;
+  keys.reserve(node->digests.size());
+  for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
+  const auto id = storage_->write_storage(node->host, std::move(keys));
+  if (!id) return;  // backup queue full: the node stays host-only, L1/L2 unaffected
+  node->backup_op = *id;
+  lock(node);
+  pending_->backups[*id] = Pending::Op{node, {node}};
+}
+
+bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* node,
+                                         std::span<const std::int32_t> tokens) {
+  if (storage_ == nullptr || pending_->prefetches.count(request_id) != 0) return false;
+  const std::size_t usable = tokens.size() / page_size_ * page_size_;
+  if (usable == 0) return false;
+  if (node != root_.get() && node->digests.empty()) return false;  // no chain to continue
+  std::optional<PageDigest> prior;
+  if (node != root_.get()) prior = node->digests.back();
+  auto op = storage_->prefetch(request_id, tokens.first(usable), prior);
+  if (!op) return false;
+  lock(node);
+  pending_->prefetches[request_id] =
+      Pending::Prefetch{std::move(op), node, std::vector<std::int32_t>(tokens.begin(),
+                                                                        tokens.begin() + static_cast<std::ptrdiff_t>(usable))};
+  return true;
+}
+
+bool HiRadixCache::check_prefetch_progress(const std::string& request_id) {
+  auto it = pending_->prefetches.find(request_id);
+  if (it == pending_->prefetches.end()) return true;
+  const PrefetchStage stage = it->second.op->stage();
+  if (stage != PrefetchStage::kRevoked && !storage_->can_terminate(*it->second.op)) return false;
+  finish_prefetch(request_id, stage != PrefetchStage::kRevoked);
+  return true;
+}
+
+void HiRadixCache::release_aborted_request(const std::string& request_id) {
+  if (pending_->prefetches.count(request_id) != 0) finish_prefetch(request_id, false);
+}
+
+std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefetches.size(); }
+
+void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
+  auto node_handle = pending_->prefetches.extract(request_id);
+  Pending::Prefetch& p = node_handle.mapped();
+  const PrefetchResult r = storage_->terminate_prefetch(*p.op);
+  if (insert && r.tokens > 0) {
+    insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)), r.host_slots);
+    counters_.prefetched_tokens += r.tokens;
+  } else if (!r.host_slots.empty()) {
+    host_pool_.free(r.host_slots);
+  }
+  unlock(p.node);
+}
+
+void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
+                               std::span<const std::int64_t> host_slots) {
+  std::size_t pos = 0;
+  while (pos < tokens.size()) {
+    Node* child = child_of(node, tokens.subspan(pos, page_size_));
+    if (child == nullptr) {
+      auto leaf = std::make_unique<Node>();
+      Node* l = leaf.get();
+      l->id = next_id_++;
+      l->parent = node;
+      l->key.assign(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end());
+      l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
+      set_digests(l);
+      l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
+      touch(l);
+      node->children.emplace(page_key(tokens.subspan(pos, page_size_)), std::move(leaf));
+      return;
+    }
+    const std::size_t common = common_tokens(child, tokens.subspan(pos));
+    if (common < child->key.size()) child = split(child, common);
+    // Cached already (another request got there first): the fetched copy is not needed.
+    host_pool_.free(host_slots.subspan(pos, common));
+    touch(child);
+    pos += common;
+    node = child;
+  }
 }
 
 RadixCacheStats HiRadixCache::stats() const {
@@ -409,6 +575,8 @@ RadixCacheStats HiRadixCache::stats() const {
       s.host_tokens += static_cast<std::int64_t>(n->host.size());
       s.writes_in_flight += n->write_op != 0;
       s.loads_in_flight += n->load_op != 0;
+      s.backups_in_flight += n->backup_op != 0;
+      s.stored_tokens += n->stored_pages * page_size_;
     }
     for (const auto& [k, c] : n->children) walk(c.get());
   };

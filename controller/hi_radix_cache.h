@@ -24,6 +24,13 @@
 // write_back only when it is evicted from the device (the device pages are freed when the write
 // is acknowledged). A node with a write or a load in flight is locked; the ack unlocks it.
 //
+// Storage (optional, a StorageController): once a node's host copy is synced, it is backed up
+// to L3 under its chained page keys (the node stays locked until the backup ack). A request whose
+// prefix continues past the tree can prefetch_from_storage(); check_events() inserts every
+// finished prefetch as host-resident nodes at once (the reference waits until the scheduler scans
+// the request again), and check_prefetch_progress() terminates one per the prefetch policy.
+// This version keeps no storage-only nodes: a node leaves the tree with its last tier above L3.
+//
 // Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
 #pragma once
 
@@ -35,6 +42,8 @@
 #include <vector>
 
 #include "controller/hicache_controller.h"
+#include "controller/storage_controller.h"
+#include "storage/page_key.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
 
@@ -54,6 +63,9 @@ struct RadixCacheStats {
   std::int64_t write_failures = 0, load_failures = 0;
   std::int64_t evicted_device_tokens = 0, evicted_host_tokens = 0;
   std::int64_t loaded_back_tokens = 0;
+  std::int64_t stored_tokens = 0;        // tokens of tree nodes known to be in L3
+  std::int64_t backups_in_flight = 0;    // nodes
+  std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
 };
 
 class HiRadixCache {
@@ -67,9 +79,11 @@ class HiRadixCache {
     std::int64_t host_hit_tokens = 0;        // what load_back(last_host_node) would add
   };
 
-  // The pools and the controller must outlive the cache and share the page size.
+  // The pools and the controllers must outlive the cache and share the page size. `storage` and
+  // `keys` go together (L3 on) or are both absent.
   HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool, HostKVPool& host_pool,
-               RadixCacheConfig config = {});
+               RadixCacheConfig config = {}, StorageController* storage = nullptr,
+               const KeyNamespace* keys = nullptr);
   ~HiRadixCache();
   HiRadixCache(const HiRadixCache&) = delete;
   HiRadixCache& operator=(const HiRadixCache&) = delete;
@@ -109,8 +123,21 @@ class HiRadixCache {
   // many. Such nodes leave the tree.
   std::int64_t evict_host(std::int64_t tokens);
 
-  // Drains the controller's write and load acks and applies them. Call once per step.
+  // Drains the controllers' acks and applies them: writes done (and backups started), loads
+  // done, backups done, revoked prefetches, finished prefetches inserted. Call once per step.
   void check_events();
+
+  // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
+  // right after it). `node` stays locked until the prefetch ends. False when there is no storage,
+  // nothing to fetch, or the request id is in use.
+  bool prefetch_from_storage(const std::string& request_id, Node* node,
+                             std::span<const std::int32_t> tokens);
+  // True once the request's prefetch is over (its pages are in the tree, or it was revoked);
+  // terminates it first when the policy allows. False while it still loads.
+  bool check_prefetch_progress(const std::string& request_id);
+  // Ends a request's prefetch and frees what it fetched.
+  void release_aborted_request(const std::string& request_id);
+  std::size_t prefetches_in_flight() const;
 
   RadixCacheStats stats() const;
   // Empty when the tree is consistent with itself and the pools: every lock count >= 0, no
@@ -127,6 +154,13 @@ class HiRadixCache {
   std::vector<Node*> device_leaves() const;
   std::vector<Node*> host_leaves() const;
   Node* child_of(Node* node, std::span<const std::int32_t> page) const;
+  // Tokens (whole pages) that `child`'s key shares with the start of `tokens`.
+  std::size_t common_tokens(const Node* child, std::span<const std::int32_t> tokens) const;
+  void set_digests(Node* node);
+  void backup_node(Node* node);
+  void finish_prefetch(const std::string& request_id, bool insert);
+  void insert_host(Node* node, std::span<const std::int32_t> tokens,
+                   std::span<const std::int64_t> host_slots);
 
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;
@@ -141,6 +175,10 @@ class HiRadixCache {
   std::unique_ptr<Pending> pending_;
   RadixCacheStats counters_;
   std::vector<Ack> acks_;  // reused
+  StorageController* storage_;
+  std::unique_ptr<PageKeyer> keyer_;
+  std::vector<BackupAck> backup_acks_;  // reused
+  std::vector<std::string> revoked_;    // reused
 };
 
 }  // namespace hicache

@@ -6,7 +6,11 @@
 #include <random>
 #include <thread>
 
+#include <filesystem>
+#include <unistd.h>
+
 #include "pools/kv_pattern.h"
+#include "storage/file_storage.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
 
@@ -24,27 +28,61 @@ std::uint64_t page_seed(std::span<const std::int32_t> tokens, std::size_t page) 
       reinterpret_cast<const char*>(prefix.data()), prefix.size_bytes()));
 }
 
+KeyNamespace key_ns() {
+  return {.model = "m", .fingerprint = "f", .dtype = "fp16", .layout = "page_first",
+          .page_size = kPage};
+}
+
+// An L3 shared by several engines: a file store in a temporary directory.
+struct L3 {
+  std::filesystem::path root;
+  FileStorage file;
+  LocalCollective local;
+  explicit L3(const std::string& name)
+      : root(std::filesystem::temp_directory_path() / str_cat("hicache-radix-", name, "-", ::getpid())),
+        file(FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string())}) {}
+  ~L3() { std::filesystem::remove_all(root); }
+};
+
 // A small engine around the cache: what a scheduler does for one request.
 struct Engine {
   HostDevice device;
   DeviceKVPool device_pool;
   HostKVPool host_pool;
   HiCacheController controller;
+  KeyNamespace ns = key_ns();
+  std::unique_ptr<StorageController> storage;
   HiRadixCache cache;
   std::int64_t verified_pages = 0, recomputed_pages = 0, loaded_requests = 0, dropped = 0;
+  std::int64_t requests = 0;
 
   Engine(WritePolicy policy, std::int64_t device_pages, std::int64_t host_pages,
-         RadixCacheConfig config = {})
+         RadixCacheConfig config = {}, L3* l3 = nullptr, StorageControllerConfig sc = {})
       : device_pool(device, geometry(), device_pages * kPage),
         host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy}),
-        cache(controller, device_pool, host_pool, config) {}
+        storage(l3 == nullptr ? nullptr
+                              : std::make_unique<StorageController>(host_pool, l3->file, ns,
+                                                                    l3->local, l3->local,
+                                                                    l3->local, sc)),
+        cache(controller, device_pool, host_pool, config, storage.get(),
+              l3 == nullptr ? nullptr : &ns) {}
 
   // Runs one request: match, load back, "compute" the rest, insert, release. Every page it reads
   // from the cache is checked byte for byte against the data its prefix derives.
   void run(std::span<const std::int32_t> tokens) {
     cache.check_events();
     auto m = cache.match_prefix(tokens);
+    const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
+    if (storage && tokens.size() / kPage * kPage > known) {
+      // Past the tree: ask L3 for the rest, wait for it (a scheduler would run other requests
+      // meanwhile), and match again.
+      const std::string id = str_cat("req-", ++requests);
+      if (cache.prefetch_from_storage(id, m.last_host_node, tokens.subspan(known))) {
+        while (!cache.check_prefetch_progress(id)) cache.check_events();
+        m = cache.match_prefix(tokens);
+      }
+    }
     HiRadixCache::Node* held = m.last_host_node;
     cache.lock(held);
     std::vector<std::int64_t> slots = m.device_slots;
@@ -114,7 +152,10 @@ struct Engine {
     do {
       cache.check_events();
       const auto s = cache.stats();
-      if (s.writes_in_flight == 0 && s.loads_in_flight == 0) return;
+      if (s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0 &&
+          cache.prefetches_in_flight() == 0) {
+        return;
+      }
       std::this_thread::yield();
     } while (std::chrono::steady_clock::now() < deadline);
     FAIL() << "writes or loads never finished";
@@ -256,6 +297,121 @@ TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
   EXPECT_EQ(s.device_tokens, 4 * kPage);
   EXPECT_EQ(s.host_tokens, 2 * kPage);
   e.expect_accounting();
+}
+
+// L3: pages backed up by one engine are prefetched by another (a restarted engine, or another
+// instance sharing the store), inserted as host-resident nodes, loaded back, verified.
+TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
+  L3 l3("share");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(a);
+    first.settle();
+    EXPECT_EQ(first.cache.stats().stored_tokens, 6 * kPage);
+    first.expect_accounting();
+  }
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  auto m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.host_hit_tokens, 0);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node, a));
+  EXPECT_FALSE(second.cache.prefetch_from_storage("req", m.last_host_node, a)) << "id in use";
+  second.settle();  // check_events inserts the finished prefetch
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
+  m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.host_hit_tokens, 6 * kPage);
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 6) << "every page read from L3 holds its prefix's bytes";
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
+}
+
+TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPrefix) {
+  L3 l3("partial");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(std::span(a).first(4 * kPage));  // L3 holds pages 0-3 only
+    first.settle();
+  }
+  // wait_complete: prefetches always run to the end, so the counts below are exact.
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  second.run(std::span(a).first(2 * kPage));  // pages 0-1 come from L3
+  second.settle();
+  EXPECT_EQ(second.verified_pages, 2);
+  EXPECT_EQ(second.recomputed_pages, 0);
+  auto m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.device_slots.size(), 2u * kPage);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node,
+                                                 std::span(a).subspan(2 * kPage)));
+  while (!second.cache.check_prefetch_progress("req")) second.cache.check_events();
+  m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.device_slots.size(), 2u * kPage);
+  EXPECT_EQ(m.host_hit_tokens, 2 * kPage) << "pages 2-3 from L3; 4-5 were never stored";
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 2 + 4);
+  EXPECT_EQ(second.recomputed_pages, 2) << "only pages 4-5, which L3 never had";
+  second.expect_accounting();
+}
+
+TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
+  L3 l3("revoke");
+  const auto a = seq({1, 2, 3});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(a);
+    first.settle();
+  }
+  Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.prefetch_threshold_tokens = 4 * kPage});
+  auto m = picky.cache.match_prefix(a);
+  ASSERT_TRUE(picky.cache.prefetch_from_storage("small", m.last_host_node, a));
+  picky.settle();
+  EXPECT_EQ(picky.cache.stats().revoked_prefetches, 1);
+  EXPECT_EQ(picky.cache.stats().nodes, 0);
+  EXPECT_EQ(picky.host_pool.free_tokens(), picky.host_pool.capacity_tokens());
+
+  Engine aborter(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  m = aborter.cache.match_prefix(a);
+  ASSERT_TRUE(aborter.cache.prefetch_from_storage("gone", m.last_host_node, a));
+  aborter.cache.release_aborted_request("gone");
+  EXPECT_EQ(aborter.cache.prefetches_in_flight(), 0u);
+  EXPECT_EQ(aborter.host_pool.free_tokens(), aborter.host_pool.capacity_tokens());
+  EXPECT_EQ(aborter.cache.check_invariants(), "");
+  EXPECT_THROW(aborter.cache.unlock(m.last_host_node), StateError) << "the root lock was returned";
+}
+
+// The random workload with a small host pool over L3: pages go device -> host -> file store,
+// leave the host, and come back through prefetch; every page served is verified.
+TEST(HiRadixCacheStorage, RandomWorkloadThroughAllThreeTiers) {
+  L3 l3("random");
+  Engine e(WritePolicy::kWriteThrough, 24, 28, {}, &l3,
+           {.policy = PrefetchPolicy::kWaitComplete});
+  std::mt19937 rng(77);
+  for (int step = 0; step < 300; ++step) {
+    const int family = static_cast<int>(rng() % 6);
+    std::vector<std::int32_t> tokens;
+    const int pages = 1 + static_cast<int>(rng() % 7);
+    for (int i = 0; i < pages * kPage; ++i) tokens.push_back(family * 1000 + i);
+    e.run(tokens);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(e.cache.check_invariants(), "") << "step " << step;
+    if (step % 5 == 0) {
+      e.settle();
+      e.cache.evict_device(static_cast<std::int64_t>(rng() % 12) * kPage);
+      e.cache.evict_host(static_cast<std::int64_t>(rng() % 16) * kPage);
+    }
+  }
+  e.expect_accounting();
+  const auto s = e.cache.stats();
+  EXPECT_GT(s.prefetched_tokens, 0) << "nothing ever came back from L3";
+  EXPECT_GT(s.evicted_host_tokens, 0);
+  std::printf("three tiers: %lld pages verified, %lld recomputed, %lld tokens prefetched, %lld "
+              "loaded back\n",
+              static_cast<long long>(e.verified_pages), static_cast<long long>(e.recomputed_pages),
+              static_cast<long long>(s.prefetched_tokens),
+              static_cast<long long>(s.loaded_back_tokens));
 }
 
 class RadixPolicies : public ::testing::TestWithParam<WritePolicy> {};
