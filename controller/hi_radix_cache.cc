@@ -106,6 +106,18 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
 
 void HiRadixCache::touch(Node* node) { node->last_access = ++clock_; }
 
+HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key) {
+  auto leaf = std::make_unique<Node>();
+  Node* l = leaf.get();
+  l->id = next_id_++;
+  l->parent = parent;
+  l->key.assign(key.begin(), key.end());
+  set_digests(l);
+  touch(l);
+  parent->children.emplace(page_key(key.first(page_size_)), std::move(leaf));
+  return l;
+}
+
 std::size_t HiRadixCache::common_tokens(const Node* child,
                                         std::span<const std::int32_t> tokens) const {
   std::size_t common = 0;
@@ -213,15 +225,8 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
   while (pos < tokens.size()) {
     Node* child = child_of(node, tokens.subspan(pos, page_size_));
     if (child == nullptr) {
-      auto leaf = std::make_unique<Node>();
-      Node* l = leaf.get();
-      l->id = next_id_++;
-      l->parent = node;
-      l->key.assign(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end());
+      Node* l = add_leaf(node, tokens.subspan(pos));
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
-      set_digests(l);
-      touch(l);
-      node->children.emplace(page_key(tokens.subspan(pos, page_size_)), std::move(leaf));
       if (policy_ == WritePolicy::kWriteThrough) write_node(l);
       return duplicate;
     }
@@ -544,16 +549,9 @@ void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
   while (pos < tokens.size()) {
     Node* child = child_of(node, tokens.subspan(pos, page_size_));
     if (child == nullptr) {
-      auto leaf = std::make_unique<Node>();
-      Node* l = leaf.get();
-      l->id = next_id_++;
-      l->parent = node;
-      l->key.assign(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end());
+      Node* l = add_leaf(node, tokens.subspan(pos));
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
-      set_digests(l);
       l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
-      touch(l);
-      node->children.emplace(page_key(tokens.subspan(pos, page_size_)), std::move(leaf));
       return;
     }
     const std::size_t common = common_tokens(child, tokens.subspan(pos));

@@ -147,6 +147,8 @@ class HiRadixCache {
 
  private:
   Node* split(Node* node, std::size_t tokens);
+  // A new child of `parent` holding `key` (no KV yet), with its page digests.
+  Node* add_leaf(Node* parent, std::span<const std::int32_t> key);
   void touch(Node* node);
   void write_node(Node* node);
   void drop_device(Node* node);
