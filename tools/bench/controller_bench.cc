@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "controller/hi_radix_cache.h"
 #include "controller/hicache_controller.h"
 #include "transfer/host_device.h"
 #include "transfer/host_memory.h"
@@ -140,3 +141,59 @@ void BM_ControllerWriteTinyPipelined(benchmark::State& state) {
 BENCHMARK(BM_ControllerWriteTinyPipelined)->UseRealTime();
 
 }  // namespace
+
+// HiRadixCache overhead per scheduler step (issue figure): a batch of 64 requests of 2048-token
+// prompts (page 64) sharing eight 1024-token system prompts, each with its own 1024-token tail:
+// match_prefix, lock, allocate + insert the new pages, unlock, check_events, evict when the
+// device runs short. Tiny pages (1 layer x 1 head x 8 dims: 2 KiB) keep the copies out of the
+// figure; no compute is simulated. Write-through-selective, as SGLang's default.
+void BM_RadixStep(benchmark::State& state) {
+  constexpr int kRequests = 64, kPromptPages = 32, kPage = 64;
+  Rig rig(KVGeometry::mha(1, 1, 8, DType::kFloat16, kPage), 4 * kRequests * kPromptPages);
+  HiRadixCache cache(rig.controller, rig.dev, rig.host);
+  std::int32_t next_tail = 1 << 20;
+  std::vector<std::int32_t> tokens(kPromptPages * kPage);
+  for (auto _ : state) {
+    cache.check_events();
+    for (int r = 0; r < kRequests; ++r) {
+      const int family = r % 8;
+      for (int i = 0; i < 16 * kPage; ++i) tokens[i] = family * 100000 + i;
+      for (int i = 16 * kPage; i < kPromptPages * kPage; ++i) tokens[i] = next_tail++;
+      auto m = cache.match_prefix(tokens);
+      cache.lock(m.last_device_node);
+      const auto missing = static_cast<std::int64_t>(tokens.size() - m.device_slots.size());
+      auto fresh = rig.dev.allocator().alloc(missing);
+      if (!fresh) {
+        cache.evict_device(missing);
+        fresh = rig.dev.allocator().alloc(missing);
+      }
+      if (!fresh) {
+        state.SkipWithError("device pool exhausted");
+        break;
+      }
+      std::vector<std::int64_t> slots = m.device_slots;
+      slots.insert(slots.end(), fresh->begin(), fresh->end());
+      const std::int64_t dup = cache.insert(tokens, slots);
+      const auto ours = static_cast<std::int64_t>(m.device_slots.size());
+      if (dup > ours) rig.dev.allocator().free(std::span(slots).subspan(ours, dup - ours));
+      cache.unlock(m.last_device_node);
+    }
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_RadixStep)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// match_prefix over a cached 2048-token prompt (32 pages in 2 nodes): cost per token.
+void BM_RadixMatchPrefix(benchmark::State& state) {
+  constexpr int kPage = 64;
+  Rig rig(KVGeometry::mha(1, 1, 8, DType::kFloat16, kPage), 64);
+  HiRadixCache cache(rig.controller, rig.dev, rig.host);
+  std::vector<std::int32_t> tokens(32 * kPage);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i);
+  auto slots = *rig.dev.allocator().alloc(static_cast<std::int64_t>(tokens.size()));
+  cache.insert(std::span(tokens).first(16 * kPage), std::span(slots).first(16 * kPage));
+  cache.insert(tokens, slots);
+  for (auto _ : state) benchmark::DoNotOptimize(cache.match_prefix(tokens).device_slots.data());
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * tokens.size()));
+}
+BENCHMARK(BM_RadixMatchPrefix)->UseRealTime();

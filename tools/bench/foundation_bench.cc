@@ -112,6 +112,13 @@ int main(int argc, char** argv) {
     if (name.rfind("BM_Allocator", 0) == 0) {
       std::printf("allocator alloc+free of 64-token pages: %.2f M pages/s\n", v / 1e6);
     }
+    if (name.rfind("BM_RadixStep", 0) == 0) {
+      std::printf("radix cache + controller per scheduler step (64 requests x 2048 tokens, "
+                  "shared prefixes, no compute): %.0f us\n", 1e6 / v);
+    }
+    if (name.rfind("BM_RadixMatchPrefix", 0) == 0) {
+      std::printf("match_prefix of a cached 2048-token prompt: %.2f ns per token\n", 1e9 / v);
+    }
     if (name.rfind("BM_ControllerWriteTinyPipelined", 0) == 0) {
       std::printf("controller 1-page writes of 2 KiB pages, 4 in flight: %.0f ops/s\n", v);
     } else if (name.rfind("BM_ControllerWriteTiny", 0) == 0) {
