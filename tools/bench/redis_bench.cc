@@ -1,0 +1,523 @@
+// hicache-redisbench: RedisStorage batch_set / batch_get against redis-benchmark SET / GET on the
+// same server, with the same value size, connection count and pipeline depth (issue target:
+// ratio >= 0.8), on one server and on a 3-node cluster, for 8 MiB and 256 KiB pages.
+//
+// It starts its own servers (redis-server with MALLOC_CONF=thp:always on free loopback ports;
+// the cluster formed by redis-cli --cluster create) and skips, saying why, when redis-server,
+// redis-cli or redis-benchmark is missing.
+//
+// Shapes (PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS): a batch is `pages` pages; RedisStorage splits a
+// node's share of a batch over its `connections` connections, so each connection carries about
+// pages / (nodes * connections) requests pipelined. redis-benchmark runs with -c connections and
+// -P that depth (rounded, at least 1), one process per node. The defaults use RedisStorage's
+// default 4 connections: 8 MiB x 16 (depth 4; 1 on the cluster), 256 KiB x 256 (depth 64; 21)
+// and 256 KiB x 16 (depth 4; 1), the last being where redis-benchmark itself is at its best.
+// Each timed run moves --mib MiB (default 256) of payload: batches = that / batch bytes.
+//
+// Paired rounds (figures on these machines drift 2-4x within a minute): each round runs
+// redis-benchmark SET then GET, and RedisStorage batch_set then batch_get, alternating which pair
+// goes first; the servers are flushed between runs (untimed) so they hold about one batch.
+//   ours SET: `batches` batches of fresh keys (nothing deduplicated), each batch timed, the
+//             server flushed (untimed) before it would hold more than 256 MiB;
+//   ours GET: the last batch read back `batches` times (every page verified once per round);
+//   redis-benchmark SET: -t set -d <page bytes> -r 1e9 -n <pages * batches / nodes> (new keys,
+//             like ours; on a cluster node the same SET with a hash tag of that node, value -x);
+//   redis-benchmark GET: -r <pages per node>, a keyspace populated first (one batch's worth, as
+//             ours reads); the hit rate is read from INFO stats and only hits count as bytes.
+// The ratio printed is the median of the per-round ratios (ours / redis-benchmark).
+//
+// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster]
+//                           [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pools/kv_pattern.h"
+#include "redis_launcher.h"
+#include "storage/redis_storage.h"
+#include "transfer/errors.h"
+#include "transfer/host_memory.h"
+
+namespace {
+
+using namespace hicache;
+using namespace hicache::bench;
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  std::size_t page_bytes;
+  std::size_t pages;
+  int connections;
+};
+
+struct Options {
+  int rounds = 3;
+  std::size_t run_mib = 256;  // payload per timed run: batches = run_mib / batch size (at least 1)
+  bool single = true;
+  bool cluster = true;
+  std::vector<Shape> shapes;
+};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::string key_name(const std::string& prefix, std::size_t i) {
+  char digits[24];
+  std::snprintf(digits, sizeof digits, "%012zu", i);
+  return prefix + digits;
+}
+
+// The node a deployment's redis-benchmark drives, with the key prefix its commands use.
+struct Target {
+  int port;
+  std::string prefix;  // "key:" (redis-benchmark -t set/get) or "k{TAG}:" on a cluster node
+};
+
+// A hash tag whose slot the node at `port` owns (its GET is answered, not MOVED).
+std::string owned_tag(int port) {
+  RespClient c(port);
+  for (int t = 0; t < 10000; ++t) {
+    const std::string key = str_cat("{", t, "}probe");
+    const std::string reply = c.command({"GET", key});
+    if (!reply.empty() && reply.rfind("-MOVED", 0) != 0 && reply[0] != '-') {
+      return std::to_string(t);
+    }
+  }
+  return {};
+}
+
+void flush_all(const std::vector<int>& ports) {
+  for (int p : ports) RespClient(p).command({"FLUSHALL"});
+}
+
+std::uint64_t info_field(const std::string& info, const std::string& field) {
+  const auto at = info.find(field + ":");
+  return at == std::string::npos ? 0
+                                 : std::strtoull(info.c_str() + at + field.size() + 1, nullptr, 10);
+}
+
+// redis-benchmark for one op against every target at once (one process per node).
+class Baseline {
+ public:
+  // SETs draw keys from this many: practically every SET stores a new key, as ours do (a SET
+  // that overwrites a key lets the server reuse the old value's memory, and new memory costs the
+  // server page faults).
+  static constexpr std::size_t kFreshKeyspace = 1'000'000'000;
+
+  Baseline(std::string binary, std::vector<Target> targets, bool cluster, const Shape& s,
+           int batches, std::string value_file)
+      : binary_(std::move(binary)),
+        targets_(std::move(targets)),
+        cluster_(cluster),
+        shape_(s),
+        value_file_(std::move(value_file)) {
+    const std::size_t nodes = targets_.size();
+    depth_ =
+        std::max<std::size_t>(1, (s.pages + nodes * static_cast<std::size_t>(s.connections) / 2) /
+                                     (nodes * static_cast<std::size_t>(s.connections)));
+    keyspace_ = (s.pages + nodes - 1) / nodes;
+    const std::size_t unit = depth_ * static_cast<std::size_t>(s.connections);
+    requests_ = (s.pages * static_cast<std::size_t>(batches) / nodes + unit - 1) / unit * unit;
+  }
+
+  std::vector<std::string> argv(const Target& t, bool set) const {
+    std::vector<std::string> a = {binary_,
+                                  "-h",
+                                  "127.0.0.1",
+                                  "-p",
+                                  std::to_string(t.port),
+                                  "-c",
+                                  std::to_string(shape_.connections),
+                                  "-P",
+                                  std::to_string(depth_),
+                                  "-n",
+                                  std::to_string(requests_),
+                                  "-r",
+                                  std::to_string(set ? kFreshKeyspace : keyspace_),
+                                  "--csv"};
+    if (!cluster_) {
+      a.insert(a.end(), {"-t", set ? "set" : "get", "-d", std::to_string(shape_.page_bytes)});
+    } else if (set) {
+      a.insert(a.end(), {"-x", "SET", t.prefix + "__rand_int__"});
+    } else {
+      a.insert(a.end(), {"GET", t.prefix + "__rand_int__"});
+    }
+    return a;
+  }
+
+  std::string describe(bool set) const {
+    std::string out;
+    for (const auto& w : argv(targets_[0], set)) out += (out.empty() ? "" : " ") + w;
+    if (cluster_ && set) out += str_cat(" < <", shape_.page_bytes, " bytes of x>");
+    if (cluster_) out += "  (one per node, at once)";
+    return out;
+  }
+
+  // Makes every key of the keyspace hold a page-sized value (for GET).
+  void populate() const {
+    const std::string value(shape_.page_bytes, 'x');
+    for (const Target& t : targets_) {
+      RespClient c(t.port);
+      for (std::size_t i = 0; i < keyspace_; ++i) {
+        const std::string key = key_name(t.prefix, i);
+        if (c.command({"STRLEN", key}) != str_cat(":", shape_.page_bytes)) {
+          c.command({"SET", key, value});
+        }
+      }
+    }
+  }
+
+  // Payload MB/s over all nodes (for GET only hits count), or nullopt with *error. The processes
+  // start together; each reports its own rate, so the aggregate is all their requests over the
+  // longest one's time (a sum of rates would overstate when one finishes early).
+  std::optional<double> run(bool set, std::string* error, double* hit_rate) const {
+    if (!set) {
+      populate();
+      for (const Target& t : targets_) RespClient(t.port).command({"CONFIG", "RESETSTAT"});
+    }
+    std::vector<std::unique_ptr<SpawnedOutput>> procs;
+    for (const Target& t : targets_) {
+      procs.push_back(std::make_unique<SpawnedOutput>(argv(t, set),
+                                                      cluster_ && set ? value_file_ : "/dev/null"));
+    }
+    double longest_s = 0;
+    for (auto& p : procs) {
+      int status = 0;
+      const std::string out = p->wait(&status);
+      // Last line: "TEST","rps",...
+      auto end = out.find_last_not_of("\r\n");
+      const auto start = out.rfind('\n', end == std::string::npos ? 0 : end);
+      const std::string line = out.substr(start == std::string::npos ? 0 : start + 1);
+      const auto sep = line.find("\",\"");
+      if (status != 0 || sep == std::string::npos) {
+        *error = str_cat("redis-benchmark failed (status ", status, "): ", out.substr(0, 300));
+        return std::nullopt;
+      }
+      const double rps = std::strtod(line.c_str() + sep + 3, nullptr);
+      if (rps <= 0) {
+        *error = str_cat("redis-benchmark reported no rate: ", line);
+        return std::nullopt;
+      }
+      longest_s = std::max(longest_s, static_cast<double>(requests_) / rps);
+    }
+    double fraction = 1;
+    if (!set) {
+      std::uint64_t hits = 0, misses = 0;
+      for (const Target& t : targets_) {
+        const std::string info = RespClient(t.port).command({"INFO", "stats"});
+        hits += info_field(info, "keyspace_hits");
+        misses += info_field(info, "keyspace_misses");
+      }
+      fraction =
+          hits + misses == 0 ? 0 : static_cast<double>(hits) / static_cast<double>(hits + misses);
+    }
+    if (hit_rate != nullptr) *hit_rate = fraction;
+    const double requests = static_cast<double>(requests_ * targets_.size());
+    return requests / longest_s * fraction * static_cast<double>(shape_.page_bytes) / 1e6;
+  }
+
+  std::size_t depth() const { return depth_; }
+
+ private:
+  std::string binary_;
+  std::vector<Target> targets_;
+  bool cluster_;
+  Shape shape_;
+  std::string value_file_;
+  std::size_t depth_ = 1, keyspace_ = 1, requests_ = 1;
+};
+
+// RedisStorage over a batch of pages: src pattern-filled, dst separate (verified).
+class Ours {
+ public:
+  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches)
+      : shape_(s),
+        batches_(batches),
+        src_(map_host_memory(s.pages * s.page_bytes)),
+        dst_(map_host_memory(s.pages * s.page_bytes)) {
+    RedisConfig cfg;
+    cfg.nodes.clear();
+    for (int p : ports) cfg.nodes.push_back({"127.0.0.1", static_cast<std::uint16_t>(p)});
+    cfg.cluster = cluster;
+    cfg.connections = s.connections;
+    cfg.timeout = std::chrono::milliseconds(20000);
+    store_ = std::make_unique<RedisStorage>(cfg);
+    auto* sbase = static_cast<std::byte*>(src_.data());
+    auto* dbase = static_cast<std::byte*>(dst_.data());
+    for (std::size_t i = 0; i < s.pages; ++i) {
+      ByteSpan page(sbase + i * s.page_bytes, s.page_bytes);
+      fill_pattern(page, i, 0, 0);
+      src_spans_.emplace_back(page);
+      dst_spans_.emplace_back(dbase + i * s.page_bytes, s.page_bytes);
+    }
+  }
+
+  // batch_set of `batches` batches of fresh keys; the store is flushed (untimed) before it would
+  // hold more than 256 MiB, and holds the last batch afterwards. Returns payload MB/s.
+  std::optional<double> set(int round, std::string* error) {
+    double t = 0;
+    const std::size_t batch_bytes = shape_.pages * shape_.page_bytes;
+    std::size_t held = 0;
+    for (int b = 0; b < batches_; ++b) {
+      if (held + batch_bytes > (std::size_t{256} << 20)) {
+        store_->clear();
+        held = 0;
+      }
+      held += batch_bytes;
+      keys_.clear();
+      for (std::size_t i = 0; i < shape_.pages; ++i)
+        keys_.push_back(str_cat("p", round, "-", b, "-", i));
+      const auto t0 = Clock::now();
+      const auto results = store_->batch_set(keys_, src_spans_);
+      t += seconds_since(t0);
+      for (const auto& r : results) {
+        if (!r.is_ok()) {
+          *error = str_cat("batch_set: ", r.reason);
+          return std::nullopt;
+        }
+      }
+    }
+    const auto written = store_->stats().set_written;
+    if (written != set_written_ + shape_.pages * static_cast<std::size_t>(batches_)) {
+      *error = "batch_set deduplicated a fresh key";
+      return std::nullopt;
+    }
+    set_written_ = written;
+    return bytes() / t / 1e6;
+  }
+
+  // batch_get of the last batch `batches` times; every page verified after the first.
+  std::optional<double> get(std::string* error) {
+    std::memset(dst_.data(), 0, shape_.pages * shape_.page_bytes);
+    double t = 0;
+    for (int b = 0; b < batches_; ++b) {
+      const auto t0 = Clock::now();
+      const auto results = store_->batch_get(keys_, dst_spans_);
+      t += seconds_since(t0);
+      for (const auto& r : results) {
+        if (!r.is_ok()) {
+          *error = str_cat("batch_get: ", to_string(r.status), " ", r.reason);
+          return std::nullopt;
+        }
+      }
+      if (b == 0) {
+        for (std::size_t i = 0; i < shape_.pages; ++i) {
+          if (find_pattern_mismatch(dst_spans_[i], i, 0, 0) >= 0) {
+            *error = str_cat("batch_get: page ", i, " differs from what was stored");
+            return std::nullopt;
+          }
+        }
+      }
+    }
+    return bytes() / t / 1e6;
+  }
+
+  void clear() { store_->clear(); }
+
+ private:
+  double bytes() const { return static_cast<double>(shape_.pages * shape_.page_bytes) * batches_; }
+  Shape shape_;
+  int batches_;
+  Buffer src_, dst_;
+  std::vector<ConstByteSpan> src_spans_;
+  std::vector<ByteSpan> dst_spans_;
+  std::vector<std::string> keys_;
+  std::unique_ptr<RedisStorage> store_;
+  std::uint64_t set_written_ = 0;
+};
+
+// Runs every shape on one deployment; false on a failure (printed).
+bool bench_deployment(const char* label, const std::vector<int>& ports, bool cluster,
+                      const Options& opt, const std::string& benchmark_bin,
+                      const std::string& tmpdir) {
+  std::vector<Target> targets;
+  for (int p : ports) {
+    if (!cluster) {
+      targets.push_back({p, "key:"});
+      continue;
+    }
+    const std::string tag = owned_tag(p);
+    if (tag.empty()) {
+      std::printf("%s: no hash tag found for node %d\n", label, p);
+      return false;
+    }
+    targets.push_back({p, str_cat("k{", tag, "}:")});
+  }
+  for (const Shape& s : opt.shapes) {
+    const std::string value_file = str_cat(tmpdir, "/value-", s.page_bytes);
+    if (cluster) {
+      std::ofstream(value_file, std::ios::binary) << std::string(s.page_bytes, 'x');
+    }
+    const int batches =
+        static_cast<int>(std::max<std::size_t>(1, (opt.run_mib << 20) / (s.pages * s.page_bytes)));
+    Baseline base(benchmark_bin, targets, cluster, s, batches, value_file);
+    Ours ours(ports, cluster, s, batches);
+    std::printf(
+        "\n%s, %zu KiB pages, %zu per batch, %d batches per run, %d connections per node, "
+        "pipeline depth %zu per connection\n  %s\n  %s\n",
+        label, s.page_bytes >> 10, s.pages, batches, s.connections, base.depth(),
+        base.describe(true).c_str(), base.describe(false).c_str());
+    std::fflush(stdout);
+    flush_all(ports);
+    std::map<std::string, std::vector<double>> ours_mb, base_mb, ratio;
+    std::vector<double> hit_rates;
+    for (int round = 0; round < opt.rounds; ++round) {
+      std::string error;
+      std::optional<double> os, og, bs, bg;
+      double hits = 0;
+      for (int half = 0; half < 2; ++half) {
+        if ((half + round) % 2 == 0) {
+          bs = base.run(true, &error, nullptr);
+          if (bs) bg = base.run(false, &error, &hits);
+        } else {
+          os = ours.set(round, &error);
+          if (os) og = ours.get(&error);
+        }
+        flush_all(ports);
+        if (!error.empty()) break;
+      }
+      if (!error.empty()) {
+        std::printf("  round %d failed: %s\n", round, error.c_str());
+        return false;
+      }
+      std::printf(
+          "  round %d: SET ours %.0f MB/s, redis-benchmark %.0f MB/s (%.2f); GET ours "
+          "%.0f MB/s, redis-benchmark %.0f MB/s (%.2f, hit rate %.3f)\n",
+          round, *os, *bs, *os / *bs, *og, *bg, *og / *bg, hits);
+      std::fflush(stdout);
+      ours_mb["set"].push_back(*os);
+      base_mb["set"].push_back(*bs);
+      ratio["set"].push_back(*os / *bs);
+      ours_mb["get"].push_back(*og);
+      base_mb["get"].push_back(*bg);
+      ratio["get"].push_back(*og / *bg);
+    }
+    for (const char* op : {"set", "get"}) {
+      std::printf(
+          "%s %zu KiB x %zu, %d conns, depth %zu: batch_%s %.0f MB/s, redis-benchmark %s "
+          "%.0f MB/s, ratio %.2f (median of %d paired rounds; target >= 0.8)\n",
+          label, s.page_bytes >> 10, s.pages, s.connections, base.depth(), op, median(ours_mb[op]),
+          op[0] == 's' ? "SET" : "GET", median(base_mb[op]), median(ratio[op]), opt.rounds);
+    }
+    std::fflush(stdout);
+    std::remove(value_file.c_str());
+  }
+  return true;
+}
+
+bool parse_args(int argc, char** argv, Options& opt) {
+  bool which = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    if (a == "--rounds" || a == "--mib") {
+      const char* v = next();
+      if (v == nullptr || std::atoi(v) < 1) return false;
+      if (a == "--rounds") {
+        opt.rounds = std::atoi(v);
+      } else {
+        opt.run_mib = static_cast<std::size_t>(std::atoi(v));
+      }
+    } else if (a == "--single" || a == "--cluster") {
+      if (!which) opt.single = opt.cluster = false;
+      which = true;
+      (a == "--single" ? opt.single : opt.cluster) = true;
+    } else if (a == "--shape") {
+      const char* v = next();
+      unsigned long kib = 0, pages = 0;
+      int conns = 0;
+      if (v == nullptr || std::sscanf(v, "%lu:%lu:%d", &kib, &pages, &conns) != 3 || kib == 0 ||
+          pages == 0 || conns < 1) {
+        return false;
+      }
+      opt.shapes.push_back({kib << 10, pages, conns});
+    } else {
+      return false;
+    }
+  }
+  if (opt.shapes.empty()) {
+    opt.shapes = {{8 << 20, 16, 4}, {256 << 10, 256, 4}, {256 << 10, 16, 4}};
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  if (!parse_args(argc, argv, opt)) {
+    std::fprintf(stderr,
+                 "usage: %s [--rounds N (3)] [--mib MIB_PER_RUN (256)] [--single] [--cluster]\n"
+                 "          [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]... "
+                 "(default 8192:16:4, 256:256:4 and 256:16:4)\n",
+                 argv[0]);
+    return 2;
+  }
+  const std::string server = find_binary("redis-server");
+  const std::string benchmark_bin = find_binary("redis-benchmark");
+  const std::string cli = find_binary("redis-cli");
+  if (server.empty() || benchmark_bin.empty()) {
+    std::printf(
+        "SKIPPED: redis-server and redis-benchmark are needed (found: redis-server '%s', "
+        "redis-benchmark '%s'); install redis-server / redis-tools\n",
+        server.c_str(), benchmark_bin.c_str());
+    return 0;
+  }
+  char tmpl[] = "/tmp/hicache-redisbench-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) {
+    std::printf("mkdtemp failed\n");
+    return 1;
+  }
+  const std::string tmpdir = tmpl;
+  std::printf(
+      "hicache-redisbench: %d paired rounds, %zu MiB per timed run; ours = RedisStorage "
+      "(io_threads 2), payload MB/s (1 MB = 1e6 bytes)\n",
+      opt.rounds, opt.run_mib);
+  int rc = 0;
+  try {
+    if (opt.single) {
+      RedisDeployment one;
+      std::string error;
+      if (!one.start(1, false, &error)) {
+        std::printf("single node: cannot start redis-server: %s\n", error.c_str());
+        rc = 1;
+      } else if (!bench_deployment("single", one.ports(), false, opt, benchmark_bin, tmpdir)) {
+        rc = 1;
+      }
+    }
+    if (opt.cluster) {
+      if (cli.empty()) {
+        std::printf("\ncluster: SKIPPED: redis-cli is needed to form the cluster\n");
+      } else {
+        RedisDeployment three;
+        std::string error;
+        if (!three.start(3, true, &error)) {
+          std::printf("cluster: cannot start a 3-node cluster: %s\n", error.c_str());
+          rc = 1;
+        } else if (!bench_deployment("cluster", three.ports(), true, opt, benchmark_bin, tmpdir)) {
+          rc = 1;
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    std::printf("error: %s\n", e.what());
+    rc = 1;
+  }
+  std::remove(tmpdir.c_str());
+  return rc;
+}

@@ -1,0 +1,85 @@
+// Throwaway redis-server processes for the Redis benchmark (tools/ must not use the test
+// helpers): one server, or a cluster, on free loopback ports, started with MALLOC_CONF=thp:always
+// (the server's page faults bound SETs of new keys otherwise, shared/MACHINE.md), killed by PID
+// when destroyed, and also by the kernel if this process dies (PR_SET_PDEATHSIG).
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hicache::bench {
+
+// Path of an executable (PATH, then /usr/bin); empty when absent.
+std::string find_binary(const char* name);
+
+// Runs argv (argv[0] a path), stdin from `stdin_path` (or /dev/null), and returns its stdout;
+// *status gets the wait status. Several may run at once: see SpawnedOutput.
+class SpawnedOutput {
+ public:
+  SpawnedOutput(std::vector<std::string> argv, const std::string& stdin_path = "/dev/null");
+  ~SpawnedOutput();
+  SpawnedOutput(const SpawnedOutput&) = delete;
+  SpawnedOutput& operator=(const SpawnedOutput&) = delete;
+  // Reads stdout to the end and reaps the child. Empty output when the spawn failed.
+  std::string wait(int* status = nullptr);
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+};
+std::string run_capture(std::vector<std::string> argv, int* status = nullptr);
+
+// A blocking RESP client on a loopback port for setup work (populate, INFO, FLUSHALL).
+class RespClient {
+ public:
+  explicit RespClient(int port);
+  ~RespClient();
+  RespClient(const RespClient&) = delete;
+  RespClient& operator=(const RespClient&) = delete;
+  bool ok() const { return fd_ >= 0; }
+  // Sends one command; returns the reply's first line ("+OK", ":1", "-MOVED ...", "$-1") and,
+  // for a bulk string, its body instead ("" on an I/O error). Values may be large.
+  std::string command(const std::vector<std::string_view>& args);
+
+ private:
+  bool read_line(std::string& line);
+  int fd_ = -1;
+  std::string buf_;
+  std::size_t pos_ = 0;
+};
+
+class RedisProcess {
+ public:
+  RedisProcess() = default;
+  ~RedisProcess();
+  RedisProcess(const RedisProcess&) = delete;
+  RedisProcess& operator=(const RedisProcess&) = delete;
+  // Starts redis-server on a free port (whose +10000 cluster-bus port is free too) with `extra`
+  // arguments; false with *error otherwise.
+  bool start(const std::vector<std::string>& extra, std::string* error);
+  void stop();  // SIGKILL + waitpid; idempotent
+  int port() const { return port_; }
+
+ private:
+  bool start_on(int port, const std::vector<std::string>& extra, std::string* error);
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string dir_;
+};
+
+// One server (nodes == 1, no cluster mode) or a cluster of `nodes` masters formed with
+// redis-cli --cluster create and waited for until every node says cluster_state:ok.
+class RedisDeployment {
+ public:
+  bool start(int nodes, bool cluster, std::string* error);
+  std::vector<int> ports() const;
+
+ private:
+  std::vector<std::unique_ptr<RedisProcess>> servers_;
+};
+
+}  // namespace hicache::bench
