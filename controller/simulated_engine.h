@@ -1,0 +1,111 @@
+// SimulatedEngine: the main loop of a serving engine around HiRadixCache, for the workload tool
+// and the tests (an embedding engine has its own). Each step() does what a scheduler does:
+//
+//   1. check_events() on the cache (acks, finished prefetches);
+//   2. admit waiting requests into the batch (up to max_batch): match the prefix; when L3 is on
+//      and the request continues past the tree, start a prefetch and let the request wait for
+//      it (other requests run meanwhile); once it is over, match again;
+//   3. for each admitted request: lock its prefix, load back the host part (when the cache
+//      accepts), allocate device slots for the tokens to compute (evicting when short);
+//   4. start_loading(), then the forward pass layer by layer: wait for layer l's loads
+//      (DeviceKVPool::wait_for_layer) and "compute" it for cost_per_token_layer seconds per
+//      computed token, so loads overlap with compute;
+//   5. verify, byte for byte, every page the batch read from the cache (device prefix, loaded
+//      back, prefetched) against the data its token prefix derives, write the new pages' data,
+//      insert, free the duplicate slots, unlock, finish.
+//
+// Requests are prefill-only (a prompt, no decode). Page data derives from the whole token prefix
+// of the page (as a model's KV does), so any tier can be checked. Verification needs device
+// memory the CPU can read (the host backend); on CUDA pages are counted as unverified.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "controller/hi_radix_cache.h"
+
+namespace hicache {
+
+struct SimulatedRequest {
+  std::string id;
+  std::vector<std::int32_t> tokens;
+};
+
+struct SimulatedEngineConfig {
+  int max_batch = 8;                   // requests per forward pass
+  double cost_per_token_layer = 0.0;   // simulated compute, seconds per token per layer
+  bool use_storage = true;             // prefetch from L3 when the cache has one
+  int max_prefetches = 2;              // prefetches in flight; later requests wait their turn
+                                       // (by then the tree may hold what they would fetch)
+  // Before admitting, evict host pages (LRU) until this fraction of the host pool is free, so
+  // writes keep finding room (pages then live on in L3 when it is on).
+  double host_free_target = 0.1;
+};
+
+struct SimulatedEngineStats {
+  std::int64_t steps = 0, finished = 0;
+  std::int64_t prompt_tokens = 0;
+  std::int64_t device_hit_tokens = 0;   // served from the device prefix
+  std::int64_t loaded_back_tokens = 0;  // host -> device for the request
+  std::int64_t computed_tokens = 0;
+  std::int64_t prefetches = 0;
+  std::int64_t verified_pages = 0, mismatched_pages = 0, unverified_pages = 0;
+  std::int64_t deferred = 0;  // admissions put back for lack of device memory
+  std::int64_t rejected = 0;  // requests larger than the device pool can ever hold
+  double step_seconds = 0;    // wall time inside step(), compute included
+  double compute_seconds = 0; // simulated compute
+};
+
+// The 64-bit seed of page `page` of `tokens`: a hash of the whole prefix up to its end.
+std::uint64_t page_data_seed(std::span<const std::int32_t> tokens, std::size_t page,
+                             std::int32_t page_size);
+
+class SimulatedEngine {
+ public:
+  SimulatedEngine(HiRadixCache& cache, HiCacheController& controller, DeviceKVPool& device_pool,
+                  HostKVPool& host_pool, Device& device, SimulatedEngineConfig config = {});
+
+  void submit(SimulatedRequest request);
+  // One scheduler step; false when nothing was waiting or running. A step that can run nothing
+  // (every request waits for a prefetch, or for memory that in-flight acks will free) yields
+  // the thread and returns true.
+  bool step();
+  // Steps until every submitted request finished (or `max_steps`).
+  void run_until_idle(std::int64_t max_steps = 1 << 30);
+  std::size_t waiting() const { return waiting_.size() + prefetching_.size(); }
+  const SimulatedEngineStats& stats() const { return stats_; }
+  // The first verification failure ("request R page P"), or empty.
+  const std::string& first_mismatch() const { return first_mismatch_; }
+
+ private:
+  struct Running {
+    SimulatedRequest request;
+    HiRadixCache::Node* held = nullptr;
+    std::vector<std::int64_t> slots;     // cached prefix, then the computed pages
+    std::size_t cached_tokens = 0;       // read from the cache (to verify)
+  };
+  struct Waiting {
+    SimulatedRequest request;
+    bool asked_storage = false;  // L3 is asked once per request
+  };
+  bool admit(SimulatedRequest& request, std::vector<Running>& batch);
+  void verify(const Running& r);
+
+  HiRadixCache& cache_;
+  HiCacheController& controller_;
+  DeviceKVPool& device_pool_;
+  HostKVPool& host_pool_;
+  bool verifiable_;
+  SimulatedEngineConfig config_;
+  std::int32_t page_size_;
+  std::deque<Waiting> waiting_;
+  std::vector<Waiting> prefetching_;
+  SimulatedEngineStats stats_;
+  std::string first_mismatch_;
+};
+
+}  // namespace hicache
