@@ -5,7 +5,9 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <filesystem>
+#include <signal.h>
+
+#include <ctime>
 
 #include "storage/collective.h"
 #include "transfer/errors.h"
@@ -13,9 +15,42 @@
 namespace hicache {
 namespace {
 
+// Gloo writes to its sockets without MSG_NOSIGNAL, so a peer that died raises SIGPIPE, whose
+// default action kills this process: one dead TP rank would take every other rank down with it.
+// While a guard lives, SIGPIPE is blocked in this thread (and in threads it creates: Gloo's
+// event loop is started under the guard and inherits the mask), and a SIGPIPE raised meanwhile
+// is consumed before the mask is restored; the write itself fails with EPIPE, which Gloo reports
+// as an error. The process's own SIGPIPE disposition is left as the embedding engine set it.
+class SigpipeGuard {
+ public:
+  SigpipeGuard() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeGuard() {
+    if (!was_pending_) {
+      const timespec zero{0, 0};
+      while (sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeGuard(const SigpipeGuard&) = delete;
+  SigpipeGuard& operator=(const SigpipeGuard&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool was_pending_ = false;
+};
+
 class GlooCollective final : public Collective {
  public:
   explicit GlooCollective(const GlooConfig& c) : config_(c) {
+    SigpipeGuard guard;
     gloo::transport::tcp::attr attr;
     attr.hostname = c.hostname;
     auto device = gloo::transport::tcp::CreateDevice(attr);
@@ -32,6 +67,7 @@ class GlooCollective final : public Collective {
 
  protected:
   std::string reduce_min(std::span<std::int64_t> buffer) override {
+    SigpipeGuard guard;
     try {
       gloo::AllreduceOptions opts(context_);
       opts.setOutput(buffer.data(), buffer.size());
@@ -56,19 +92,7 @@ class GlooCollective final : public Collective {
 }  // namespace
 
 std::unique_ptr<Collective> make_gloo_collective(const GlooConfig& config) {
-  if (config.size < 1 || config.rank < 0 || config.rank >= config.size) {
-    throw InvalidArgument(str_cat("gloo collective: rank ", config.rank, " outside [0, size ",
-                                  config.size, ")"));
-  }
-  if (config.timeout.count() <= 0) {
-    throw InvalidArgument(str_cat("gloo collective: timeout ", config.timeout.count(), " ms"));
-  }
-  std::error_code ec;
-  std::filesystem::create_directories(config.store_dir, ec);
-  if (config.store_dir.empty() || !std::filesystem::is_directory(config.store_dir)) {
-    throw InvalidArgument(str_cat("gloo collective: store_dir '", config.store_dir,
-                                  "' is not a directory"));
-  }
+  validate_group_config("gloo", config.rank, config.size, config.store_dir, config.timeout);
   try {
     return std::make_unique<GlooCollective>(config);
   } catch (const std::exception& e) {

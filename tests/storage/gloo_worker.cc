@@ -3,7 +3,7 @@
 //   agree:   200 rounds of min_allreduce and barriers; every result checked; prints the median
 //            min_allreduce latency (rank 0).
 //   diverge: rank 0 calls tag "a", the others "b": every rank must see a failed call.
-//   dead:    the last rank exits right after connecting; the others' next call must fail within
+//   dead:    the last rank exits right after a first barrier; the others' next call must fail within
 //            the timeout (2 s) instead of hanging.
 #include <algorithm>
 #include <chrono>
@@ -64,6 +64,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (scenario == "dead") {
+    // One call that every rank completes first, so the dead rank leaves only once the mesh is
+    // up on every side (leaving during the others' handshakes is a failed start, not this case).
+    if (!c->barrier("connected").ok) {
+      std::fprintf(stderr, "rank %d: first barrier failed: %s\n", rank, c->failure().c_str());
+      return 1;
+    }
     if (rank == size - 1) std::_Exit(0);
     std::vector<std::int64_t> v = {5};
     const auto t0 = std::chrono::steady_clock::now();
