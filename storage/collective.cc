@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <filesystem>
 #include <functional>
 
 #include "transfer/errors.h"
@@ -42,6 +43,22 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   }
   std::copy_n(buffer_.begin(), n, values.begin());
   return {};
+}
+
+void validate_group_config(std::string_view kind, int rank, int size, const std::string& store_dir,
+                           std::chrono::milliseconds timeout) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw InvalidArgument(str_cat(kind, " collective: rank ", rank, " outside [0, size ", size, ")"));
+  }
+  if (timeout.count() <= 0) {
+    throw InvalidArgument(str_cat(kind, " collective: timeout ", timeout.count(), " ms"));
+  }
+  std::error_code ec;
+  if (!store_dir.empty()) std::filesystem::create_directories(store_dir, ec);
+  if (store_dir.empty() || !std::filesystem::is_directory(store_dir)) {
+    throw InvalidArgument(str_cat(kind, " collective: store_dir '", store_dir,
+                                  "' is not a directory"));
+  }
 }
 
 std::string Collective::failure() const {

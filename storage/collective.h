@@ -93,6 +93,11 @@ class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {
   std::shared_ptr<State> state_;
 };
 
+// Checks what every multi-process group needs (rank in [0, size), a positive timeout, a store
+// directory that exists or can be created); throws InvalidArgument naming the bad value.
+void validate_group_config(std::string_view kind, int rank, int size, const std::string& store_dir,
+                           std::chrono::milliseconds timeout);
+
 // Processes over TCP (Gloo), rendezvous through a shared directory (a FileStore).
 struct GlooConfig {
   int rank = 0;
@@ -106,5 +111,26 @@ struct GlooConfig {
 // Throws InvalidArgument naming a bad rank/size/directory, and Error when the rendezvous fails
 // (a peer never showed up within the timeout).
 std::unique_ptr<Collective> make_gloo_collective(const GlooConfig& config);
+
+// GPUs (NCCL), one rank per GPU, compiled in CUDA builds. Rank 0 creates the NCCL unique id and
+// hands it to the others through a shared directory (Gloo's FileStore), so no other launcher is
+// needed. The reduction runs on the rank's own stream over a small device buffer; a watchdog
+// thread aborts the communicator when a call outlasts `timeout` (a dead or diverged peer), so a
+// call fails with the reason instead of hanging, and the collective stays failed from then on.
+struct NcclConfig {
+  int rank = 0;
+  int size = 1;
+  int cuda_ordinal = 0;               // the GPU of this rank
+  std::string store_dir;              // shared by all ranks; created if missing
+  std::string prefix = "hicache";     // separates groups that share a store_dir
+  std::chrono::milliseconds timeout{30000};  // rendezvous, communicator set-up, and each call
+};
+
+// True when this build has NCCL and a GPU answers; `why` gets the reason if not.
+bool nccl_available(std::string* why = nullptr);
+
+// Throws InvalidArgument naming a bad rank/size/ordinal/directory, and Error when NCCL is not
+// available or the set-up fails (a peer that never showed up within the timeout included).
+std::unique_ptr<Collective> make_nccl_collective(const NcclConfig& config);
 
 }  // namespace hicache

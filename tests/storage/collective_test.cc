@@ -5,9 +5,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
+#include "transfer/device.h"
 #include "transfer/errors.h"
 
 extern char** environ;
@@ -142,9 +146,13 @@ int run_gloo(int size, const std::string& scenario) {
     pids.push_back(pid);
   }
   int failures = 0;
-  for (pid_t pid : pids) {
+  for (std::size_t r = 0; r < pids.size(); ++r) {
     int status = 0;
-    ::waitpid(pid, &status, 0);
+    ::waitpid(pids[r], &status, 0);
+    if (WIFSIGNALED(status)) {
+      ADD_FAILURE() << "gloo_worker rank " << r << " (" << scenario << ") killed by signal "
+                    << WTERMSIG(status) << " (" << strsignal(WTERMSIG(status)) << ")";
+    }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failures;
   }
   std::filesystem::remove_all(dir);
@@ -157,6 +165,152 @@ TEST(GlooCollective, FourProcessesAgree) { EXPECT_EQ(run_gloo(4, "agree"), 0); }
 TEST(GlooCollective, DivergenceFailsEveryRank) { EXPECT_EQ(run_gloo(2, "diverge"), 0); }
 TEST(GlooCollective, ADeadRankFailsTheOthersWithinTheTimeout) {
   EXPECT_EQ(run_gloo(3, "dead"), 0);
+}
+
+
+// NCCL: needs a GPU per rank. Set-up failures and a lone rank run on one GPU; agreement across
+// ranks needs two GPUs (NCCL refuses two ranks of one communicator on the same GPU).
+std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("hicache-nccl-" + std::to_string(::getpid()) + "-" + name);
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+#define SKIP_WITHOUT_NCCL()                                                      \
+  do {                                                                           \
+    std::string why;                                                             \
+    if (!nccl_available(&why)) GTEST_SKIP() << "NCCL unavailable: " << why;      \
+  } while (0)
+
+TEST(NcclCollective, BadArgumentsAreNamedOnEveryMachine) {
+  try {
+    make_nccl_collective(NcclConfig{.rank = 3, .size = 2, .store_dir = "/tmp"});
+    FAIL() << "rank 3 of 2 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(make_nccl_collective(NcclConfig{.cuda_ordinal = -1, .store_dir = "/tmp"}),
+               InvalidArgument);
+  EXPECT_THROW(make_nccl_collective(NcclConfig{.store_dir = ""}), InvalidArgument);
+  EXPECT_THROW(make_nccl_collective(NcclConfig{.store_dir = "/tmp",
+                                               .timeout = std::chrono::milliseconds(0)}),
+               InvalidArgument);
+}
+
+TEST(NcclCollective, WithoutAGpuTheErrorSaysWhy) {
+  std::string why;
+  if (nccl_available(&why)) GTEST_SKIP() << "a GPU answers here; covered by the tests below";
+  try {
+    make_nccl_collective(NcclConfig{.store_dir = fresh_dir("nogpu").string()});
+    FAIL() << "created without a GPU";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+  }
+}
+
+TEST(NcclCollective, OneRankIsTheIdentity) {
+  SKIP_WITHOUT_NCCL();
+  auto c = make_nccl_collective(NcclConfig{.store_dir = fresh_dir("one").string()});
+  std::vector<double> us;
+  for (int round = 0; round < 200; ++round) {
+    std::vector<std::int64_t> v = {5 + round, -3, std::int64_t{1} << 40, round % 3};
+    const auto want = v;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = c->min_allreduce(v, "hits");
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    ASSERT_TRUE(r.ok) << r.error;
+    ASSERT_EQ(v, want);
+  }
+  EXPECT_TRUE(c->barrier("step").ok);
+  std::vector<std::int64_t> big(1000, 9);  // grows the device buffer
+  EXPECT_TRUE(c->min_allreduce(big, "big").ok);
+  EXPECT_EQ(big, std::vector<std::int64_t>(1000, 9));
+  std::sort(us.begin(), us.end());
+  std::printf("nccl min_allreduce, 1 rank: median %.1f us, p99 %.1f us\n", us[us.size() / 2],
+              us[us.size() * 99 / 100]);
+}
+
+TEST(NcclCollective, APeerThatNeverJoinsFailsSetUpWithinTheTimeout) {
+  SKIP_WITHOUT_NCCL();
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    make_nccl_collective(NcclConfig{.rank = 0, .size = 2, .store_dir = fresh_dir("alone").string(),
+                                    .timeout = std::chrono::milliseconds(2000)});
+    FAIL() << "set up without its peer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("joined within 2000 ms"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
+TEST(NcclCollective, ARankWithoutRankZeroFailsWithinTheTimeout) {
+  SKIP_WITHOUT_NCCL();
+  try {
+    make_nccl_collective(NcclConfig{.rank = 1, .size = 2, .store_dir = fresh_dir("norank0").string(),
+                                    .timeout = std::chrono::milliseconds(500)});
+    FAIL() << "set up without rank 0";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("published no NCCL id"), std::string::npos) << e.what();
+  }
+}
+
+// Two ranks on GPUs 0 and 1, set up concurrently; empty when the machine has one GPU (`why`).
+std::vector<std::unique_ptr<Collective>> two_gpu_ranks(const std::string& name,
+                                                       std::chrono::milliseconds timeout,
+                                                       std::string* why) {
+  try {
+    Device::create("cuda", 1);
+  } catch (const std::exception& e) {
+    *why = std::string("needs a second GPU (NCCL allows one rank per GPU): ") + e.what();
+    return {};
+  }
+  const std::string dir = fresh_dir(name).string();
+  std::vector<std::unique_ptr<Collective>> ranks(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      ranks[r] = make_nccl_collective(NcclConfig{.rank = r, .size = 2, .cuda_ordinal = r,
+                                                 .store_dir = dir, .timeout = timeout});
+    });
+  }
+  for (auto& t : threads) t.join();
+  return ranks;
+}
+
+// Agreement, then a divergence, which fails both ranks for good.
+TEST(NcclCollective, TwoGpusAgreeAndDetectDivergence) {
+  SKIP_WITHOUT_NCCL();
+  std::string why;
+  auto ranks = two_gpu_ranks("two", std::chrono::milliseconds(3000), &why);
+  if (ranks.empty()) GTEST_SKIP() << why;
+  run_ranks(ranks, [](int rank, Collective& c) {
+    for (int round = 0; round < 100; ++round) {
+      std::vector<std::int64_t> v = {100 + rank + round, 7 * (2 - rank)};
+      ASSERT_TRUE(c.min_allreduce(v, "hits").ok) << c.failure();
+      ASSERT_EQ(v, (std::vector<std::int64_t>{100 + round, 7}));
+    }
+    std::vector<std::int64_t> v = {5};
+    EXPECT_FALSE(c.min_allreduce(v, rank == 0 ? "a" : "b").ok);
+    EXPECT_EQ(v[0], 0);
+  });
+  std::vector<std::int64_t> v = {5};
+  EXPECT_FALSE(ranks[0]->min_allreduce(v, "hits").ok);
+}
+
+TEST(NcclCollective, ARankThatStopsCallingFailsThePeerWithinTheTimeout) {
+  SKIP_WITHOUT_NCCL();
+  std::string why;
+  auto ranks = two_gpu_ranks("stall", std::chrono::milliseconds(1000), &why);
+  if (ranks.empty()) GTEST_SKIP() << why;
+  std::vector<std::int64_t> v = {5};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = ranks[0]->min_allreduce(v, "hits");  // rank 1 never calls
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("no reply within 1000 ms"), std::string::npos) << r.error;
+  EXPECT_EQ(v[0], 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
 }
 
 }  // namespace

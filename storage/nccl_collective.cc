@@ -1,0 +1,299 @@
+// NcclCollective: min_allreduce over GPUs (storage/collective.h). Built in CUDA builds with NCCL
+// (HICACHE_WITH_NCCL); elsewhere make_nccl_collective() says why it is unavailable.
+#include <chrono>
+#include <filesystem>
+#include <string>
+
+#include "storage/collective.h"
+#include "transfer/errors.h"
+
+#if HICACHE_WITH_NCCL
+#include <cuda_runtime.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <nccl.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "transfer/cuda_device.h"
+#endif
+
+namespace hicache {
+
+#if HICACHE_WITH_NCCL
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string cuda_error(cudaError_t err, const char* what) {
+  return str_cat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+}
+
+std::string nccl_error(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
+  std::string text = str_cat(what, ": ", ncclGetErrorString(r));
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last != '\0') text += str_cat(" (", last, ")");
+  }
+  return text;
+}
+
+class NcclCollective final : public Collective {
+ public:
+  explicit NcclCollective(const NcclConfig& c) : config_(c) {
+    if (cudaError_t err = cudaSetDevice(c.cuda_ordinal); err != cudaSuccess) {
+      throw Error(cuda_error(err, "cudaSetDevice"));
+    }
+    if (cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      throw Error(cuda_error(err, "cudaStreamCreate"));
+    }
+    try {
+      init_comm(exchange_unique_id());
+    } catch (...) {
+      cudaStreamDestroy(stream_);
+      release_buffers();
+      throw;
+    }
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclCollective() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+    cudaSetDevice(config_.cuda_ordinal);
+    cudaStreamSynchronize(stream_);
+    // Abort, not finalize: finalize is itself collective and would wait on peers that may be
+    // gone; abort releases this rank's resources without them.
+    if (!aborted_) ncclCommAbort(comm_);
+    cudaStreamDestroy(stream_);
+    release_buffers();
+  }
+
+  int rank() const override { return config_.rank; }
+  int size() const override { return config_.size; }
+  std::string_view name() const override { return "nccl"; }
+
+ protected:
+  std::string reduce_min(std::span<std::int64_t> buffer) override {
+    if (cudaError_t err = cudaSetDevice(config_.cuda_ordinal); err != cudaSuccess) {
+      return cuda_error(err, "cudaSetDevice");
+    }
+    if (std::string e = reserve(buffer.size()); !e.empty()) return e;
+    const std::size_t bytes = buffer.size() * sizeof(std::int64_t);
+    std::memcpy(host_, buffer.data(), bytes);
+    if (cudaError_t err = cudaMemcpyAsync(device_, host_, bytes, cudaMemcpyHostToDevice, stream_);
+        err != cudaSuccess) {
+      return cuda_error(err, "cudaMemcpyAsync to the device");
+    }
+    const Clock::time_point deadline = Clock::now() + config_.timeout;
+    ncclResult_t r = ncclAllReduce(device_, device_, buffer.size(), ncclInt64, ncclMin, comm_,
+                                   stream_);
+    if (std::string e = settle(r, "ncclAllReduce", deadline); !e.empty()) return e;
+    if (cudaError_t err = cudaMemcpyAsync(host_, device_, bytes, cudaMemcpyDeviceToHost, stream_);
+        err != cudaSuccess) {
+      return cuda_error(err, "cudaMemcpyAsync to the host");
+    }
+    // The watchdog aborts the communicator if the stream is not done by the deadline; the NCCL
+    // kernel then exits and the synchronisation below returns.
+    arm(deadline);
+    const cudaError_t err = cudaStreamSynchronize(stream_);
+    const bool timed_out = disarm();
+    if (timed_out) {
+      return str_cat("no reply within ", config_.timeout.count(),
+                     " ms (a peer is gone or called another collective); communicator aborted");
+    }
+    if (err != cudaSuccess) return cuda_error(err, "cudaStreamSynchronize");
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t q = ncclCommGetAsyncError(comm_, &async); q != ncclSuccess) {
+      return nccl_error(q, "ncclCommGetAsyncError", comm_);
+    }
+    if (async != ncclSuccess) return nccl_error(async, "ncclAllReduce (async)", comm_);
+    std::memcpy(buffer.data(), host_, bytes);
+    return {};
+  }
+
+ private:
+  // Rank 0 creates the id and publishes it; the others wait for it up to the timeout.
+  ncclUniqueId exchange_unique_id() {
+    gloo::rendezvous::FileStore file_store(config_.store_dir);
+    gloo::rendezvous::PrefixStore store(config_.prefix, file_store);
+    const std::string key = "nccl-unique-id";
+    ncclUniqueId id{};
+    if (config_.rank == 0) {
+      if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+        throw Error(nccl_error(r, "ncclGetUniqueId"));
+      }
+      store.set(key, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
+      return id;
+    }
+    try {
+      store.wait({key}, config_.timeout);
+    } catch (const std::exception& e) {
+      throw Error(str_cat("rank 0 published no NCCL id under '", config_.store_dir, "' within ",
+                          config_.timeout.count(), " ms: ", e.what()));
+    }
+    const std::vector<char> bytes = store.get(key);
+    if (bytes.size() != sizeof(id.internal)) {
+      throw Error(str_cat("the NCCL id under '", config_.store_dir, "' has ", bytes.size(),
+                          " bytes, expected ", sizeof(id.internal)));
+    }
+    std::memcpy(id.internal, bytes.data(), bytes.size());
+    return id;
+  }
+
+  // Non-blocking set-up so that a peer that never joins cannot hang this rank: the state is
+  // polled every millisecond until ready or the timeout (start-up only, never on a hot path).
+  void init_comm(const ncclUniqueId& id) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    const Clock::time_point deadline = Clock::now() + config_.timeout;
+    ncclResult_t r = ncclCommInitRankConfig(&comm_, config_.size, id, config_.rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      throw Error(nccl_error(r, "ncclCommInitRankConfig"));
+    }
+    for (;;) {
+      ncclResult_t state = ncclInProgress;
+      if (ncclResult_t q = ncclCommGetAsyncError(comm_, &state); q != ncclSuccess) state = q;
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress || Clock::now() >= deadline) {
+        const std::string why =
+            state == ncclInProgress
+                ? str_cat("not all ", config_.size, " ranks joined within ",
+                          config_.timeout.count(), " ms")
+                : nccl_error(state, "ncclCommInitRankConfig", comm_);
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        throw Error(why);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  // A non-blocking communicator may answer ncclInProgress while it enqueues; wait for it.
+  std::string settle(ncclResult_t r, const char* what, Clock::time_point deadline) {
+    while (r == ncclInProgress) {
+      if (Clock::now() >= deadline) return str_cat(what, ": still in progress at the timeout");
+      std::this_thread::yield();
+      if (ncclResult_t q = ncclCommGetAsyncError(comm_, &r); q != ncclSuccess) r = q;
+    }
+    return r == ncclSuccess ? std::string() : nccl_error(r, what, comm_);
+  }
+
+  std::string reserve(std::size_t n) {
+    if (n <= capacity_) return {};
+    release_buffers();
+    const std::size_t bytes = n * sizeof(std::int64_t);
+    if (cudaError_t err = cudaMalloc(&device_, bytes); err != cudaSuccess) {
+      device_ = nullptr;
+      return cuda_error(err, "cudaMalloc");
+    }
+    if (cudaError_t err = cudaMallocHost(&host_, bytes); err != cudaSuccess) {
+      host_ = nullptr;
+      return cuda_error(err, "cudaMallocHost");
+    }
+    capacity_ = n;
+    return {};
+  }
+
+  void release_buffers() {
+    if (device_ != nullptr) cudaFree(device_);
+    if (host_ != nullptr) cudaFreeHost(host_);
+    device_ = nullptr;
+    host_ = nullptr;
+    capacity_ = 0;
+  }
+
+  void arm(Clock::time_point deadline) {
+    {
+      std::lock_guard lock(mu_);
+      armed_ = true;
+      deadline_ = deadline;
+    }
+    cv_.notify_all();
+  }
+
+  // Returns true when the watchdog aborted the communicator during this call.
+  bool disarm() {
+    bool aborted = false;
+    {
+      std::lock_guard lock(mu_);
+      armed_ = false;
+      aborted = aborted_;
+    }
+    cv_.notify_all();
+    return aborted;
+  }
+
+  void watch() {
+    std::unique_lock lock(mu_);
+    while (!stopping_) {
+      if (!armed_) {
+        cv_.wait(lock, [&] { return armed_ || stopping_; });
+        continue;
+      }
+      const Clock::time_point deadline = deadline_;
+      if (cv_.wait_until(lock, deadline, [&] { return !armed_ || stopping_; })) continue;
+      ncclCommAbort(comm_);  // makes the stuck kernel exit; the caller's sync then returns
+      aborted_ = true;
+      armed_ = false;
+      cv_.wait(lock, [&] { return stopping_; });
+    }
+  }
+
+  NcclConfig config_;
+  cudaStream_t stream_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  std::int64_t* device_ = nullptr;
+  std::int64_t* host_ = nullptr;  // pinned staging
+  std::size_t capacity_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false;          // GUARDED_BY mu_
+  bool stopping_ = false;       // GUARDED_BY mu_
+  Clock::time_point deadline_;  // GUARDED_BY mu_
+  bool aborted_ = false;        // GUARDED_BY mu_ (read without it once the watchdog ended)
+  std::thread watchdog_;
+};
+
+}  // namespace
+#endif
+
+bool nccl_available(std::string* why) {
+#if HICACHE_WITH_NCCL
+  return cuda_device_present(why);
+#else
+  if (why != nullptr) *why = "this build has no CUDA/NCCL (configure with HICACHE_CUDA=ON)";
+  return false;
+#endif
+}
+
+std::unique_ptr<Collective> make_nccl_collective(const NcclConfig& config) {
+  validate_group_config("nccl", config.rank, config.size, config.store_dir, config.timeout);
+  if (config.cuda_ordinal < 0) {
+    throw InvalidArgument(str_cat("nccl collective: cuda_ordinal ", config.cuda_ordinal, " < 0"));
+  }
+  std::string why;
+  if (!nccl_available(&why)) throw Error(str_cat("nccl collective: unavailable: ", why));
+#if HICACHE_WITH_NCCL
+  try {
+    return std::make_unique<NcclCollective>(config);
+  } catch (const std::exception& e) {
+    throw Error(str_cat("nccl collective: rank ", config.rank, " of ", config.size, " on GPU ",
+                        config.cuda_ordinal, " could not connect: ", e.what()));
+  }
+#else
+  return nullptr;
+#endif
+}
+
+}  // namespace hicache
