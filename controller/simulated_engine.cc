@@ -152,6 +152,11 @@ bool SimulatedEngine::step() {
   }
   for (auto it = deferred.rbegin(); it != deferred.rend(); ++it) waiting_.push_front(std::move(*it));
   if (batch.empty()) {
+    // Loads queued by an admission that was then deferred for memory run only once handed to
+    // the load thread; nobody reads them in this step, so the consumer's side is released now.
+    if (const std::int32_t slot = controller_.start_loading(); slot >= 0) {
+      controller_.layer_done_counter().release(slot);
+    }
     stats_.step_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waiting_.empty() && prefetching_.empty()) return false;

@@ -49,11 +49,20 @@ struct Stack {
         engine(cache, controller, device_pool, host_pool, device, config) {}
 };
 
-fs::path temp_root(const std::string& name) {
-  auto p = fs::temp_directory_path() / str_cat("hicache-sim-", name, "-", ::getpid());
-  fs::remove_all(p);
-  return p;
-}
+// A fresh directory, removed when the guard goes: declared before the Stack that uses it, so
+// the file store (and its background unlink thread) is gone before the directory is removed.
+struct TempRoot {
+  fs::path path;
+  explicit TempRoot(const std::string& name)
+      : path(fs::temp_directory_path() / str_cat("hicache-sim-", name, "-", ::getpid())) {
+    fs::remove_all(path);
+  }
+  ~TempRoot() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  operator const fs::path&() const { return path; }
+};
 
 // Requests over `families` shared prompts of 12 pages, each 2-12 pages long plus 0-2 own pages.
 std::vector<SimulatedRequest> workload(int n, int families, std::uint32_t seed) {
@@ -72,12 +81,26 @@ std::vector<SimulatedRequest> workload(int n, int families, std::uint32_t seed) 
 }
 
 TEST(SimulatedEngine, ServesEveryRequestThroughAllThreeTiersWithCorrectBytes) {
-  const auto root = temp_root("tiers");
+  const TempRoot root("tiers");
   {
     Stack s(root, 40, 48, {.max_batch = 4});
-    for (auto& r : workload(300, 8, 1)) s.engine.submit(std::move(r));
-    s.engine.run_until_idle();
+    // Two halves, with every backup landed in between, so that the second half's requests for
+    // prompts the host pool no longer holds find them in L3 whatever the threads' timing.
+    for (auto& r : workload(150, 8, 1)) s.engine.submit(std::move(r));
+    s.engine.run_until_idle(2'000'000);  // a livelock fails below instead of hanging the suite
+    while (s.cache.stats().backups_in_flight > 0 || s.cache.stats().writes_in_flight > 0) {
+      s.cache.check_events();
+    }
+    for (auto& r : workload(150, 8, 3)) s.engine.submit(std::move(r));
+    s.engine.run_until_idle(2'000'000);
     const auto& st = s.engine.stats();
+    const auto cs = s.cache.stats();
+    ASSERT_EQ(s.engine.waiting(), 0u)
+        << "stuck: writes " << cs.writes_in_flight << " loads " << cs.loads_in_flight
+        << " backups " << cs.backups_in_flight << " prefetches " << s.cache.prefetches_in_flight()
+        << " device tokens " << cs.device_tokens << " host tokens " << cs.host_tokens
+        << " free device " << s.device_pool.allocator().free_tokens() << " free host "
+        << s.host_pool.free_tokens() << " device slots in the pending loads? steps " << st.steps;
     EXPECT_EQ(st.finished, 300);
     EXPECT_EQ(st.mismatched_pages, 0) << s.engine.first_mismatch();
     EXPECT_GT(st.verified_pages, 500);
@@ -95,11 +118,10 @@ TEST(SimulatedEngine, ServesEveryRequestThroughAllThreeTiersWithCorrectBytes) {
                 static_cast<long long>(s.cache.stats().prefetched_tokens),
                 static_cast<long long>(st.verified_pages));
   }
-  fs::remove_all(root);
 }
 
 TEST(SimulatedEngine, AWarmRestartFindsItsPagesInStorage) {
-  const auto root = temp_root("restart");
+  const TempRoot root("restart");
   auto requests = workload(60, 4, 2);
   std::int64_t first_computed = 0;
   {
@@ -120,11 +142,10 @@ TEST(SimulatedEngine, AWarmRestartFindsItsPagesInStorage) {
   EXPECT_EQ(st.mismatched_pages, 0) << again.engine.first_mismatch();
   EXPECT_LT(st.computed_tokens, first_computed / 4) << "the restarted engine recomputed most";
   EXPECT_GT(again.cache.stats().prefetched_tokens, 0);
-  fs::remove_all(root);
 }
 
 TEST(SimulatedEngine, ComputeFollowsTheCostModel) {
-  const auto root = temp_root("cost");
+  const TempRoot root("cost");
   Stack s(root, 64, 128, {.cost_per_token_layer = 2e-6, .use_storage = false});
   s.engine.submit({"a", std::vector<std::int32_t>(10 * kPage, 7)});
   s.engine.run_until_idle();
@@ -132,11 +153,10 @@ TEST(SimulatedEngine, ComputeFollowsTheCostModel) {
   EXPECT_EQ(st.computed_tokens, 10 * kPage);
   EXPECT_NEAR(st.compute_seconds, 10 * kPage * 3 * 2e-6, 1e-9);
   EXPECT_GE(st.step_seconds, st.compute_seconds);
-  fs::remove_all(root);
 }
 
 TEST(SimulatedEngine, BadInputIsNamedAndOversizedRequestsAreRejected) {
-  const auto root = temp_root("bad");
+  const TempRoot root("bad");
   Stack s(root, 4, 8, {.use_storage = false});
   EXPECT_THROW(s.engine.submit({"tiny", std::vector<std::int32_t>(kPage - 1, 1)}),
                InvalidArgument);
@@ -148,7 +168,6 @@ TEST(SimulatedEngine, BadInputIsNamedAndOversizedRequestsAreRejected) {
   s.engine.run_until_idle();  // steps while acks are in flight: no step count to rely on
   EXPECT_EQ(s.engine.stats().rejected, 1);
   EXPECT_EQ(s.engine.stats().finished, 1);
-  fs::remove_all(root);
 }
 
 }  // namespace
