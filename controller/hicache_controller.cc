@@ -90,7 +90,7 @@ void HiCacheController::start_threads() {
 
 std::optional<std::vector<std::int64_t>> HiCacheController::write(
     std::span<const std::int64_t> device_slots, std::int64_t priority,
-    std::optional<NodeId> ack_node) {
+    std::optional<NodeId> ack_node, const Event* ready_after) {
   std::vector<std::int64_t> device_pages;
   slots_to_pages(device_slots, device_pool_.geometry().page_size,
                  device_pool_.allocator().num_pages(), "HiCacheController::write", device_pages);
@@ -100,6 +100,10 @@ std::optional<std::vector<std::int64_t>> HiCacheController::write(
   host_pool_.protect_write(*host_slots);
   auto op = CacheOperation::make(*host_slots, {device_slots.begin(), device_slots.end()},
                                  priority, ack_node);
+  // Before the push, so the write thread cannot enqueue this op's copy ahead of the wait. It
+  // orders every later copy of the write stream after the producer's work: exact for this op,
+  // conservative for ops the priority queue runs before it (and harmless if the push fails).
+  if (ready_after != nullptr) write_stream_->wait(*ready_after);
   if (write_queue_.push(std::move(op)) != PushResult::kOk) {
     host_pool_.abort_io(*host_slots);
     host_pool_.free(*host_slots);
@@ -127,9 +131,10 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
   return device_slots;
 }
 
-std::int32_t HiCacheController::start_loading() {
+std::int32_t HiCacheController::start_loading(const Event* ready_after) {
   std::vector<CacheOperation> ops = pending_loads_.drain();
   if (ops.empty()) return -1;
+  if (ready_after != nullptr) load_stream_->wait(*ready_after);
   LoadBatch batch;
   batch.op = std::move(ops.front());
   for (std::size_t i = 1; i < ops.size(); ++i) batch.op.merge(std::move(ops[i]));
@@ -248,7 +253,10 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     const std::int32_t slot = batch.slot;
     for (; layer < layers; ++layer) {
       enqueue_copy(*load_stream_, s, /*to_host=*/false, layer, layer + 1);
-      if (Event* e = counter_->layer_event(slot, layer)) load_stream_->record(*e);
+      if (Event* e = counter_->layer_event(slot, layer)) {
+        load_stream_->record(*e);
+        counter->mark_layer_enqueued(slot, layer);
+      }
       load_stream_->launch_host_func(
           [counter, slot, layer] { counter->mark_layer_done(slot, layer); });
     }

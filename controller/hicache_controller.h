@@ -75,9 +75,15 @@ class HiCacheController {
 
   // Backs up `device_slots` (whole pages) to newly reserved host pages; returns those host
   // slots, or nothing (nothing reserved) when the host pool is full or the write queue is.
+  // `ready_after`: an event the caller recorded on its compute stream after the work that wrote
+  // these slots (the forward pass that produced the KV). The copy starts on the device only
+  // after that work, and the host does not block; without it, work still running on another
+  // stream may not have written the bytes yet (a pending-write hazard). The event is waited on
+  // at the call, so the caller may re-record it afterwards.
   std::optional<std::vector<std::int64_t>> write(std::span<const std::int64_t> device_slots,
                                                  std::int64_t priority,
-                                                 std::optional<NodeId> ack_node);
+                                                 std::optional<NodeId> ack_node,
+                                                 const Event* ready_after = nullptr);
   // Loads host pages in backup state into newly allocated device slots; returns those slots, or
   // nothing (nothing changed) when the device pool or the load queue is full.
   std::optional<std::vector<std::int64_t>> load(std::span<const std::int64_t> host_slots,
@@ -88,7 +94,12 @@ class HiCacheController {
   // hook), or -1 when nothing was queued. The caller releases the slot when its forward pass is
   // done: layer_done_counter().release(slot). Blocks while layer_slots batches are in flight
   // and their consumers have not released them yet.
-  std::int32_t start_loading();
+  // `ready_after`: an event recorded on the compute stream after the last work that reads the
+  // device slots this batch overwrites (slots freed by a finished request whose kernels may still
+  // run): the copies start only after it (a pending-read hazard), without blocking the host.
+  // The forward pass then waits per layer on the host (DeviceKVPool::wait_for_layer) or on the
+  // device (layer_done_counter().wait_on_stream(slot, layer, compute)).
+  std::int32_t start_loading(const Event* ready_after = nullptr);
   LayerDoneCounter& layer_done_counter() { return *counter_; }
 
   // Append the acks that arrived since the last call; never block.

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "transfer/copy_plan.h"
 #include "transfer/errors.h"
@@ -49,9 +50,12 @@ class CudaStream final : public Stream {
     check(cudaSetDevice(ordinal_), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
+  // Wraps a stream the caller owns.
+  CudaStream(int ordinal, cudaStream_t borrowed)
+      : ordinal_(ordinal), stream_(borrowed), owned_(false) {}
   ~CudaStream() override {
     cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    if (owned_) cudaStreamDestroy(stream_);
   }
 
   void copy_async(void* dst, const void* src, std::size_t bytes) override {
@@ -69,6 +73,40 @@ class CudaStream final : public Stream {
             str_cat("Stream::copy_batch: null pointer for a copy of ", r.bytes, " bytes"));
       }
     }
+#if CUDART_VERSION >= 12080
+    // One driver call for the whole list (the `direct` io path of page_first layouts has one
+    // region per token run: thousands per op). The legacy default stream is not allowed there.
+    if (stream_ != nullptr && stream_ != cudaStreamLegacy && regions.size() > 1) {
+      thread_local std::vector<void*> dsts;
+      thread_local std::vector<const void*> srcs;
+      thread_local std::vector<std::size_t> sizes;
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+      for (const CopyRegion& r : regions) {
+        if (r.bytes == 0) continue;
+        dsts.push_back(r.dst);
+        srcs.push_back(r.src);
+        sizes.push_back(r.bytes);
+      }
+      if (dsts.empty()) return;
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      std::size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+      check(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
+                                 &attr_index, 1, stream_),
+            "cudaMemcpyBatchAsync");
+#else
+      std::size_t fail_index = 0;
+      check(cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
+                                 dsts.size(), &attr, &attr_index, 1, &fail_index, stream_),
+            "cudaMemcpyBatchAsync");
+#endif
+      return;
+    }
+#endif
     for (const CopyRegion& r : regions) copy_async(r.dst, r.src, r.bytes);
   }
 
@@ -122,6 +160,7 @@ class CudaStream final : public Stream {
   }
 
   cudaStream_t handle() const { return stream_; }
+  void* native_handle() const override { return stream_; }
 
  private:
   struct HostFunc {
@@ -144,6 +183,7 @@ class CudaStream final : public Stream {
 
   int ordinal_;
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;
   std::mutex mu_;
   std::exception_ptr host_func_error_;  // GUARDED_BY mu_
 };
@@ -210,6 +250,11 @@ Buffer CudaDevice::alloc_host(std::size_t bytes, const HostMemoryOptions& option
 }
 
 std::unique_ptr<Stream> CudaDevice::create_stream() { return std::make_unique<CudaStream>(ordinal_); }
+
+std::unique_ptr<Stream> CudaDevice::wrap_stream(void* native) {
+  // nullptr is the legacy default stream, which is a valid stream to order work on.
+  return std::make_unique<CudaStream>(ordinal_, static_cast<cudaStream_t>(native));
+}
 
 std::unique_ptr<Event> CudaDevice::create_event() { return std::make_unique<CudaEvent>(ordinal_); }
 

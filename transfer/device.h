@@ -78,6 +78,8 @@ class Stream {
   // Blocks until all enqueued work has run. Throws DeviceError if any of it failed since the
   // last synchronize(); the failure is then cleared.
   virtual void synchronize() = 0;
+  // The backend's own stream (a cudaStream_t on CUDA), null on the host backend.
+  virtual void* native_handle() const { return nullptr; }
 };
 
 class Device {
@@ -104,6 +106,11 @@ class Device {
   virtual bool device_memory_is_host_accessible() const = 0;
 
   virtual std::unique_ptr<Stream> create_stream() = 0;
+  // A Stream over a stream the engine already has (a cudaStream_t on CUDA, such as its compute
+  // stream), so that controller calls can order work on it (LayerDoneCounter::wait_on_stream)
+  // and take events from it. Not owned: destroying the wrapper leaves the stream alone. The host
+  // backend has no native streams and throws InvalidArgument.
+  virtual std::unique_ptr<Stream> wrap_stream(void* native) = 0;
   virtual std::unique_ptr<Event> create_event() = 0;
   // Blocks until all work on all streams of this device is done.
   virtual void synchronize() = 0;

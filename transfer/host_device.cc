@@ -232,6 +232,11 @@ Buffer HostDevice::alloc_host(std::size_t bytes, const HostMemoryOptions& option
   return map_host_memory(bytes, options);
 }
 
+std::unique_ptr<Stream> HostDevice::wrap_stream(void* native) {
+  throw InvalidArgument(str_cat("HostDevice::wrap_stream(", native,
+                                "): the host backend has no native streams; use create_stream()"));
+}
+
 std::unique_ptr<Stream> HostDevice::create_stream() {
   auto state = std::make_shared<host_backend::StreamState>();
   {

@@ -26,6 +26,7 @@ class HostDevice final : public Device {
   Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options = {}) override;
   bool device_memory_is_host_accessible() const override { return true; }
   std::unique_ptr<Stream> create_stream() override;
+  std::unique_ptr<Stream> wrap_stream(void* native) override;
   std::unique_ptr<Event> create_event() override;
   void synchronize() override;
 

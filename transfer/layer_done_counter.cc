@@ -34,7 +34,7 @@ std::int32_t LayerDoneCounter::acquire() {
     for (std::int32_t k = 0; k < num_slots_; ++k) {
       const std::int32_t i = (next_ + k) % num_slots_;
       if (slots_[i].holders == 0) {
-        slots_[i] = Slot{.done = 0, .holders = 2, .failed = false};
+        slots_[i] = Slot{.done = 0, .enqueued = 0, .holders = 2, .failed = false};
         next_ = (i + 1) % num_slots_;
         return i;
       }
@@ -61,6 +61,24 @@ void LayerDoneCounter::mark_layer_done(std::int32_t slot, std::int32_t layer) {
   changed_.notify_all();
 }
 
+void LayerDoneCounter::mark_layer_enqueued(std::int32_t slot, std::int32_t layer) {
+  check_slot(slot, "mark_layer_enqueued");
+  {
+    std::lock_guard lock(mu_);
+    Slot& s = slots_[slot];
+    if (s.holders == 0) {
+      throw StateError(str_cat("LayerDoneCounter::mark_layer_enqueued: slot ", slot,
+                               " is not claimed"));
+    }
+    if (layer != s.enqueued) {
+      throw StateError(str_cat("LayerDoneCounter::mark_layer_enqueued: slot ", slot,
+                               " expects layer ", s.enqueued, ", got ", layer));
+    }
+    ++s.enqueued;
+  }
+  changed_.notify_all();
+}
+
 void LayerDoneCounter::fail(std::int32_t slot) {
   check_slot(slot, "fail");
   {
@@ -80,6 +98,23 @@ bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
   const Slot& s = slots_[slot];
   changed_.wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
   return s.done > layer;
+}
+
+bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Stream& compute) {
+  if (events_.empty()) return wait_until(slot, layer);
+  check_slot(slot, "wait_on_stream");
+  if (layer < 0 || layer >= num_layers_) {
+    throw InvalidArgument(str_cat("LayerDoneCounter::wait_on_stream: layer ", layer,
+                                  " is out of range [0, ", num_layers_, ")"));
+  }
+  {
+    std::unique_lock lock(mu_);
+    const Slot& s = slots_[slot];
+    changed_.wait(lock, [&] { return s.enqueued > layer || s.failed || stopped_; });
+    if (s.enqueued <= layer) return false;
+  }
+  compute.wait(*events_[static_cast<std::size_t>(slot) * num_layers_ + layer]);
+  return true;
 }
 
 bool LayerDoneCounter::is_done(std::int32_t slot, std::int32_t layer) const {

@@ -40,12 +40,22 @@ class LayerDoneCounter {
   // Producer: layer `layer` of the slot's batch is in device memory. Layers are marked in
   // order; marking another layer than the next one throws StateError.
   void mark_layer_done(std::int32_t slot, std::int32_t layer);
+  // Producer (with a device): layer `layer`'s copy and its event are enqueued on the load stream
+  // (the event is recorded). Layers are announced in order, as for mark_layer_done.
+  void mark_layer_enqueued(std::int32_t slot, std::int32_t layer);
   // Producer: the batch failed; every waiter on the slot wakes and gets false.
   void fail(std::int32_t slot);
 
   // Consumer: blocks until `layer` of the slot's batch is done. Returns true then; false when
   // the batch failed or stop() was called.
   bool wait_until(std::int32_t slot, std::int32_t layer);
+  // Consumer, device-side wait: makes `compute` wait for `layer` of the slot's batch on the
+  // device; the host blocks only until that layer's copy is enqueued (microseconds after
+  // start_loading), never for the copy itself. Work enqueued on `compute` afterwards reads the
+  // layer's bytes. Without a device (no events) it falls back to wait_until. Returns false when
+  // the batch failed before the layer was enqueued or stop() was called; a copy that fails after
+  // it was enqueued is reported by the load's ack (the bytes are then not to be used).
+  bool wait_on_stream(std::int32_t slot, std::int32_t layer, Stream& compute);
   // Non-blocking form of wait_until.
   bool is_done(std::int32_t slot, std::int32_t layer) const;
 
@@ -66,6 +76,7 @@ class LayerDoneCounter {
  private:
   struct Slot {
     std::int32_t done = 0;     // layers done in the current batch
+    std::int32_t enqueued = 0;  // layers whose copy and event are enqueued
     std::int32_t holders = 0;  // 2 while claimed: producer + consumer
     bool failed = false;
   };

@@ -7,20 +7,11 @@
 #include <thread>
 
 #include "controller/hicache_controller.h"
+#include "controller/wait_acks.h"
 #include "pools/kv_pattern.h"
 
 namespace hicache {
 namespace {
-
-std::vector<Ack> wait_acks(HiCacheController& c, bool write, std::size_t n) {
-  std::vector<Ack> acks;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (acks.size() < n && std::chrono::steady_clock::now() < deadline) {
-    write ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
-    std::this_thread::yield();
-  }
-  return acks;
-}
 
 TEST(CudaController, RoundTripEveryLayoutAndIoBackend) {
   std::string why;

@@ -1,4 +1,5 @@
 #include "controller/hicache_controller.h"
+#include "controller/wait_acks.h"
 
 #include <gtest/gtest.h>
 
@@ -11,17 +12,6 @@
 
 namespace hicache {
 namespace {
-
-// Drains acks until `n` arrived (tests only: the main loop never waits on acks).
-std::vector<Ack> wait_acks(HiCacheController& c, bool write, std::size_t n) {
-  std::vector<Ack> acks;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (acks.size() < n && std::chrono::steady_clock::now() < deadline) {
-    write ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
-    std::this_thread::yield();
-  }
-  return acks;
-}
 
 // True when every unit of `layer` of page `page` in `d` carries the pattern of `key`.
 bool layer_matches(const LayoutDesc& d, std::int64_t page, std::int32_t layer, std::uint64_t key) {
