@@ -15,6 +15,7 @@
 #include "pools/host_kv_pool.h"
 #include "transfer/copy_plan.h"
 #include "transfer/device.h"
+#include "transfer/host_memory.h"
 
 namespace {
 
@@ -50,6 +51,22 @@ int main(int argc, char** argv) {
   }
   const std::string layout_name = argc > 1 ? argv[1] : "layer_first";
   auto device = hicache::Device::create("cuda");
+  if (layout_name == "pin") {
+    // Pinned pool bring-up: map + first touch (1 thread, then the default) + cudaHostRegister.
+    const std::size_t gib = argc > 2 ? std::stoul(argv[2]) : 16;
+    for (int threads : {1, 0}) {
+      const auto t0 = Clock::now();
+      hicache::Buffer b = device->alloc_host(
+          gib << 30, hicache::HostMemoryOptions{.label = "bench pool",
+                                                .progress_threshold_bytes = ~std::size_t{0},
+                                                .prefault_threads = threads});
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::printf("pinned host pool of %zu GiB, first touch on %s: %.2f s (%.1f GB/s)\n", gib,
+                  threads == 1 ? "1 thread" : "the default threads", s,
+                  static_cast<double>(gib << 30) / s / 1e9);
+    }
+    return 0;
+  }
   const auto g = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
   constexpr std::int64_t kPool = 320;  // pages in each pool
   hicache::DeviceKVPool dev(*device, g, kPool * g.page_size);

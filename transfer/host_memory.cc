@@ -4,12 +4,15 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 #include "transfer/errors.h"
 
@@ -21,21 +24,57 @@ constexpr std::size_t kSmallPage = 4096;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-// Writes one byte per 4 KiB page so every page is resident before the pool is used; prints a
-// progress line every ~10% for large mappings.
+// Writes one byte per 4 KiB page of [begin, end) so every page is resident before the pool is
+// used.
+void touch(std::byte* data, std::size_t begin, std::size_t end) {
+  for (std::size_t off = begin; off < end; off += kSmallPage) {
+    reinterpret_cast<volatile std::byte*>(data)[off] = std::byte{0};
+  }
+}
+
+int prefault_thread_count(std::size_t bytes, int requested) {
+  if (requested > 0) return requested;
+  const auto cpus = static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::size_t by_size = std::max<std::size_t>(1, bytes / (std::size_t{256} << 20));
+  return static_cast<int>(std::min({cpus, by_size, std::size_t{16}}));
+}
+
+// Pre-faults in huge-page-aligned slices on several threads; the calling thread takes a slice
+// too and prints a progress line every ~10% for large mappings.
 void prefault(std::byte* data, std::size_t bytes, const HostMemoryOptions& options) {
+  const int threads = prefault_thread_count(bytes, options.prefault_threads);
   const bool report = bytes >= options.progress_threshold_bytes;
-  const std::size_t step = std::max(round_up(bytes / 10, kHugePage), kHugePage);
-  for (std::size_t done = 0; done < bytes; done += step) {
-    const std::size_t end = std::min(bytes, done + step);
-    for (std::size_t off = done; off < end; off += kSmallPage) {
-      reinterpret_cast<volatile std::byte*>(data)[off] = std::byte{0};
+  const std::size_t slice = round_up((bytes + threads - 1) / threads, kHugePage);
+  std::atomic<std::size_t> done{0};
+  auto run = [&](std::size_t begin, std::size_t end) {
+    const std::size_t step = std::max<std::size_t>(kHugePage * 16, (end - begin) / 10);
+    for (std::size_t at = begin; at < end; at += step) {
+      const std::size_t stop = std::min(end, at + step);
+      touch(data, at, stop);
+      done.fetch_add(stop - at, std::memory_order_relaxed);
     }
-    if (report) {
-      std::fprintf(stderr, "[hicache] pre-faulting %s: %zu%% of %.1f GiB\n", options.label.c_str(),
-                   end * 100 / bytes, static_cast<double>(bytes) / (1 << 30));
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads && static_cast<std::size_t>(t) * slice < bytes; ++t) {
+    const std::size_t begin = static_cast<std::size_t>(t) * slice;
+    helpers.emplace_back(run, begin, std::min(bytes, begin + slice));
+  }
+  if (!report) {
+    run(0, std::min(bytes, slice));
+  } else {
+    // The caller touches its slice in tenths and reports the total after each.
+    const std::size_t end = std::min(bytes, slice);
+    const std::size_t step = std::max(round_up(end / 10, kHugePage), kHugePage);
+    for (std::size_t at = 0; at < end; at += step) {
+      const std::size_t stop = std::min(end, at + step);
+      touch(data, at, stop);
+      const std::size_t total = done.fetch_add(stop - at) + (stop - at);
+      std::fprintf(stderr, "[hicache] pre-faulting %s on %d threads: %zu%% of %.1f GiB\n",
+                   options.label.c_str(), threads, total * 100 / bytes,
+                   static_cast<double>(bytes) / (1 << 30));
     }
   }
+  for (std::thread& h : helpers) h.join();
 }
 
 }  // namespace

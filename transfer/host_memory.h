@@ -20,9 +20,15 @@ struct HostMemoryOptions {
   std::string label = "pool";
   // Mappings of at least this many bytes print progress while they are pre-faulted.
   std::size_t progress_threshold_bytes = std::size_t{4} << 30;
+  // Threads that pre-fault the mapping (first touch), each its own slice: the kernel zeroes
+  // and maps pages in parallel, which a single thread cannot (hundreds of GB would take
+  // minutes). 0: one per CPU, at most 16, and one per 256 MiB at least, so small pools use one.
+  int prefault_threads = 0;
 };
 
-// Maps `bytes` (rounded up to 2 MiB) of zeroed, pre-faulted anonymous memory.
+// Maps `bytes` (rounded up to 2 MiB) of zeroed, pre-faulted anonymous memory (first touch in
+// parallel, see HostMemoryOptions::prefault_threads). On CUDA the pinned pools register the
+// mapping only after this, so registration finds every page resident.
 // Throws InvalidArgument for bytes == 0 and DeviceError when the kernel refuses the memory.
 Buffer map_host_memory(std::size_t bytes, const HostMemoryOptions& options = {});
 

@@ -35,3 +35,25 @@ TEST(HostMemory, BufferMovesOwnershipAndReleasesOnce) {
 
 }  // namespace
 }  // namespace hicache
+
+namespace hicache {
+namespace {
+
+// Every slice of a mapping pre-faulted on several threads is resident, including an uneven last
+// slice, and reads back zero.
+TEST(HostMemory, ParallelFirstTouchLeavesEveryPageResident) {
+  for (int threads : {1, 3, 7}) {
+    Buffer b = map_host_memory((std::size_t{50} << 20) + 12345,
+                               HostMemoryOptions{.prefault_threads = threads});
+    const std::string d = describe_host_memory(b);
+    const std::string mapped = std::to_string(b.size() >> 20) + " MiB mapped, ";
+    EXPECT_NE(d.find(mapped + std::to_string(b.size() >> 20) + " MiB resident"), std::string::npos)
+        << threads << " threads: " << d;
+    for (std::size_t off = 0; off < b.size(); off += 4096) {
+      ASSERT_EQ(b.data()[off], std::byte{0}) << off;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hicache
