@@ -335,9 +335,11 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
     for (const auto& [k, c] : n->children) {
       if (!c->device.empty()) return false;
     }
-    // Without a host copy the node can go only if nothing hangs below it (or write-back saves
-    // it first).
-    return !n->host.empty() || n->children.empty() || policy_ == WritePolicy::kWriteBack;
+    // A node without a host copy is dropped when nothing hangs below it; otherwise (and always
+    // under write-back) it is written first and freed on the ack. Under the write-through
+    // policies such a node is one whose write found the host pool full: without this the
+    // device could fill up with inner nodes that nothing ever frees.
+    return true;
   };
   std::function<void(Node*)> walk = [&](Node* n) {
     if (candidate(n)) heap.push(n);
@@ -350,7 +352,7 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
     heap.pop();
     if (!candidate(n)) continue;
     Node* parent = n->parent;
-    if (n->host.empty() && policy_ == WritePolicy::kWriteBack) {
+    if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
       write_node(n);
       if (n->write_op != 0) {
         n->evict_after_write = true;
