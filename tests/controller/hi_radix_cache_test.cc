@@ -299,6 +299,36 @@ TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
   e.expect_accounting();
 }
 
+// Regression: an inner node whose write-through write found the host full, with a host-only
+// child, used to be no eviction candidate at all; a device full of such nodes made the engine
+// reject requests that fit. It is now written on eviction and freed on the ack.
+TEST(HiRadixCache, AnInnerNodeWhoseWriteFoundTheHostFullIsWrittenWhenEvicted) {
+  Engine e(WritePolicy::kWriteThrough, 32, 4);
+  e.run(seq({1, 2}));
+  e.run(seq({7, 8}));
+  e.settle();  // the host pool is full
+  e.run(seq({3, 4}));
+  e.settle();  // x = [3, 4]: its write found the host full, device only
+  ASSERT_EQ(e.cache.stats().host_tokens, 4 * kPage);
+  ASSERT_EQ(e.cache.evict_device(4 * kPage), 4 * kPage);  // the two older nodes, LRU
+  ASSERT_EQ(e.cache.evict_host(4 * kPage), 4 * kPage);
+  const auto xy = seq({3, 4, 5, 6});
+  e.run(xy);
+  e.settle();  // y = [5, 6] is written; x, already in the tree, is not written again
+  ASSERT_EQ(e.cache.stats().host_tokens, 2 * kPage);
+  ASSERT_EQ(e.cache.evict_device(2 * kPage), 2 * kPage);  // y, the only leaf
+  // x: device only, with a host-only child. Eviction writes it and frees it on the ack.
+  EXPECT_EQ(e.cache.evict_device(100), 0);
+  EXPECT_EQ(e.cache.stats().writes_in_flight, 1);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().device_tokens, 0);
+  EXPECT_EQ(e.cache.stats().host_tokens, 4 * kPage);
+  const auto verified = e.verified_pages;
+  e.run(xy);  // all four pages load back from the host, every byte checked
+  EXPECT_EQ(e.verified_pages, verified + 4);
+  e.expect_accounting();
+}
+
 // L3: pages backed up by one engine are prefetched by another (a restarted engine, or another
 // instance sharing the store), inserted as host-resident nodes, loaded back, verified.
 TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
