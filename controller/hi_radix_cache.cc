@@ -4,6 +4,7 @@
 #include <functional>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "transfer/errors.h"
 
@@ -52,6 +53,13 @@ struct HiRadixCache::Pending {
   }
 };
 
+// Acks that arrived on this rank and are not applied yet (TP: not yet agreed).
+struct HiRadixCache::Arrived {
+  std::unordered_map<NodeId, bool> writes, loads;              // ok
+  std::unordered_map<NodeId, std::int64_t> backups;           // completed tokens
+  std::unordered_set<std::string> revoked;                    // prefetch request ids
+};
+
 namespace {
 
 std::string page_key(std::span<const std::int32_t> page) {
@@ -67,10 +75,12 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
 
 HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool,
                            HostKVPool& host_pool, RadixCacheConfig config,
-                           StorageController* storage, const KeyNamespace* keys)
+                           StorageController* storage, const KeyNamespace* keys,
+                           Collective* tp)
     : controller_(controller), device_pool_(device_pool), host_pool_(host_pool), config_(config),
       page_size_(device_pool.geometry().page_size), policy_(controller.config().write_policy),
-      root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()), storage_(storage) {
+      root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()),
+      arrived_(std::make_unique<Arrived>()), storage_(storage), tp_(tp) {
   if ((storage == nullptr) != (keys == nullptr)) {
     throw InvalidArgument("radix cache: storage and its key namespace go together");
   }
@@ -395,83 +405,192 @@ std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
   return freed;
 }
 
+void HiRadixCache::apply_write_ack(NodeId id, bool ok, bool local_ok) {
+  auto taken = pending_->take(pending_->writes, id);
+  if (!taken) return;
+  Pending::Op& op = *taken;
+  for (Node* n : op.nodes) {
+    n->write_op = 0;
+    if (!ok) {
+      // The controller freed the host pages of a failed write; where the write worked here but
+      // failed on another rank, this rank drops its copy too, so the trees stay identical.
+      if (local_ok) host_pool_.discard(n->host);
+      n->host.clear();
+      n->evict_after_write = false;
+    }
+  }
+  if (!ok) ++counters_.write_failures;
+  unlock(op.holder);
+  for (Node* n : op.nodes) {
+    if (n->evict_after_write) {
+      n->evict_after_write = false;
+      if (n->lock == 0 && n->load_op == 0) drop_device(n);
+    }
+    if (ok) backup_node(n);
+  }
+}
+
+void HiRadixCache::apply_load_ack(NodeId id, bool ok, bool local_ok) {
+  auto taken = pending_->take(pending_->loads, id);
+  if (!taken) return;
+  Pending::Op& op = *taken;
+  for (Node* n : op.nodes) {
+    n->load_op = 0;
+    if (!ok) {
+      // The device slots are not to be used; the host copy is intact. Where the load worked
+      // here, its host pages went to synced: back to backup with the device copy freed.
+      if (local_ok) {
+        controller_.evict_device(n->device, n->host);
+      } else {
+        device_pool_.allocator().free(n->device);
+      }
+      n->device.clear();
+    }
+  }
+  if (!ok) ++counters_.load_failures;
+  unlock(op.holder);
+}
+
+void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t completed_tokens) {
+  auto taken = pending_->take(pending_->backups, id);
+  if (!taken) return;
+  // The op's pages run from the uppermost part (split off last) down to the holder.
+  std::vector<Node*> nodes = taken->nodes;
+  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
+    int da = 0, db = 0;
+    for (Node* n = a; n != nullptr; n = n->parent) ++da;
+    for (Node* n = b; n != nullptr; n = n->parent) ++db;
+    return da < db;
+  });
+  std::int64_t pages = completed_tokens / page_size_;
+  for (Node* n : nodes) {
+    n->backup_op = 0;
+    const auto own = static_cast<std::int64_t>(n->key.size()) / page_size_;
+    n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
+    pages = std::max<std::int64_t>(0, pages - own);
+  }
+  unlock(taken->holder);
+}
+
 void HiRadixCache::check_events() {
   acks_.clear();
   controller_.drain_write_acks(acks_);
-  for (const Ack& ack : acks_) {
-    auto taken = pending_->take(pending_->writes, ack.node);
-    if (!taken) continue;
-    Pending::Op& op = *taken;
-    for (Node* n : op.nodes) {
-      n->write_op = 0;
-      if (!ack.ok) {
-        n->host.clear();  // the controller freed the host pages
-        n->evict_after_write = false;
-      }
-    }
-    if (!ack.ok) ++counters_.write_failures;
-    unlock(op.holder);
-    for (Node* n : op.nodes) {
-      if (n->evict_after_write) {
-        n->evict_after_write = false;
-        if (n->lock == 0 && n->load_op == 0) drop_device(n);
-      }
-      if (ack.ok) backup_node(n);
-    }
-  }
+  for (const Ack& a : acks_) arrived_->writes[a.node] = a.ok;
   acks_.clear();
   controller_.drain_load_acks(acks_);
-  for (const Ack& ack : acks_) {
-    auto taken = pending_->take(pending_->loads, ack.node);
-    if (!taken) continue;
-    Pending::Op& op = *taken;
-    for (Node* n : op.nodes) {
-      n->load_op = 0;
-      if (!ack.ok) {  // the device slots hold garbage; the host copy is intact
-        device_pool_.allocator().free(n->device);
-        n->device.clear();
+  for (const Ack& a : acks_) arrived_->loads[a.node] = a.ok;
+  if (storage_ != nullptr) {
+    backup_acks_.clear();
+    storage_->drain_backup_acks(backup_acks_);
+    for (const BackupAck& a : backup_acks_) arrived_->backups[a.id] = a.completed_tokens;
+    revoked_.clear();
+    storage_->drain_revokes(revoked_);
+    for (std::string& id : revoked_) arrived_->revoked.insert(std::move(id));
+  }
+  const bool agree = tp_ != nullptr && tp_->failure().empty();
+  if (!agree) {
+    // One rank (or the TP collective failed for good, and each rank goes on alone, counted):
+    // apply everything that arrived.
+    for (const auto& [id, ok] : arrived_->writes) apply_write_ack(id, ok, ok);
+    for (const auto& [id, ok] : arrived_->loads) apply_load_ack(id, ok, ok);
+    for (const auto& [id, done] : arrived_->backups) apply_backup_ack(id, done);
+    arrived_->writes.clear();
+    arrived_->loads.clear();
+    arrived_->backups.clear();
+    std::vector<std::string> finished;
+    for (const auto& [id, p] : pending_->prefetches) {
+      if (arrived_->revoked.count(id) != 0) {
+        finished.push_back(id);
+      } else if (p.op->stage() == PrefetchStage::kFinished) {
+        finished.push_back(id);
       }
     }
-    if (!ack.ok) ++counters_.load_failures;
-    unlock(op.holder);
-  }
-  if (storage_ == nullptr) return;
-  backup_acks_.clear();
-  storage_->drain_backup_acks(backup_acks_);
-  for (const BackupAck& ack : backup_acks_) {
-    auto taken = pending_->take(pending_->backups, ack.id);
-    if (!taken) continue;
-    // The op's pages run from the uppermost part (split off last) down to the holder.
-    std::vector<Node*> nodes = taken->nodes;
-    std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
-      int da = 0, db = 0;
-      for (Node* n = a; n != nullptr; n = n->parent) ++da;
-      for (Node* n = b; n != nullptr; n = n->parent) ++db;
-      return da < db;
-    });
-    std::int64_t pages = ack.completed_tokens / page_size_;
-    for (Node* n : nodes) {
-      n->backup_op = 0;
-      const auto own = static_cast<std::int64_t>(n->key.size()) / page_size_;
-      n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
-      pages = std::max<std::int64_t>(0, pages - own);
+    for (const std::string& id : finished) {
+      const bool revoked = arrived_->revoked.count(id) != 0;
+      if (revoked) ++counters_.revoked_prefetches;
+      // Finished prefetches become visible now, not when the scheduler next looks at them.
+      finish_prefetch(id, !revoked);
     }
-    unlock(taken->holder);
+    arrived_->revoked.clear();
+    return;
   }
-  revoked_.clear();
-  storage_->drain_revokes(revoked_);
-  for (const std::string& id : revoked_) {
-    if (pending_->prefetches.count(id) != 0) {
-      ++counters_.revoked_prefetches;
-      finish_prefetch(id, false);
+  agree_and_apply();
+}
+
+// TP ranks: every change to the tree comes from values all ranks agreed on, so the trees stay
+// identical (shared/DESIGN.md, "Tensor parallelism"). The ranks run the same ops in the same
+// order, so their pending ops carry the same ids; for the oldest kAgreeSlots of each kind every
+// rank says what arrived (0: not yet), one min-reduction fuses all four kinds, and only what
+// arrived everywhere is applied, with the outcome of the worst rank.
+void HiRadixCache::agree_and_apply() {
+  constexpr std::size_t K = kAgreeSlots;
+  auto oldest = [](const std::unordered_map<NodeId, Pending::Op>& ops) {
+    std::vector<NodeId> ids;
+    ids.reserve(ops.size());
+    for (const auto& [id, op] : ops) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    if (ids.size() > K) ids.resize(K);
+    return ids;
+  };
+  const std::vector<NodeId> writes = oldest(pending_->writes), loads = oldest(pending_->loads),
+                            backups = oldest(pending_->backups);
+  std::vector<std::string> prefetches;
+  for (const auto& [id, p] : pending_->prefetches) prefetches.push_back(id);
+  std::sort(prefetches.begin(), prefetches.end());
+  if (prefetches.size() > K) prefetches.resize(K);
+
+  agree_buffer_.assign(4 * K, 0);
+  for (std::size_t i = 0; i < writes.size(); ++i) {
+    auto it = arrived_->writes.find(writes[i]);
+    if (it != arrived_->writes.end()) agree_buffer_[i] = it->second ? 2 : 1;
+  }
+  for (std::size_t i = 0; i < loads.size(); ++i) {
+    auto it = arrived_->loads.find(loads[i]);
+    if (it != arrived_->loads.end()) agree_buffer_[K + i] = it->second ? 2 : 1;
+  }
+  for (std::size_t i = 0; i < backups.size(); ++i) {
+    auto it = arrived_->backups.find(backups[i]);
+    if (it != arrived_->backups.end()) agree_buffer_[2 * K + i] = it->second + 1;
+  }
+  for (std::size_t i = 0; i < prefetches.size(); ++i) {
+    const auto& p = pending_->prefetches.at(prefetches[i]);
+    if (arrived_->revoked.count(prefetches[i]) != 0) {
+      agree_buffer_[3 * K + i] = 1;
+    } else if (p.op->stage() == PrefetchStage::kFinished) {
+      agree_buffer_[3 * K + i] = 2;
     }
   }
-  // Finished prefetches become visible now, not when the scheduler next looks at the request.
-  std::vector<std::string> finished;
-  for (const auto& [id, p] : pending_->prefetches) {
-    if (p.op->stage() == PrefetchStage::kFinished) finished.push_back(id);
+  if (!tp_->min_allreduce(agree_buffer_, "radix.events").ok) {
+    ++counters_.tp_failures;
+    check_events();  // the collective is failed for good: the local path from now on
+    return;
   }
-  for (const std::string& id : finished) finish_prefetch(id, true);
+  for (std::size_t i = 0; i < writes.size(); ++i) {
+    if (agree_buffer_[i] == 0) continue;
+    const bool local_ok = arrived_->writes.at(writes[i]);
+    arrived_->writes.erase(writes[i]);
+    apply_write_ack(writes[i], agree_buffer_[i] == 2, local_ok);
+  }
+  for (std::size_t i = 0; i < loads.size(); ++i) {
+    if (agree_buffer_[K + i] == 0) continue;
+    const bool local_ok = arrived_->loads.at(loads[i]);
+    arrived_->loads.erase(loads[i]);
+    apply_load_ack(loads[i], agree_buffer_[K + i] == 2, local_ok);
+  }
+  for (std::size_t i = 0; i < backups.size(); ++i) {
+    if (agree_buffer_[2 * K + i] == 0) continue;
+    arrived_->backups.erase(backups[i]);
+    apply_backup_ack(backups[i], agree_buffer_[2 * K + i] - 1);
+  }
+  for (std::size_t i = 0; i < prefetches.size(); ++i) {
+    const std::int64_t v = agree_buffer_[3 * K + i];
+    if (v == 0) continue;
+    if (v == 1) ++counters_.revoked_prefetches;
+    finish_prefetch(prefetches[i], v == 2);
+  }
+  // Revokes of prefetches that already ended (check_prefetch_progress got there first).
+  std::erase_if(arrived_->revoked,
+                [&](const std::string& id) { return pending_->prefetches.count(id) == 0; });
 }
 
 void HiRadixCache::set_digests(Node* node) {
@@ -521,7 +640,15 @@ bool HiRadixCache::check_prefetch_progress(const std::string& request_id) {
   auto it = pending_->prefetches.find(request_id);
   if (it == pending_->prefetches.end()) return true;
   const PrefetchStage stage = it->second.op->stage();
-  if (stage != PrefetchStage::kRevoked && !storage_->can_terminate(*it->second.op)) return false;
+  bool ready = stage == PrefetchStage::kRevoked || storage_->can_terminate(*it->second.op);
+  if (tp_ != nullptr && tp_->failure().empty()) {
+    // Whether to terminate now depends on local timing: the ranks agree, or one rank would
+    // enter the terminate collective alone (a deadlock of the reference).
+    std::int64_t v = ready ? 1 : 0;
+    if (!tp_->min_allreduce(std::span(&v, 1), "radix.prefetch_ready").ok) ++counters_.tp_failures;
+    ready = v == 1 || !tp_->failure().empty();
+  }
+  if (!ready) return false;
   finish_prefetch(request_id, stage != PrefetchStage::kRevoked);
   return true;
 }
@@ -533,6 +660,7 @@ void HiRadixCache::release_aborted_request(const std::string& request_id) {
 std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefetches.size(); }
 
 void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
+  arrived_->revoked.erase(request_id);
   auto node_handle = pending_->prefetches.extract(request_id);
   Pending::Prefetch& p = node_handle.mapped();
   const PrefetchResult r = storage_->terminate_prefetch(*p.op);
@@ -564,6 +692,25 @@ void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
     pos += common;
     node = child;
   }
+}
+
+std::string HiRadixCache::describe() const {
+  std::string out;
+  std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {
+    if (n != root_.get()) {
+      out += str_cat(std::string(static_cast<std::size_t>(depth), ' '), "[", n->key.front(), "..+",
+                     n->key.size(), "] dev ", n->device.size(), " host ", n->host.size(),
+                     n->write_op != 0 ? " writing" : "", n->load_op != 0 ? " loading" : "",
+                     n->backup_op != 0 ? " backing-up" : "", " lock ", n->lock, " stored ",
+                     n->stored_pages, "\n");
+    }
+    std::vector<const std::string*> keys;
+    for (const auto& [k, c] : n->children) keys.push_back(&k);
+    std::sort(keys.begin(), keys.end(), [](const auto* a, const auto* b) { return *a < *b; });
+    for (const std::string* k : keys) walk(n->children.at(*k).get(), depth + 1);
+  };
+  walk(root_.get(), -1);
+  return out;
 }
 
 RadixCacheStats HiRadixCache::stats() const {

@@ -66,6 +66,7 @@ struct RadixCacheStats {
   std::int64_t stored_tokens = 0;        // tokens of tree nodes known to be in L3
   std::int64_t backups_in_flight = 0;    // nodes
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
+  std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
 };
 
 class HiRadixCache {
@@ -83,7 +84,7 @@ class HiRadixCache {
   // `keys` go together (L3 on) or are both absent.
   HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool, HostKVPool& host_pool,
                RadixCacheConfig config = {}, StorageController* storage = nullptr,
-               const KeyNamespace* keys = nullptr);
+               const KeyNamespace* keys = nullptr, Collective* tp = nullptr);
   ~HiRadixCache();
   HiRadixCache(const HiRadixCache&) = delete;
   HiRadixCache& operator=(const HiRadixCache&) = delete;
@@ -125,6 +126,10 @@ class HiRadixCache {
 
   // Drains the controllers' acks and applies them: writes done (and backups started), loads
   // done, backups done, revoked prefetches, finished prefetches inserted. Call once per step.
+  // With a TP collective (`tp`, the main loop's own), every rank calls it every step, and only
+  // what arrived on every rank is applied, with the worst rank's outcome (one fused
+  // min-reduction per step), so the trees of all ranks stay identical; check_prefetch_progress
+  // agrees in the same way on whether to terminate.
   void check_events();
 
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
@@ -144,6 +149,9 @@ class HiRadixCache {
   // node without KV, keys of whole pages, slot counts that match, parents locked at least as
   // much as their children; else the first problem found. For tests.
   std::string check_invariants() const;
+  // The tree in a canonical order, one line per node (key, tiers, ops in flight, lock, pages in
+  // L3), without slot numbers: equal on TP ranks whose trees are identical. For tests.
+  std::string describe() const;
 
  private:
   Node* split(Node* node, std::size_t tokens);
@@ -161,6 +169,11 @@ class HiRadixCache {
   void set_digests(Node* node);
   void backup_node(Node* node);
   void finish_prefetch(const std::string& request_id, bool insert);
+  void apply_write_ack(NodeId id, bool ok, bool local_ok);
+  void apply_load_ack(NodeId id, bool ok, bool local_ok);
+  void apply_backup_ack(NodeId id, std::int64_t completed_tokens);
+  void agree_and_apply();
+  static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
   void insert_host(Node* node, std::span<const std::int32_t> tokens,
                    std::span<const std::int64_t> host_slots);
 
@@ -175,12 +188,16 @@ class HiRadixCache {
   std::uint64_t clock_ = 0;
   struct Pending;
   std::unique_ptr<Pending> pending_;
+  struct Arrived;
+  std::unique_ptr<Arrived> arrived_;
   RadixCacheStats counters_;
   std::vector<Ack> acks_;  // reused
   StorageController* storage_;
   std::unique_ptr<PageKeyer> keyer_;
   std::vector<BackupAck> backup_acks_;  // reused
   std::vector<std::string> revoked_;    // reused
+  Collective* tp_;
+  std::vector<std::int64_t> agree_buffer_;  // reused
 };
 
 }  // namespace hicache

@@ -128,6 +128,11 @@ void HostKVPool::free(std::span<const std::int64_t> slots) {
              PageState::kFree, "free");
 }
 
+void HostKVPool::discard(std::span<const std::int64_t> slots) {
+  std::lock_guard lock(mu_);
+  transition(slots, state_bit(PageState::kSynced), PageState::kFree, "discard");
+}
+
 void HostKVPool::protect_write(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
   transition(slots, state_bit(PageState::kReserved), PageState::kProtected, "protect_write");

@@ -57,6 +57,9 @@ class HostKVPool {
   // Page-state transitions over the pages of `slots` (whole pages, see slots_to_pages). All
   // pages are checked before any changes; one page in a wrong state raises StateError.
   void free(std::span<const std::int64_t> slots);           // reserved|backup -> free
+  // synced -> free: drops a host copy whose device copy stays (TP ranks that agreed a write
+  // failed, when it worked on this rank).
+  void discard(std::span<const std::int64_t> slots);
   void protect_write(std::span<const std::int64_t> slots);  // reserved -> protected
   void protect_load(std::span<const std::int64_t> slots);   // backup -> protected
   // protected -> `to`, which must be kSynced (a device copy exists) or kBackup.

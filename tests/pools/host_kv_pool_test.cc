@@ -16,7 +16,7 @@ constexpr std::int32_t kPage = 4;
 KVGeometry small_geometry() { return KVGeometry::mha(2, 2, 4, DType::kFloat16, kPage); }
 
 enum class Op { kFree, kProtectWrite, kProtectLoad, kCompleteSynced, kCompleteBackup, kAbort,
-                kMarkBackup };
+                kMarkBackup, kDiscard };
 
 const char* name(Op op) {
   switch (op) {
@@ -27,6 +27,7 @@ const char* name(Op op) {
     case Op::kCompleteBackup: return "complete_io(backup)";
     case Op::kAbort: return "abort_io";
     case Op::kMarkBackup: return "mark_backup";
+    case Op::kDiscard: return "discard";
   }
   return "?";
 }
@@ -40,6 +41,7 @@ void apply(HostKVPool& pool, Op op, const std::vector<std::int64_t>& slots) {
     case Op::kCompleteBackup: return pool.complete_io(slots, PageState::kBackup);
     case Op::kAbort: return pool.abort_io(slots);
     case Op::kMarkBackup: return pool.mark_backup(slots);
+    case Op::kDiscard: return pool.discard(slots);
   }
 }
 
@@ -73,6 +75,7 @@ const std::map<std::pair<PageState, Op>, PageState> kLegal = {
     {{PageState::kProtected, Op::kCompleteBackup}, PageState::kBackup},
     {{PageState::kProtected, Op::kAbort}, PageState::kReserved},
     {{PageState::kSynced, Op::kMarkBackup}, PageState::kBackup},
+    {{PageState::kSynced, Op::kDiscard}, PageState::kFree},
     {{PageState::kBackup, Op::kFree}, PageState::kFree},
     {{PageState::kBackup, Op::kProtectLoad}, PageState::kProtected},
 };
@@ -82,7 +85,7 @@ TEST(HostKVPool, PageStateMachineExhaustive) {
   const PageState states[] = {PageState::kFree, PageState::kReserved, PageState::kProtected,
                               PageState::kSynced, PageState::kBackup};
   const Op ops[] = {Op::kFree,           Op::kProtectWrite, Op::kProtectLoad, Op::kCompleteSynced,
-                    Op::kCompleteBackup, Op::kAbort,        Op::kMarkBackup};
+                    Op::kCompleteBackup, Op::kAbort,        Op::kMarkBackup,   Op::kDiscard};
   int legal = 0, illegal = 0;
   for (PageState from : states) {
     for (Op op : ops) {
@@ -111,8 +114,8 @@ TEST(HostKVPool, PageStateMachineExhaustive) {
       }
     }
   }
-  EXPECT_EQ(legal, 8);
-  EXPECT_EQ(illegal, 27);
+  EXPECT_EQ(legal, 9);
+  EXPECT_EQ(illegal, 31);
 }
 
 TEST(HostKVPool, MixedStatesInOneCallChangeNothing) {
