@@ -73,6 +73,16 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
 
 }  // namespace
 
+EvictionPolicy parse_eviction_policy(std::string_view name) {
+  if (name == "lru") return EvictionPolicy::kLru;
+  if (name == "lfu") return EvictionPolicy::kLfu;
+  throw InvalidArgument(str_cat("unknown eviction policy '", name, "' (valid: lru, lfu)"));
+}
+
+std::string_view to_string(EvictionPolicy policy) {
+  return policy == EvictionPolicy::kLfu ? "lfu" : "lru";
+}
+
 HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_pool,
                            HostKVPool& host_pool, RadixCacheConfig config,
                            StorageController* storage, const KeyNamespace* keys,
@@ -334,8 +344,15 @@ void HiRadixCache::remove_leaf(Node* node) {
   parent->children.erase(page_key(std::span(node->key).first(page_size_)));
 }
 
+bool HiRadixCache::evicts_before(const Node* a, const Node* b) const {
+  if (config_.eviction_policy == EvictionPolicy::kLfu && a->hits != b->hits) {
+    return a->hits < b->hits;
+  }
+  return a->last_access < b->last_access;
+}
+
 std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
-  auto older = [](Node* a, Node* b) { return a->last_access > b->last_access; };
+  auto older = [this](Node* a, Node* b) { return evicts_before(b, a); };
   std::priority_queue<Node*, std::vector<Node*>, decltype(older)> heap(older);
   auto candidate = [&](Node* n) {
     if (n == root_.get() || n->device.empty() || n->lock > 0 || n->write_op != 0 ||
@@ -380,7 +397,7 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
 }
 
 std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
-  auto older = [](Node* a, Node* b) { return a->last_access > b->last_access; };
+  auto older = [this](Node* a, Node* b) { return evicts_before(b, a); };
   std::priority_queue<Node*, std::vector<Node*>, decltype(older)> heap(older);
   auto candidate = [&](Node* n) {
     return n != root_.get() && !n->host.empty() && n->device.empty() && n->children.empty() &&

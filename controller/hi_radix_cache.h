@@ -39,6 +39,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "controller/hicache_controller.h"
@@ -49,7 +50,15 @@
 
 namespace hicache {
 
+// Which unlocked node eviction takes first: least recently used, or least frequently used
+// (fewest hits, then least recently used), as SGLang's --radix-eviction-policy.
+enum class EvictionPolicy { kLru, kLfu };
+// "lru" or "lfu"; anything else throws InvalidArgument naming it and the valid ones.
+EvictionPolicy parse_eviction_policy(std::string_view name);
+std::string_view to_string(EvictionPolicy policy);
+
 struct RadixCacheConfig {
+  EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
   std::int32_t write_through_threshold = 2;  // hits before a selective write
   std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
 };
@@ -158,6 +167,8 @@ class HiRadixCache {
   // A new child of `parent` holding `key` (no KV yet), with its page digests.
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key);
   void touch(Node* node);
+  // True when `a` goes before `b` under the eviction policy.
+  bool evicts_before(const Node* a, const Node* b) const;
   void write_node(Node* node);
   void drop_device(Node* node);
   void remove_leaf(Node* node);

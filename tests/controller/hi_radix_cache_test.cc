@@ -300,6 +300,31 @@ TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
   e.expect_accounting();
 }
 
+// LRU evicts the least recently used node; LFU the least often hit one, whatever its age.
+TEST(HiRadixCache, LfuKeepsTheOftenHitNodeLruTheRecentOne) {
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kLfu}) {
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {.eviction_policy = policy});
+    const auto often = seq({1, 2});
+    const auto recent = seq({3, 4});
+    for (int i = 0; i < 5; ++i) e.run(often);
+    e.run(recent);
+    e.settle();
+    ASSERT_EQ(e.cache.evict_device(2 * kPage), 2 * kPage) << to_string(policy);
+    const bool often_kept = !e.cache.match_prefix(often).device_slots.empty();
+    const bool recent_kept = !e.cache.match_prefix(recent).device_slots.empty();
+    EXPECT_EQ(often_kept, policy == EvictionPolicy::kLfu) << to_string(policy);
+    EXPECT_EQ(recent_kept, policy == EvictionPolicy::kLru) << to_string(policy);
+    e.expect_accounting();
+  }
+  EXPECT_EQ(parse_eviction_policy("lfu"), EvictionPolicy::kLfu);
+  try {
+    parse_eviction_policy("fifo");
+    FAIL() << "accepted fifo";
+  } catch (const InvalidArgument& err) {
+    EXPECT_NE(std::string(err.what()).find("'fifo' (valid: lru, lfu)"), std::string::npos);
+  }
+}
+
 // Regression: an inner node whose write-through write found the host full, with a host-only
 // child, used to be no eviction candidate at all; a device full of such nodes made the engine
 // reject requests that fit. It is now written on eviction and freed on the ack.
