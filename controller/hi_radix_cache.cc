@@ -285,6 +285,33 @@ void HiRadixCache::write_node(Node* node) {
   pending_->writes[node->id] = Pending::Op{node, {node}};
 }
 
+bool HiRadixCache::load_back_pays(std::int64_t tokens) {
+  if (config_.recompute_seconds_per_token <= 0) return true;
+  bool pays = true;
+  const ControllerStats cs = controller_.stats();
+  if (cs.bytes_loaded > 0 && cs.load_seconds > 0) {
+    const double bandwidth = static_cast<double>(cs.bytes_loaded) / cs.load_seconds;
+    const double bytes =
+        static_cast<double>(tokens) * static_cast<double>(device_pool_.geometry().token_bytes());
+    counters_.measured_load_gbps = bandwidth / 1e9;
+    counters_.last_load_estimate_s = bytes / bandwidth;
+    counters_.last_recompute_estimate_s =
+        static_cast<double>(tokens) * config_.recompute_seconds_per_token;
+    pays = counters_.last_load_estimate_s <= counters_.last_recompute_estimate_s;
+  }
+  if (tp_ != nullptr && tp_->failure().empty()) {
+    // Measured bandwidths differ between ranks: they agree (all must find it pays).
+    std::int64_t v = pays ? 1 : 0;
+    if (tp_->min_allreduce(std::span(&v, 1), "radix.load_back_pays").ok) {
+      pays = v == 1;
+    } else {
+      ++counters_.tp_failures;
+    }
+  }
+  if (!pays) ++counters_.load_backs_refused_by_cost;
+  return pays;
+}
+
 std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
   std::vector<Node*> path;
   for (Node* n = node; n != root_.get(); n = n->parent) path.push_back(n);
@@ -299,6 +326,7 @@ std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
   }
   if (!missing.empty()) {
     if (static_cast<std::int64_t>(host.size()) < config_.load_back_min_tokens) return std::nullopt;
+    if (!load_back_pays(static_cast<std::int64_t>(host.size()))) return std::nullopt;
     const NodeId op = next_id_++;
     lock(node);  // the path stays while it loads (and eviction below cannot take it)
     auto device = controller_.load(host, 0, op);

@@ -61,6 +61,11 @@ struct RadixCacheConfig {
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
   std::int32_t write_through_threshold = 2;  // hits before a selective write
   std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
+  // Cost-aware load back: the engine's cost of recomputing one token (prefill, all layers), in
+  // seconds. When > 0, load_back refuses a host hit whose predicted copy time (its bytes over
+  // the host -> device bandwidth the controller measured so far) exceeds recomputing it; until
+  // a first load was measured it loads. 0: off (every host hit is loaded).
+  double recompute_seconds_per_token = 0;
 };
 
 struct RadixCacheStats {
@@ -76,6 +81,9 @@ struct RadixCacheStats {
   std::int64_t backups_in_flight = 0;    // nodes
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
+  // Cost-aware load back: refusals, and the inputs of the last decision.
+  std::int64_t load_backs_refused_by_cost = 0;
+  double measured_load_gbps = 0, last_load_estimate_s = 0, last_recompute_estimate_s = 0;
 };
 
 class HiRadixCache {
@@ -114,7 +122,8 @@ class HiRadixCache {
   // Brings the host-resident nodes on the path to `node` back to the device (one controller
   // load; the forward pass waits per layer after start_loading()). Returns the device slots of
   // the whole prefix up to `node`, or nothing when refused: the host part is smaller than
-  // load_back_min_tokens, or the device is short even after evicting. Nodes being loaded are
+  // load_back_min_tokens, recomputing it is predicted cheaper (recompute_seconds_per_token),
+  // or the device is short even after evicting. Nodes being loaded are
   // locked until the load ack.
   std::optional<std::vector<std::int64_t>> load_back(Node* node);
 
@@ -184,6 +193,8 @@ class HiRadixCache {
   void apply_load_ack(NodeId id, bool ok, bool local_ok);
   void apply_backup_ack(NodeId id, std::int64_t completed_tokens);
   void agree_and_apply();
+  // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token), agreed over TP.
+  bool load_back_pays(std::int64_t tokens);
   static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
   void insert_host(Node* node, std::span<const std::int32_t> tokens,
                    std::span<const std::int64_t> host_slots);

@@ -1,4 +1,6 @@
 #include "controller/hicache_controller.h"
+
+#include <chrono>
 #include "controller/drain_queue.h"
 
 #include <concurrentqueue/concurrentqueue.h>
@@ -242,6 +244,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s) {
 void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   bool ok = true;
   const std::int32_t layers = device_pool_.geometry().num_layers;
+  const auto started = std::chrono::steady_clock::now();
   try {
     std::int32_t layer = 0;
     prepare_pages(batch.op, s);
@@ -264,6 +267,10 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     host_pool_.complete_io(batch.op.host_slots, PageState::kSynced);
     bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
                                                 device_pool_.geometry().token_bytes());
+    load_ns_ += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             started)
+            .count());
     ++load_batches_done_;
   } catch (const std::exception&) {
     ok = false;
@@ -350,7 +357,8 @@ void HiCacheController::reset() {
 ControllerStats HiCacheController::stats() const {
   return ControllerStats{writes_done_.load(),      write_failures_.load(),
                          load_batches_done_.load(), load_failures_.load(),
-                         bytes_written_.load(),     bytes_loaded_.load()};
+                         bytes_written_.load(),     bytes_loaded_.load(),
+                         static_cast<double>(load_ns_.load()) * 1e-9};
 }
 
 }  // namespace hicache

@@ -62,6 +62,10 @@ struct ControllerStats {
   std::uint64_t writes_done = 0, write_failures = 0;
   std::uint64_t load_batches_done = 0, load_failures = 0;
   std::uint64_t bytes_written = 0, bytes_loaded = 0;
+  // Wall time of the successful load batches, from the load thread taking a batch to its last
+  // layer landing (waits on start_loading's ready_after included): bytes_loaded / load_seconds
+  // is the host -> device bandwidth the radix cache weighs against recomputing.
+  double load_seconds = 0;
 };
 
 class HiCacheController {
@@ -153,7 +157,7 @@ class HiCacheController {
   struct AckQueues;
   std::unique_ptr<AckQueues> acks_;
   std::atomic<std::uint64_t> writes_done_{0}, write_failures_{0}, load_batches_done_{0},
-      load_failures_{0}, bytes_written_{0}, bytes_loaded_{0};
+      load_failures_{0}, bytes_written_{0}, bytes_loaded_{0}, load_ns_{0};
   bool running_ = false;
   std::thread write_thread_, load_thread_;
 };

@@ -300,6 +300,36 @@ TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
   e.expect_accounting();
 }
 
+// Cost-aware load back: once a load was measured, a host hit is loaded only when copying it is
+// predicted cheaper than recomputing it; the decision's inputs are in the stats.
+TEST(HiRadixCache, LoadBackIsRefusedWhenRecomputingIsCheaper) {
+  for (double cost : {1e-15, 1.0}) {  // seconds per token: recompute far cheaper / far dearer
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = cost});
+    const auto a = seq({1, 2, 3});
+    e.run(a);
+    e.settle();
+    e.cache.evict_device(100);
+    e.run(a);  // nothing measured yet: loads (that is how the bandwidth gets measured)
+    e.settle();
+    ASSERT_EQ(e.loaded_requests, 1);
+    e.cache.evict_device(100);
+    e.run(a);
+    e.settle();
+    const auto s = e.cache.stats();
+    EXPECT_GT(s.measured_load_gbps, 0);
+    EXPECT_GT(s.last_load_estimate_s, 0);
+    EXPECT_DOUBLE_EQ(s.last_recompute_estimate_s, 3 * kPage * cost);
+    if (cost < 1e-9) {
+      EXPECT_EQ(e.loaded_requests, 1) << "loaded although recomputing is cheaper";
+      EXPECT_EQ(s.load_backs_refused_by_cost, 1);
+    } else {
+      EXPECT_EQ(e.loaded_requests, 2);
+      EXPECT_EQ(s.load_backs_refused_by_cost, 0);
+    }
+    e.expect_accounting();
+  }
+}
+
 // LRU evicts the least recently used node; LFU the least often hit one, whatever its age.
 TEST(HiRadixCache, LfuKeepsTheOftenHitNodeLruTheRecentOne) {
   for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kLfu}) {
