@@ -109,6 +109,14 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
     throw InvalidArgument(str_cat("radix cache: write_through_threshold ",
                                   config_.write_through_threshold, " < 1"));
   }
+  if (!(config_.demote_low_watermark >= 0 &&
+        config_.demote_low_watermark <= config_.demote_high_watermark &&
+        config_.demote_high_watermark <= 1)) {
+    throw InvalidArgument(str_cat("radix cache: demote watermarks low ",
+                                  config_.demote_low_watermark, " high ",
+                                  config_.demote_high_watermark,
+                                  " must satisfy 0 <= low <= high <= 1"));
+  }
   if (config_.load_back_min_tokens < 0) {
     throw InvalidArgument(str_cat("radix cache: load_back_min_tokens ",
                                   config_.load_back_min_tokens, " < 0"));
@@ -518,6 +526,30 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t completed_tokens) {
 }
 
 void HiRadixCache::check_events() {
+  apply_events();
+  demote();
+}
+
+void HiRadixCache::demote() {
+  if (config_.demote_low_watermark <= 0) return;
+  const double capacity = static_cast<double>(device_pool_.allocator().capacity_tokens());
+  const auto free_tokens = static_cast<double>(device_pool_.allocator().free_tokens());
+  if (free_tokens >= config_.demote_low_watermark * capacity) return;
+  // Tokens already on their way out: write-backs that free their device copy on the ack.
+  std::int64_t leaving = 0;
+  for (const auto& [id, op] : pending_->writes) {
+    for (const Node* n : op.nodes) {
+      if (n->evict_after_write) leaving += static_cast<std::int64_t>(n->device.size());
+    }
+  }
+  const auto target =
+      static_cast<std::int64_t>(config_.demote_high_watermark * capacity - free_tokens) - leaving;
+  if (target <= 0) return;
+  ++counters_.demotions;
+  evict_device(target);  // frees synced copies now, writes the others and frees them on the ack
+}
+
+void HiRadixCache::apply_events() {
   acks_.clear();
   controller_.drain_write_acks(acks_);
   for (const Ack& a : acks_) arrived_->writes[a.node] = a.ok;
@@ -607,7 +639,7 @@ void HiRadixCache::agree_and_apply() {
   }
   if (!tp_->min_allreduce(agree_buffer_, "radix.events").ok) {
     ++counters_.tp_failures;
-    check_events();  // the collective is failed for good: the local path from now on
+    apply_events();  // the collective is failed for good: the local path from now on
     return;
   }
   for (std::size_t i = 0; i < writes.size(); ++i) {

@@ -66,6 +66,13 @@ struct RadixCacheConfig {
   // the host -> device bandwidth the controller measured so far) exceeds recomputing it; until
   // a first load was measured it loads. 0: off (every host hit is loaded).
   double recompute_seconds_per_token = 0;
+  // Demotion between watermarks (fractions of the device pool): when check_events() finds less
+  // than `low` of the device free, it starts freeing LRU/LFU nodes until `high` would be free,
+  // without blocking: synced copies go at once, write-back nodes are written and go on the
+  // ack. Admission then finds room instead of evicting (and waiting) in the scheduler's path.
+  // low = 0: off.
+  double demote_low_watermark = 0;
+  double demote_high_watermark = 0;
 };
 
 struct RadixCacheStats {
@@ -83,6 +90,7 @@ struct RadixCacheStats {
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
   // Cost-aware load back: refusals, and the inputs of the last decision.
   std::int64_t load_backs_refused_by_cost = 0;
+  std::int64_t demotions = 0;  // check_events() calls that started a demotion
   double measured_load_gbps = 0, last_load_estimate_s = 0, last_recompute_estimate_s = 0;
 };
 
@@ -193,6 +201,8 @@ class HiRadixCache {
   void apply_load_ack(NodeId id, bool ok, bool local_ok);
   void apply_backup_ack(NodeId id, std::int64_t completed_tokens);
   void agree_and_apply();
+  void apply_events();
+  void demote();
   // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token), agreed over TP.
   bool load_back_pays(std::int64_t tokens);
   static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step

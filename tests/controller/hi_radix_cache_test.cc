@@ -330,6 +330,31 @@ TEST(HiRadixCache, LoadBackIsRefusedWhenRecomputingIsCheaper) {
   }
 }
 
+// Write-back demotion between watermarks: below `low` free, check_events starts writing the
+// LRU nodes back until `high` would be free, without blocking; pages come back byte for byte.
+TEST(HiRadixCache, WriteBackDemotesBetweenWatermarksWithoutBlocking) {
+  Engine e(WritePolicy::kWriteBack, 16, 64,
+           {.demote_low_watermark = 0.25, .demote_high_watermark = 0.5});
+  for (int f = 0; f < 7; ++f) e.run(seq({10 * f + 1, 10 * f + 2}));  // 14 of 16 pages used
+  EXPECT_EQ(e.device_pool.allocator().free_tokens(), 2 * kPage);
+  e.cache.check_events();  // 12.5% free < 25%: demote 6 pages (3 nodes), freed on the acks
+  EXPECT_EQ(e.cache.stats().demotions, 1);
+  EXPECT_EQ(e.cache.stats().writes_in_flight, 3);
+  e.cache.check_events();  // what is on its way out counts: nothing more is started
+  EXPECT_EQ(e.cache.stats().demotions, 1);
+  e.settle();
+  EXPECT_GE(e.device_pool.allocator().free_tokens(), 8 * kPage);
+  EXPECT_EQ(e.cache.stats().host_tokens, 6 * kPage);
+  const auto verified = e.verified_pages;
+  e.run(seq({1, 2}));  // the oldest, demoted: loaded back and verified
+  EXPECT_EQ(e.verified_pages, verified + 2);
+  EXPECT_EQ(e.loaded_requests, 1);
+  e.expect_accounting();
+  EXPECT_THROW(Engine(WritePolicy::kWriteBack, 16, 64,
+                      {.demote_low_watermark = 0.6, .demote_high_watermark = 0.5}),
+               InvalidArgument);
+}
+
 // LRU evicts the least recently used node; LFU the least often hit one, whatever its age.
 TEST(HiRadixCache, LfuKeepsTheOftenHitNodeLruTheRecentOne) {
   for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kLfu}) {
