@@ -3,7 +3,8 @@
 //   FileStorage batch_exists from the in-memory index (keys/s; target >= 1M/s);
 //   FileStorage batch_set / batch_get of 8 MiB and 256 KiB pages (GB/s) against fio on the same
 //   directory: sequential 1 MiB blocks, buffered and O_DIRECT (target >= 0.8 of fio buffered);
-//   StorageController backup and prefetch through FileStorage, same shapes, against the store's
+//   StorageController backup and prefetch through FileStorage and RedisStorage (a redis-server
+//   started here on a free loopback port), same shapes, against the store's
 //   own batch_set / batch_get (target >= 0.9).
 // The directory is $HICACHE_BENCH_DIR (default /var/tmp); fio is optional (without it the
 // baseline lines say so).
@@ -24,6 +25,8 @@
 #include "controller/storage_controller.h"
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
+#include "storage/redis_storage.h"
+#include "redis_launcher.h"
 #include "storage/page_key.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
@@ -147,33 +150,64 @@ BENCHMARK(BM_FileGet)->Args({8192, 16})->Args({256, 256})->Repetitions(3)
     ->ReportAggregatesOnly(true)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // A page_first host pool of `pages` pages of `page_bytes` (32 layers x 8 heads x 128 dims fp16:
-// 128 KiB per token, so 8 MiB pages hold 64 tokens and 256 KiB pages 2), a file store and a
-// storage controller on one rank.
+// 128 KiB per token, so 8 MiB pages hold 64 tokens and 256 KiB pages 2), a store (backend 0:
+// a file store; 1: RedisStorage on a redis-server this tool starts on a free loopback port) and
+// a storage controller on one rank.
+StorageBackend* redis_store_or_null() {
+  static std::unique_ptr<bench::RedisDeployment> server;
+  static std::unique_ptr<RedisStorage> store;
+  if (!server) {
+    server = std::make_unique<bench::RedisDeployment>();
+    std::string error;
+    if (!server->start(1, false, &error)) {
+      std::fprintf(stderr, "storagebench: cannot start redis-server: %s\n", error.c_str());
+      return nullptr;
+    }
+    RedisConfig config;
+    config.nodes = {{"127.0.0.1", static_cast<std::uint16_t>(server->ports()[0])}};
+    store = std::make_unique<RedisStorage>(config);
+  }
+  return store.get();
+}
+
 struct ControllerRig {
   HostDevice device;
   KVGeometry g;
   HostKVPool host;
   fs::path dir;
-  FileStorage store;
+  std::unique_ptr<FileStorage> file;
+  StorageBackend* store = nullptr;
   LocalCollective local;
-  StorageController ctl;
-  ControllerRig(std::size_t page_bytes, std::size_t pages, const char* name, std::uint64_t capacity)
+  std::unique_ptr<StorageController> ctl;
+  ControllerRig(std::size_t page_bytes, std::size_t pages, const char* name, std::uint64_t capacity,
+                int backend)
       : g(KVGeometry::mha(32, 8, 128, DType::kFloat16,
                           static_cast<std::int32_t>(page_bytes / (128 << 10)))),
         host(device, g, HostLayout::kPageFirst, static_cast<std::int64_t>(2 * pages) * g.page_size),
-        dir(bench_dir() / name),
-        store(FileStorageConfig{.root = dir.string(), .capacity_bytes = capacity}),
-        ctl(host, store, ns(), local, local, local,
-            {.io_batch_pages = static_cast<std::int64_t>(std::min<std::size_t>(pages, 64))}) {}
+        dir(bench_dir() / name) {
+    if (backend == 0) {
+      file = std::make_unique<FileStorage>(
+          FileStorageConfig{.root = dir.string(), .capacity_bytes = capacity});
+      store = file.get();
+    } else {
+      store = redis_store_or_null();
+      if (store == nullptr) return;
+      store->clear();
+    }
+    ctl = std::make_unique<StorageController>(
+        host, *store, ns(), local, local, local,
+        StorageControllerConfig{
+            .io_batch_pages = static_cast<std::int64_t>(std::min<std::size_t>(pages, 64))});
+  }
   KeyNamespace ns() const {
     KeyNamespace k = bench_ns();
     k.page_size = g.page_size;
     return k;
   }
   ~ControllerRig() {
-    ctl.stop();
-    store.clear();
-    store.flush_trash();
+    if (ctl) ctl->stop();
+    if (store != nullptr) store->clear();
+    if (file) file->flush_trash();
     std::error_code ec;
     fs::remove_all(dir, ec);
   }
@@ -193,7 +227,9 @@ void report_pair(benchmark::State& state, double bytes, double store_s, double c
 void BM_BackupVsSet(benchmark::State& state) {
   const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
   const auto pages = static_cast<std::size_t>(state.range(1));
-  ControllerRig rig(page_bytes, pages, "backup", 8 * pages * (page_bytes + 4096));
+  ControllerRig rig(page_bytes, pages, "backup", 8 * pages * (page_bytes + 4096),
+                    static_cast<int>(state.range(2)));
+  if (!rig.ctl) return state.SkipWithError("no redis-server");
   const auto slots = *rig.host.alloc(static_cast<std::int64_t>(pages) * rig.g.page_size);
   std::vector<ConstByteSpan> spans;
   for (std::size_t i = 0; i < pages; ++i) {
@@ -213,14 +249,14 @@ void BM_BackupVsSet(benchmark::State& state) {
     for (int half = 0; half < 2; ++half) {
       const auto t0 = Clock::now();
       if ((half + round) % 2 == 0) {
-        for (const auto& r : rig.store.batch_set(set_keys, spans)) {
+        for (const auto& r : rig.store->batch_set(set_keys, spans)) {
           if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
         }
         store_s += std::chrono::duration<double>(Clock::now() - t0).count();
       } else {
-        rig.ctl.write_storage(slots, backup_keys);
+        rig.ctl->write_storage(slots, backup_keys);
         acks.clear();
-        while (rig.ctl.drain_backup_acks(acks) == 0) std::this_thread::yield();
+        while (rig.ctl->drain_backup_acks(acks) == 0) std::this_thread::yield();
         if (acks[0].completed_tokens != acks[0].total_tokens) {
           state.SkipWithError(acks[0].error.c_str());
         }
@@ -235,7 +271,8 @@ void BM_BackupVsSet(benchmark::State& state) {
 void BM_PrefetchVsGet(benchmark::State& state) {
   const std::size_t page_bytes = static_cast<std::size_t>(state.range(0)) << 10;
   const auto pages = static_cast<std::size_t>(state.range(1));
-  ControllerRig rig(page_bytes, pages, "prefetch", 0);
+  ControllerRig rig(page_bytes, pages, "prefetch", 0, static_cast<int>(state.range(2)));
+  if (!rig.ctl) return state.SkipWithError("no redis-server");
   std::vector<std::int32_t> tokens(pages * static_cast<std::size_t>(rig.g.page_size));
   std::iota(tokens.begin(), tokens.end(), 11);
   PageKeyer keyer(rig.ns());
@@ -246,25 +283,25 @@ void BM_PrefetchVsGet(benchmark::State& state) {
   for (std::size_t i = 0; i < pages; ++i) {
     spans.push_back(rig.host.page_bytes(slots[i * rig.g.page_size] / rig.g.page_size));
   }
-  rig.ctl.write_storage(slots, keys);
+  rig.ctl->write_storage(slots, keys);
   std::vector<BackupAck> acks;
-  while (rig.ctl.drain_backup_acks(acks) == 0) std::this_thread::yield();
+  while (rig.ctl->drain_backup_acks(acks) == 0) std::this_thread::yield();
   double store_s = 0, ctl_s = 0;
   std::uint64_t round = 0;
   for (auto _ : state) {
     for (int half = 0; half < 2; ++half) {
       const auto t0 = Clock::now();
       if ((half + round) % 2 == 0) {
-        for (const auto& r : rig.store.batch_get(keys, spans)) {
+        for (const auto& r : rig.store->batch_get(keys, spans)) {
           if (!r.is_ok()) state.SkipWithError(r.reason.c_str());
         }
         store_s += std::chrono::duration<double>(Clock::now() - t0).count();
       } else {
-        auto op = rig.ctl.prefetch("bench", tokens);
+        auto op = rig.ctl->prefetch("bench", tokens);
         while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
           std::this_thread::yield();
         }
-        const PrefetchResult res = rig.ctl.terminate_prefetch(*op);
+        const PrefetchResult res = rig.ctl->terminate_prefetch(*op);
         if (res.tokens != static_cast<std::int64_t>(tokens.size())) {
           state.SkipWithError("short prefetch");
         }
@@ -276,9 +313,12 @@ void BM_PrefetchVsGet(benchmark::State& state) {
   }
   report_pair(state, static_cast<double>(state.iterations() * pages * page_bytes), store_s, ctl_s);
 }
-BENCHMARK(BM_BackupVsSet)->Args({8192, 16})->Args({256, 256})->Iterations(6)
+// Third argument: 0 file store, 1 Redis.
+BENCHMARK(BM_BackupVsSet)->Args({8192, 16, 0})->Args({256, 256, 0})->Args({8192, 16, 1})
+    ->Args({256, 256, 1})->Iterations(6)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_PrefetchVsGet)->Args({8192, 16})->Args({256, 256})->Iterations(20)
+BENCHMARK(BM_PrefetchVsGet)->Args({8192, 16, 0})->Args({256, 256, 0})->Args({8192, 16, 1})
+    ->Args({256, 256, 1})->Iterations(20)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 
 class RatioReporter : public benchmark::ConsoleReporter {
