@@ -7,6 +7,7 @@
 #include <thread>
 
 #include <filesystem>
+#include <fstream>
 #include <unistd.h>
 
 #include "pools/kv_pattern.h"
@@ -300,6 +301,34 @@ TEST(HiRadixCache, HostFullLeavesNodesDeviceOnly) {
   e.expect_accounting();
 }
 
+// Device full of locked pages: load_back refuses and changes nothing; once the lock goes, the
+// same load back evicts and succeeds.
+TEST(HiRadixCache, DeviceFullOfLockedPagesRefusesLoadBackAndLeaksNothing) {
+  Engine e(WritePolicy::kWriteThrough, 4, 64);
+  const auto a = seq({1, 2, 3, 4});
+  const auto c = seq({5, 6, 7, 8});
+  e.run(a);
+  e.settle();
+  ASSERT_EQ(e.cache.evict_device(100), 4 * kPage);  // a: host only
+  e.run(c);                                         // c fills the device
+  e.settle();
+  auto mc = e.cache.match_prefix(c);
+  e.cache.lock(mc.last_device_node);  // a running request holds c
+  auto ma = e.cache.match_prefix(a);
+  ASSERT_EQ(ma.host_hit_tokens, 4 * kPage);
+  const auto host_free = e.host_pool.free_tokens();
+  EXPECT_FALSE(e.cache.load_back(ma.last_host_node).has_value());
+  EXPECT_EQ(e.device_pool.allocator().free_tokens(), 0);
+  EXPECT_EQ(e.host_pool.free_tokens(), host_free);
+  EXPECT_EQ(e.cache.stats().loads_in_flight, 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  e.cache.unlock(mc.last_device_node);
+  const auto verified = e.verified_pages;
+  e.run(a);  // evicts c's device copy (synced) and loads a back, verified
+  EXPECT_EQ(e.verified_pages, verified + 4);
+  e.expect_accounting();
+}
+
 // Cost-aware load back: once a load was measured, a host hit is loaded only when copying it is
 // predicted cheaper than recomputing it; the decision's inputs are in the stats.
 TEST(HiRadixCache, LoadBackIsRefusedWhenRecomputingIsCheaper) {
@@ -464,6 +493,52 @@ TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPre
   EXPECT_EQ(second.verified_pages, 2 + 4);
   EXPECT_EQ(second.recomputed_pages, 2) << "only pages 4-5, which L3 never had";
   second.expect_accounting();
+}
+
+// A record corrupted behind the store's back (a disk fault) and one that vanished: the
+// prefetch stops at the first bad page, the bad record is counted and removed, no wrong byte is
+// ever served, and the rest is recomputed.
+TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes) {
+  L3 l3("corrupt");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(a);
+    first.settle();
+    ASSERT_EQ(first.cache.stats().stored_tokens, 6 * kPage);
+  }
+  PageKeyer keyer(key_ns());
+  std::vector<std::string> keys;
+  keyer.keys(a, nullptr, keys);
+  {  // flip one payload byte of page 2's record; remove page 4's
+    std::fstream f(l3.root / keys[2], std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.is_open()) << keys[2];
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x5A));
+  }
+  std::filesystem::remove(l3.root / keys[4]);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  second.run(a);  // prefetch pages 0-1, then recompute 2-5
+  second.settle();
+  EXPECT_EQ(second.verified_pages, 2) << "only the pages before the corrupt one come from L3";
+  EXPECT_EQ(second.recomputed_pages, 4);
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 2 * kPage);
+  EXPECT_GE(l3.file.stats().bad_records, 1u);
+  second.run(a);  // now all on the device, every page verified
+  EXPECT_EQ(second.verified_pages, 2 + 6);
+  second.expect_accounting();
+  // The recomputed pages were backed up again over the bad and missing records: a third engine
+  // gets all six from L3, byte for byte.
+  Engine third(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  third.run(a);
+  EXPECT_EQ(third.verified_pages, 6);
+  EXPECT_EQ(third.recomputed_pages, 0);
+  third.expect_accounting();
 }
 
 TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
