@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -598,6 +600,96 @@ TEST(HiRadixCacheStorage, RandomWorkloadThroughAllThreeTiers) {
               static_cast<long long>(e.verified_pages), static_cast<long long>(e.recomputed_pages),
               static_cast<long long>(s.prefetched_tokens),
               static_cast<long long>(s.loaded_back_tokens));
+}
+
+// A reference model of the tree, simple and slow: a map from every cached page's whole token
+// prefix to the tiers holding it. Seeded random requests (which match, load back, compute and
+// insert), and evictions of everything from the device or the host (whose outcome does not
+// depend on the order the tree picks victims in): the real tree's answers and tier sizes must
+// equal the model's after every operation, with the invariants and the slot accounting holding.
+TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
+  struct Tiers {
+    bool device = false, host = false;
+  };
+  using Prefix = std::vector<std::int32_t>;
+  std::map<Prefix, Tiers> model;
+  auto prefix = [](std::span<const std::int32_t> tokens, std::size_t pages) {
+    return Prefix(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(pages * kPage));
+  };
+  auto model_match = [&](std::span<const std::int32_t> tokens) {
+    std::pair<std::int64_t, std::int64_t> r{0, 0};  // device prefix, host hit tokens
+    bool device_run = true;
+    for (std::size_t p = 1; p * kPage <= tokens.size(); ++p) {
+      auto it = model.find(prefix(tokens, p));
+      if (it == model.end()) break;
+      if (device_run && it->second.device) {
+        r.first += kPage;
+      } else {
+        device_run = false;
+        r.second += kPage;
+      }
+    }
+    return r;
+  };
+  auto count = [&](bool Tiers::*tier) {
+    std::int64_t n = 0;
+    for (const auto& [k, t] : model) n += (t.*tier) ? kPage : 0;
+    return n;
+  };
+
+  Engine e(WritePolicy::kWriteThrough, 2048, 4096);
+  std::mt19937 rng(4242);
+  for (int step = 0; step < 500; ++step) {
+    const unsigned op = rng() % 10;
+    if (op < 7) {
+      std::vector<std::int32_t> tokens;
+      const int family = static_cast<int>(rng() % 4);
+      const int shared = 1 + static_cast<int>(rng() % 6);
+      for (int i = 0; i < shared * kPage; ++i) tokens.push_back(family * 1000 + i);
+      const int own = static_cast<int>(rng() % 3);
+      for (int i = 0; i < own * kPage; ++i) tokens.push_back(100000 + static_cast<int>(rng() % 4));
+      const auto want = model_match(tokens);
+      const auto m = e.cache.match_prefix(tokens);
+      ASSERT_EQ(static_cast<std::int64_t>(m.device_slots.size()), want.first) << "step " << step;
+      ASSERT_EQ(m.host_hit_tokens, want.second) << "step " << step;
+      e.run(tokens);
+      e.settle();
+      for (std::size_t p = 1; p * kPage <= tokens.size(); ++p) {
+        model[prefix(tokens, p)] = Tiers{true, true};  // computed or loaded; write-through
+      }
+    } else if (op < 9) {
+      std::int64_t want = count(&Tiers::device);
+      for (auto& [k, t] : model) t.device = false;
+      ASSERT_EQ(e.cache.evict_device(std::int64_t{1} << 40), want) << "step " << step;
+    } else {
+      // Host-only pages with nothing cached below them go, repeatedly.
+      std::int64_t want = 0;
+      for (bool changed = true; changed;) {
+        changed = false;
+        for (auto it = model.begin(); it != model.end();) {
+          const bool has_child = std::any_of(model.begin(), model.end(), [&](const auto& kv) {
+            return kv.first.size() == it->first.size() + kPage &&
+                   std::equal(it->first.begin(), it->first.end(), kv.first.begin());
+          });
+          if (!it->second.device && !has_child) {
+            want += kPage;
+            it = model.erase(it);
+            changed = true;
+          } else {
+            ++it;
+          }
+        }
+      }
+      ASSERT_EQ(e.cache.evict_host(std::int64_t{1} << 40), want) << "step " << step;
+    }
+    const auto s = e.cache.stats();
+    ASSERT_EQ(s.device_tokens, count(&Tiers::device)) << "step " << step;
+    ASSERT_EQ(s.host_tokens, count(&Tiers::host)) << "step " << step;
+    ASSERT_EQ(e.cache.check_invariants(), "") << "step " << step;
+  }
+  e.expect_accounting();
+  EXPECT_GT(e.loaded_requests, 10);
+  EXPECT_GT(e.verified_pages, 100);
 }
 
 // TP=2 in process: each rank has its own pools, controller and tree, and both run the same
