@@ -293,29 +293,37 @@ void HiRadixCache::write_node(Node* node) {
   pending_->writes[node->id] = Pending::Op{node, {node}};
 }
 
-bool HiRadixCache::load_back_pays(std::int64_t tokens) {
-  if (config_.recompute_seconds_per_token <= 0) return true;
+bool HiRadixCache::moving_pays(std::int64_t tokens, double bytes_moved, double seconds,
+                               double* gbps, double* estimate_s, const char* tag) {
   bool pays = true;
-  const ControllerStats cs = controller_.stats();
-  if (cs.bytes_loaded > 0 && cs.load_seconds > 0) {
-    const double bandwidth = static_cast<double>(cs.bytes_loaded) / cs.load_seconds;
+  if (bytes_moved > 0 && seconds > 0) {
+    const double bandwidth = bytes_moved / seconds;
     const double bytes =
         static_cast<double>(tokens) * static_cast<double>(device_pool_.geometry().token_bytes());
-    counters_.measured_load_gbps = bandwidth / 1e9;
-    counters_.last_load_estimate_s = bytes / bandwidth;
+    *gbps = bandwidth / 1e9;
+    *estimate_s = bytes / bandwidth;
     counters_.last_recompute_estimate_s =
         static_cast<double>(tokens) * config_.recompute_seconds_per_token;
-    pays = counters_.last_load_estimate_s <= counters_.last_recompute_estimate_s;
+    pays = *estimate_s <= counters_.last_recompute_estimate_s;
   }
   if (tp_ != nullptr && tp_->failure().empty()) {
     // Measured bandwidths differ between ranks: they agree (all must find it pays).
     std::int64_t v = pays ? 1 : 0;
-    if (tp_->min_allreduce(std::span(&v, 1), "radix.load_back_pays").ok) {
+    if (tp_->min_allreduce(std::span(&v, 1), tag).ok) {
       pays = v == 1;
     } else {
       ++counters_.tp_failures;
     }
   }
+  return pays;
+}
+
+bool HiRadixCache::load_back_pays(std::int64_t tokens) {
+  if (config_.recompute_seconds_per_token <= 0) return true;
+  const ControllerStats cs = controller_.stats();
+  const bool pays = moving_pays(tokens, static_cast<double>(cs.bytes_loaded), cs.load_seconds,
+                                &counters_.measured_load_gbps, &counters_.last_load_estimate_s,
+                                "radix.load_back_pays");
   if (!pays) ++counters_.load_backs_refused_by_cost;
   return pays;
 }
@@ -702,6 +710,14 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   const std::size_t usable = tokens.size() / page_size_ * page_size_;
   if (usable == 0) return false;
   if (node != root_.get() && node->digests.empty()) return false;  // no chain to continue
+  if (config_.recompute_seconds_per_token > 0 &&
+      !moving_pays(static_cast<std::int64_t>(usable), static_cast<double>(storage_->read_bytes()),
+                   storage_->read_seconds(), &counters_.measured_prefetch_gbps,
+                   &counters_.last_prefetch_estimate_s, "radix.prefetch_pays")) {
+    // Reading it from L3 would take longer than recomputing it.
+    ++counters_.prefetches_refused_by_cost;
+    return false;
+  }
   std::optional<PageDigest> prior;
   if (node != root_.get()) prior = node->digests.back();
   auto op = storage_->prefetch(request_id, tokens.first(usable), prior);

@@ -61,10 +61,12 @@ struct RadixCacheConfig {
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
   std::int32_t write_through_threshold = 2;  // hits before a selective write
   std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
-  // Cost-aware load back: the engine's cost of recomputing one token (prefill, all layers), in
+  // Cost-aware tiers: the engine's cost of recomputing one token (prefill, all layers), in
   // seconds. When > 0, load_back refuses a host hit whose predicted copy time (its bytes over
-  // the host -> device bandwidth the controller measured so far) exceeds recomputing it; until
-  // a first load was measured it loads. 0: off (every host hit is loaded).
+  // the host -> device bandwidth the controller measured so far) exceeds recomputing it, and
+  // prefetch_from_storage declines when reading the tokens from L3 (at the read bandwidth the
+  // storage controller measured so far) would; until a first transfer was measured it moves
+  // the bytes. 0: off.
   double recompute_seconds_per_token = 0;
   // Demotion between watermarks (fractions of the device pool): when check_events() finds less
   // than `low` of the device free, it starts freeing LRU/LFU nodes until `high` would be free,
@@ -89,7 +91,8 @@ struct RadixCacheStats {
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
   // Cost-aware load back: refusals, and the inputs of the last decision.
-  std::int64_t load_backs_refused_by_cost = 0;
+  std::int64_t load_backs_refused_by_cost = 0, prefetches_refused_by_cost = 0;
+  double measured_prefetch_gbps = 0, last_prefetch_estimate_s = 0;
   std::int64_t demotions = 0;  // check_events() calls that started a demotion
   double measured_load_gbps = 0, last_load_estimate_s = 0, last_recompute_estimate_s = 0;
 };
@@ -205,6 +208,10 @@ class HiRadixCache {
   void demote();
   // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token), agreed over TP.
   bool load_back_pays(std::int64_t tokens);
+  // True when moving `tokens` at the bandwidth bytes_moved / seconds (unmeasured: true) takes no
+  // longer than recomputing them; records the inputs; agreed over TP under `tag`.
+  bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,
+                   double* estimate_s, const char* tag);
   static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
   void insert_host(Node* node, std::span<const std::int32_t> tokens,
                    std::span<const std::int64_t> host_slots);

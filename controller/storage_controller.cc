@@ -1,4 +1,6 @@
 #include "controller/storage_controller.h"
+
+#include <chrono>
 #include "controller/drain_queue.h"
 
 #include <algorithm>
@@ -342,9 +344,17 @@ void StorageController::read_pages(PrefetchOperation& op) {
                             ? host_.page_bytes(page)
                             : ByteSpan(prefetch_staging_.data() + i * page_bytes, page_bytes));
       }
+      const auto t0 = std::chrono::steady_clock::now();
       const auto results = storage_.batch_get(
           std::span<const std::string>(op.keys_).subspan(begin, n), spans);
       while (ok < n && results[ok].is_ok()) ++ok;
+      if (ok > 0) {
+        read_ns_ += static_cast<std::int64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                                 t0)
+                .count());
+        read_bytes_ += static_cast<std::int64_t>(ok * page_bytes);
+      }
       if (ok < n) {
         error = str_cat("page ", begin + ok, " (key '", op.keys_[begin + ok], "'): ",
                         to_string(results[ok].status), " ", results[ok].reason);

@@ -201,6 +201,10 @@ class StorageController {
 
   // Ops that ended in an exception (backend or collective failure), since construction.
   std::int64_t failed_ops() const { return failed_ops_.load(); }
+  // Prefetch reads so far: payload bytes that landed and the time of the batch_get calls that
+  // brought them (the L3 -> host bandwidth the radix cache weighs against recomputing).
+  std::int64_t read_bytes() const { return read_bytes_.load(); }
+  double read_seconds() const { return static_cast<double>(read_ns_.load()) * 1e-9; }
 
   // Stops the threads promptly: queued backups are acked with zero completed tokens, queued
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
@@ -254,6 +258,7 @@ class StorageController {
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;
   std::atomic<std::int64_t> next_id_{1};
   std::atomic<std::int64_t> failed_ops_{0};
+  std::atomic<std::int64_t> read_bytes_{0}, read_ns_{0};
   std::vector<std::byte> staging_;  // backup thread only
   std::thread backup_thread_;
 };

@@ -543,6 +543,42 @@ TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes
   third.expect_accounting();
 }
 
+// Cost-aware prefetch: once an L3 read was measured, a prefetch is declined when reading the
+// pages would take longer than recomputing them.
+TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
+  L3 l3("cost");
+  const auto a = seq({1, 2, 3, 4});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(a);
+    first.settle();
+  }
+  for (double cost : {1e-15, 1.0}) {
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = cost}, &l3,
+             {.policy = PrefetchPolicy::kWaitComplete});
+    e.run(a);  // nothing measured yet: prefetched (which measures the read bandwidth)
+    e.settle();
+    ASSERT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage);
+    e.cache.evict_device(std::int64_t{1} << 40);
+    e.cache.evict_host(std::int64_t{1} << 40);
+    ASSERT_EQ(e.cache.stats().nodes, 0);
+    const auto recomputed = e.recomputed_pages;
+    e.run(a);
+    e.settle();
+    const auto s = e.cache.stats();
+    EXPECT_GT(s.measured_prefetch_gbps, 0);
+    if (cost < 1e-9) {
+      EXPECT_EQ(s.prefetches_refused_by_cost, 1);
+      EXPECT_EQ(e.recomputed_pages, recomputed + 4);
+    } else {
+      EXPECT_EQ(s.prefetches_refused_by_cost, 0);
+      EXPECT_EQ(s.prefetched_tokens, 8 * kPage);
+      EXPECT_EQ(e.recomputed_pages, recomputed);
+    }
+    e.expect_accounting();
+  }
+}
+
 TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   L3 l3("revoke");
   const auto a = seq({1, 2, 3});
