@@ -24,6 +24,7 @@
 
 #include "controller/storage_controller.h"
 #include "pools/kv_pattern.h"
+#include "storage/collective.h"
 #include "storage/file_storage.h"
 #include "storage/redis_storage.h"
 #include "redis_launcher.h"
@@ -60,6 +61,33 @@ void BM_PageKeys(benchmark::State& state) {
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * 1024));
 }
 BENCHMARK(BM_PageKeys)->Unit(benchmark::kMillisecond);
+
+// min_allreduce of 5 int64 (the widest the controllers fuse, plus the call check) among N
+// in-process ranks, one thread each: the latency each TP agreement costs (issue figure).
+void BM_InProcessMinAllreduce(benchmark::State& state) {
+  const int size = static_cast<int>(state.range(0));
+  constexpr int kCalls = 2000;
+  std::int64_t calls = 0;
+  for (auto _ : state) {
+    auto ranks = InProcessGroup::make_ranks(size);
+    std::vector<std::thread> threads;
+    for (auto& c : ranks) {
+      threads.emplace_back([&c] {
+        std::vector<std::int64_t> v(5);
+        for (int i = 0; i < kCalls; ++i) {
+          std::fill(v.begin(), v.end(), c->rank() + i);
+          c->min_allreduce(v, "bench");
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    calls += kCalls;
+  }
+  // Seconds per call (printed with a unit prefix, e.g. 15.5u).
+  state.counters["per_call"] = benchmark::Counter(
+      static_cast<double>(calls), benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_InProcessMinAllreduce)->Arg(2)->Arg(4)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 void BM_FileExists(benchmark::State& state) {
   const fs::path dir = bench_dir() / "exists";
