@@ -52,13 +52,7 @@ KVGeometry parse_model(const json& model, std::int32_t page_size) {
 }  // namespace
 
 HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw InvalidArgument(str_cat("config: not valid JSON: ", e.what()));
-  }
-  if (!root.is_object()) throw InvalidArgument("config: the top level must be a JSON object");
+  const json root = json_fields::parse_object(text, "config");
   reject_unknown(root,
                  {"device", "page_size", "device_tokens", "model", "host_ratio", "host_bytes",
                   "host_tokens", "host_layout", "io_backend", "write_policy", "layer_slots",

@@ -18,7 +18,8 @@ inline nlohmann::json parse_object(std::string_view text, std::string_view what)
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number too large for any type (found by fuzzing).
     throw InvalidArgument(str_cat(what, ": not valid JSON: ", e.what()));
   }
   if (!j.is_object()) throw InvalidArgument(str_cat(what, ": the top level must be a JSON object"));

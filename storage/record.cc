@@ -36,7 +36,11 @@ std::uint64_t payload_checksum(std::span<const std::byte> payload) {
 
 void encode_record_head(std::string_view key, std::uint64_t payload_bytes, std::uint64_t checksum,
                         std::span<std::byte> head) {
-  if (key.empty() || key.size() > 0xFFFF || head.size() != record_head_bytes(key)) {
+  if (key.empty() || key.size() > 0xFFFF) {
+    throw InvalidArgument(str_cat("record head: key of ", key.size(),
+                                  " bytes, must be 1 to 65535 bytes"));
+  }
+  if (head.size() != record_head_bytes(key)) {
     throw InvalidArgument(str_cat("record head for key '", key, "': buffer of ", head.size(),
                                   " bytes, want ", record_head_bytes(key)));
   }

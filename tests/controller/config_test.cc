@@ -108,6 +108,8 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
            "storage_batch_pages": 0})", "storage_batch_pages"},
       {R"([1, 2])", "object"},
       {R"({"model": )", "not valid JSON"},
+      // Found by fuzzing: a number too large for any type escaped as nlohmann's out_of_range.
+      {R"({"page_size": 5555e54088})", "not valid JSON"},
   };
   for (const auto& [text, needle] : cases) {
     try {

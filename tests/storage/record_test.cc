@@ -72,6 +72,14 @@ TEST(Record, EncodeRejectsWrongBuffer) {
   std::vector<std::byte> head(10);
   const auto p = payload_for("k", 16);
   EXPECT_THROW(encode_record_head("k1", p, head), InvalidArgument);
+  // Found by fuzzing: an empty key was refused with a message about the buffer size.
+  std::vector<std::byte> exact(kRecordHeaderBytes);
+  try {
+    encode_record_head("", p, exact);
+    FAIL() << "an empty key was encoded";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("key of 0 bytes"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
