@@ -7,7 +7,9 @@
 #
 # Environment: BUILD_DIR (default build), JOBS (default nproc), HICACHE_SANITIZERS=1 (test
 # mode: also build and run the suite under ASan+UBSan and under TSan, in build-asan/ and
-# build-tsan/, without CUDA and tools; CI sets it).
+# build-tsan/, without CUDA and tools; then build the libFuzzer targets with clang in
+# build-fuzz/ and run each for a fixed number of inputs from a fixed seed, so the run is the
+# same every time; CI sets it). HICACHE_FUZZ_RUNS (default 200000) sets that number.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -19,7 +21,8 @@ jobs=${JOBS:-$(nproc)}
 packages=(build-essential cmake ninja-build ccache pkg-config
   libconcurrentqueue-dev libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server
-  fio)  # fio: the baseline of hicache-storagebench
+  fio     # the baseline of hicache-storagebench
+  clang)  # libFuzzer for the fuzz targets (tests/fuzz)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -63,6 +66,22 @@ else
       say "running the test suite under $san"
       TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
         ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^install\.'
+    done
+    dir="$build_dir-fuzz"
+    say "fuzz build $dir (clang, libFuzzer + ASan + UBSan)"
+    CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF \
+      -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_FUZZ=ON -DHICACHE_WERROR=ON \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake --build "$dir" -j "$jobs"
+    runs=${HICACHE_FUZZ_RUNS:-200000}
+    for target in record config; do
+      # New inputs go to a scratch corpus; the committed seeds (and past crashes) stay as they are.
+      scratch=$(mktemp -d)
+      say "fuzzing $target: $runs inputs, seed 1 (seeds: tests/fuzz/corpus/$target)"
+      "$dir/tests/fuzz/fuzz_$target" -seed=1 -runs="$runs" -artifact_prefix="$scratch/" \
+        "$scratch" "tests/fuzz/corpus/$target" 2>&1 | tail -3 || {
+        say "fuzz_$target found a failing input (kept in $scratch)"; exit 1; }
+      rm -rf "$scratch"
     done
   fi
 fi
