@@ -5,6 +5,15 @@
 #
 #   bash tools/gpu-bench.sh            (DEPS_PREFIX=dir adds a prefix where the -dev packages
 #                                       were unpacked, for machines that cannot apt-get)
+#
+# For a GPU machine without the Debian packages (the lent device machines), on a Debian 12
+# machine first:  mkdir .deps && cd .deps && apt-get download libconcurrentqueue-dev
+#   libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
+#   libbenchmark1debian libhiredis-dev libhiredis0.14 libgloo-dev libgloo0 libssl-dev libssl3
+#   libxxhash-dev libxxhash0 liburing-dev liburing2 libibverbs1 libnl-3-200 libnl-route-3-200
+#   pkgconf pkgconf-bin libpkgconf3      (about 16 MiB; .deps/ is ignored by git)
+# then there:  for f in .deps/*.deb; do dpkg -x $f /tmp/deps; done
+#              DEPS_PREFIX=/tmp/deps bash tools/gpu-bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-gpu}
