@@ -53,11 +53,14 @@ struct HiRadixCache::Pending {
   }
 };
 
-// Acks that arrived on this rank and are not applied yet (TP: not yet agreed).
+// Acks that arrived on this rank and are not applied yet (TP: not yet agreed), each already
+// encoded as the value the ranks min-reduce (never 0, which means "not arrived"): writes and
+// loads kOk or kFailed, backups completed tokens + 1.
 struct HiRadixCache::Arrived {
-  std::unordered_map<NodeId, bool> writes, loads;              // ok
-  std::unordered_map<NodeId, std::int64_t> backups;           // completed tokens
-  std::unordered_set<std::string> revoked;                    // prefetch request ids
+  static constexpr std::int64_t kFailed = 1, kOk = 2;
+  static std::int64_t outcome(bool ok) { return ok ? kOk : kFailed; }
+  std::unordered_map<NodeId, std::int64_t> writes, loads, backups;
+  std::unordered_set<std::string> revoked;  // prefetch request ids
 };
 
 namespace {
@@ -306,16 +309,18 @@ bool HiRadixCache::moving_pays(std::int64_t tokens, double bytes_moved, double s
         static_cast<double>(tokens) * config_.recompute_seconds_per_token;
     pays = *estimate_s <= counters_.last_recompute_estimate_s;
   }
-  if (tp_ != nullptr && tp_->failure().empty()) {
-    // Measured bandwidths differ between ranks: they agree (all must find it pays).
-    std::int64_t v = pays ? 1 : 0;
-    if (tp_->min_allreduce(std::span(&v, 1), tag).ok) {
-      pays = v == 1;
-    } else {
-      ++counters_.tp_failures;
-    }
+  // Measured bandwidths differ between ranks: all must find it pays.
+  return all_ranks(pays, tag);
+}
+
+bool HiRadixCache::all_ranks(bool local, const char* tag) {
+  if (tp_ == nullptr || !tp_->failure().empty()) return local;
+  std::int64_t v = local ? 1 : 0;
+  if (!tp_->min_allreduce(std::span(&v, 1), tag).ok) {
+    ++counters_.tp_failures;
+    return local;  // the collective is failed for good: each rank goes on alone
   }
-  return pays;
+  return v == 1;
 }
 
 bool HiRadixCache::load_back_pays(std::int64_t tokens) {
@@ -466,7 +471,8 @@ std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
   return freed;
 }
 
-void HiRadixCache::apply_write_ack(NodeId id, bool ok, bool local_ok) {
+void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
+  const bool ok = agreed == Arrived::kOk, local_ok = local == Arrived::kOk;
   auto taken = pending_->take(pending_->writes, id);
   if (!taken) return;
   Pending::Op& op = *taken;
@@ -491,7 +497,8 @@ void HiRadixCache::apply_write_ack(NodeId id, bool ok, bool local_ok) {
   }
 }
 
-void HiRadixCache::apply_load_ack(NodeId id, bool ok, bool local_ok) {
+void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
+  const bool ok = agreed == Arrived::kOk, local_ok = local == Arrived::kOk;
   auto taken = pending_->take(pending_->loads, id);
   if (!taken) return;
   Pending::Op& op = *taken;
@@ -512,7 +519,8 @@ void HiRadixCache::apply_load_ack(NodeId id, bool ok, bool local_ok) {
   unlock(op.holder);
 }
 
-void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t completed_tokens) {
+void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*local*/) {
+  const std::int64_t completed_tokens = agreed - 1;
   auto taken = pending_->take(pending_->backups, id);
   if (!taken) return;
   // The op's pages run from the uppermost part (split off last) down to the holder.
@@ -560,14 +568,14 @@ void HiRadixCache::demote() {
 void HiRadixCache::apply_events() {
   acks_.clear();
   controller_.drain_write_acks(acks_);
-  for (const Ack& a : acks_) arrived_->writes[a.node] = a.ok;
+  for (const Ack& a : acks_) arrived_->writes[a.node] = Arrived::outcome(a.ok);
   acks_.clear();
   controller_.drain_load_acks(acks_);
-  for (const Ack& a : acks_) arrived_->loads[a.node] = a.ok;
+  for (const Ack& a : acks_) arrived_->loads[a.node] = Arrived::outcome(a.ok);
   if (storage_ != nullptr) {
     backup_acks_.clear();
     storage_->drain_backup_acks(backup_acks_);
-    for (const BackupAck& a : backup_acks_) arrived_->backups[a.id] = a.completed_tokens;
+    for (const BackupAck& a : backup_acks_) arrived_->backups[a.id] = a.completed_tokens + 1;
     revoked_.clear();
     storage_->drain_revokes(revoked_);
     for (std::string& id : revoked_) arrived_->revoked.insert(std::move(id));
@@ -576,9 +584,9 @@ void HiRadixCache::apply_events() {
   if (!agree) {
     // One rank (or the TP collective failed for good, and each rank goes on alone, counted):
     // apply everything that arrived.
-    for (const auto& [id, ok] : arrived_->writes) apply_write_ack(id, ok, ok);
-    for (const auto& [id, ok] : arrived_->loads) apply_load_ack(id, ok, ok);
-    for (const auto& [id, done] : arrived_->backups) apply_backup_ack(id, done);
+    for (const auto& [id, v] : arrived_->writes) apply_write_ack(id, v, v);
+    for (const auto& [id, v] : arrived_->loads) apply_load_ack(id, v, v);
+    for (const auto& [id, v] : arrived_->backups) apply_backup_ack(id, v, v);
     arrived_->writes.clear();
     arrived_->loads.clear();
     arrived_->backups.clear();
@@ -624,19 +632,25 @@ void HiRadixCache::agree_and_apply() {
   std::sort(prefetches.begin(), prefetches.end());
   if (prefetches.size() > K) prefetches.resize(K);
 
+  // What arrived here, at `at` in the buffer; then, after the reduction, what arrived
+  // everywhere goes to `apply(id, agreed, local)` and leaves the arrived set.
   agree_buffer_.assign(4 * K, 0);
-  for (std::size_t i = 0; i < writes.size(); ++i) {
-    auto it = arrived_->writes.find(writes[i]);
-    if (it != arrived_->writes.end()) agree_buffer_[i] = it->second ? 2 : 1;
-  }
-  for (std::size_t i = 0; i < loads.size(); ++i) {
-    auto it = arrived_->loads.find(loads[i]);
-    if (it != arrived_->loads.end()) agree_buffer_[K + i] = it->second ? 2 : 1;
-  }
-  for (std::size_t i = 0; i < backups.size(); ++i) {
-    auto it = arrived_->backups.find(backups[i]);
-    if (it != arrived_->backups.end()) agree_buffer_[2 * K + i] = it->second + 1;
-  }
+  auto fill = [&](const std::vector<NodeId>& ids, const auto& arrived, std::size_t at) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (auto it = arrived.find(ids[i]); it != arrived.end()) agree_buffer_[at + i] = it->second;
+    }
+  };
+  auto apply = [&](const std::vector<NodeId>& ids, auto& arrived, std::size_t at, auto&& fn) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (agree_buffer_[at + i] == 0) continue;
+      const std::int64_t local = arrived.at(ids[i]);
+      arrived.erase(ids[i]);
+      (this->*fn)(ids[i], agree_buffer_[at + i], local);
+    }
+  };
+  fill(writes, arrived_->writes, 0);
+  fill(loads, arrived_->loads, K);
+  fill(backups, arrived_->backups, 2 * K);
   for (std::size_t i = 0; i < prefetches.size(); ++i) {
     const auto& p = pending_->prefetches.at(prefetches[i]);
     if (arrived_->revoked.count(prefetches[i]) != 0) {
@@ -650,23 +664,9 @@ void HiRadixCache::agree_and_apply() {
     apply_events();  // the collective is failed for good: the local path from now on
     return;
   }
-  for (std::size_t i = 0; i < writes.size(); ++i) {
-    if (agree_buffer_[i] == 0) continue;
-    const bool local_ok = arrived_->writes.at(writes[i]);
-    arrived_->writes.erase(writes[i]);
-    apply_write_ack(writes[i], agree_buffer_[i] == 2, local_ok);
-  }
-  for (std::size_t i = 0; i < loads.size(); ++i) {
-    if (agree_buffer_[K + i] == 0) continue;
-    const bool local_ok = arrived_->loads.at(loads[i]);
-    arrived_->loads.erase(loads[i]);
-    apply_load_ack(loads[i], agree_buffer_[K + i] == 2, local_ok);
-  }
-  for (std::size_t i = 0; i < backups.size(); ++i) {
-    if (agree_buffer_[2 * K + i] == 0) continue;
-    arrived_->backups.erase(backups[i]);
-    apply_backup_ack(backups[i], agree_buffer_[2 * K + i] - 1);
-  }
+  apply(writes, arrived_->writes, 0, &HiRadixCache::apply_write_ack);
+  apply(loads, arrived_->loads, K, &HiRadixCache::apply_load_ack);
+  apply(backups, arrived_->backups, 2 * K, &HiRadixCache::apply_backup_ack);
   for (std::size_t i = 0; i < prefetches.size(); ++i) {
     const std::int64_t v = agree_buffer_[3 * K + i];
     if (v == 0) continue;
@@ -733,14 +733,11 @@ bool HiRadixCache::check_prefetch_progress(const std::string& request_id) {
   auto it = pending_->prefetches.find(request_id);
   if (it == pending_->prefetches.end()) return true;
   const PrefetchStage stage = it->second.op->stage();
-  bool ready = stage == PrefetchStage::kRevoked || storage_->can_terminate(*it->second.op);
-  if (tp_ != nullptr && tp_->failure().empty()) {
-    // Whether to terminate now depends on local timing: the ranks agree, or one rank would
-    // enter the terminate collective alone (a deadlock of the reference).
-    std::int64_t v = ready ? 1 : 0;
-    if (!tp_->min_allreduce(std::span(&v, 1), "radix.prefetch_ready").ok) ++counters_.tp_failures;
-    ready = v == 1 || !tp_->failure().empty();
-  }
+  // Whether to terminate now depends on local timing: the ranks agree, or one rank would
+  // enter the terminate collective alone (a deadlock of the reference).
+  const bool ready = all_ranks(
+      stage == PrefetchStage::kRevoked || storage_->can_terminate(*it->second.op),
+      "radix.prefetch_ready");
   if (!ready) return false;
   finish_prefetch(request_id, stage != PrefetchStage::kRevoked);
   return true;

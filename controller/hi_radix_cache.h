@@ -200,14 +200,19 @@ class HiRadixCache {
   void set_digests(Node* node);
   void backup_node(Node* node);
   void finish_prefetch(const std::string& request_id, bool insert);
-  void apply_write_ack(NodeId id, bool ok, bool local_ok);
-  void apply_load_ack(NodeId id, bool ok, bool local_ok);
-  void apply_backup_ack(NodeId id, std::int64_t completed_tokens);
+  // Apply an ack given the agreed (worst over the ranks) and this rank's values, encoded as in
+  // Arrived (hi_radix_cache.cc).
+  void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
+  void apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local);
+  void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local);
   void agree_and_apply();
   void apply_events();
   void demote();
   // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token), agreed over TP.
   bool load_back_pays(std::int64_t tokens);
+  // `local` when there is no TP collective (or it failed for good), else true only when it is
+  // true on every rank (one min-reduction under `tag`).
+  bool all_ranks(bool local, const char* tag);
   // True when moving `tokens` at the bandwidth bytes_moved / seconds (unmeasured: true) takes no
   // longer than recomputing them; records the inputs; agreed over TP under `tag`.
   bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,
