@@ -20,6 +20,13 @@ LayerDoneCounter::LayerDoneCounter(std::int32_t num_layers, std::int32_t num_slo
   }
 }
 
+void LayerDoneCounter::check_layer(std::int32_t layer, const char* what) const {
+  if (layer < 0 || layer >= num_layers_) {
+    throw InvalidArgument(str_cat("LayerDoneCounter::", what, ": layer ", layer,
+                                  " is out of range [0, ", num_layers_, ")"));
+  }
+}
+
 void LayerDoneCounter::check_slot(std::int32_t slot, const char* what) const {
   if (slot < 0 || slot >= num_slots_) {
     throw InvalidArgument(str_cat("LayerDoneCounter::", what, ": slot ", slot,
@@ -90,10 +97,7 @@ void LayerDoneCounter::fail(std::int32_t slot) {
 
 bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
   check_slot(slot, "wait_until");
-  if (layer < 0 || layer >= num_layers_) {
-    throw InvalidArgument(str_cat("LayerDoneCounter::wait_until: layer ", layer,
-                                  " is out of range [0, ", num_layers_, ")"));
-  }
+  check_layer(layer, "wait_until");
   std::unique_lock lock(mu_);
   const Slot& s = slots_[slot];
   changed_.wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
@@ -103,10 +107,7 @@ bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
 bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Stream& compute) {
   if (events_.empty()) return wait_until(slot, layer);
   check_slot(slot, "wait_on_stream");
-  if (layer < 0 || layer >= num_layers_) {
-    throw InvalidArgument(str_cat("LayerDoneCounter::wait_on_stream: layer ", layer,
-                                  " is out of range [0, ", num_layers_, ")"));
-  }
+  check_layer(layer, "wait_on_stream");
   {
     std::unique_lock lock(mu_);
     const Slot& s = slots_[slot];
@@ -139,10 +140,7 @@ void LayerDoneCounter::release(std::int32_t slot) {
 Event* LayerDoneCounter::layer_event(std::int32_t slot, std::int32_t layer) const {
   check_slot(slot, "layer_event");
   if (events_.empty()) return nullptr;
-  if (layer < 0 || layer >= num_layers_) {
-    throw InvalidArgument(str_cat("LayerDoneCounter::layer_event: layer ", layer,
-                                  " is out of range [0, ", num_layers_, ")"));
-  }
+  check_layer(layer, "layer_event");
   return events_[static_cast<std::size_t>(slot) * num_layers_ + layer].get();
 }
 

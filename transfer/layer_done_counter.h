@@ -81,6 +81,7 @@ class LayerDoneCounter {
     bool failed = false;
   };
   void check_slot(std::int32_t slot, const char* what) const;
+  void check_layer(std::int32_t layer, const char* what) const;
 
   std::int32_t num_layers_;
   std::int32_t num_slots_;
