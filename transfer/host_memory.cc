@@ -46,34 +46,26 @@ void prefault(std::byte* data, std::size_t bytes, const HostMemoryOptions& optio
   const bool report = bytes >= options.progress_threshold_bytes;
   const std::size_t slice = round_up((bytes + threads - 1) / threads, kHugePage);
   std::atomic<std::size_t> done{0};
-  auto run = [&](std::size_t begin, std::size_t end) {
-    const std::size_t step = std::max<std::size_t>(kHugePage * 16, (end - begin) / 10);
+  // Touches [begin, end) in tenths; the caller's slice also prints the total after each tenth.
+  auto run = [&](std::size_t begin, std::size_t end, bool print) {
+    const std::size_t step = std::max(round_up((end - begin) / 10, kHugePage), kHugePage);
     for (std::size_t at = begin; at < end; at += step) {
       const std::size_t stop = std::min(end, at + step);
       touch(data, at, stop);
-      done.fetch_add(stop - at, std::memory_order_relaxed);
+      const std::size_t total = done.fetch_add(stop - at, std::memory_order_relaxed) + (stop - at);
+      if (print) {
+        std::fprintf(stderr, "[hicache] pre-faulting %s on %d threads: %zu%% of %.1f GiB\n",
+                     options.label.c_str(), threads, total * 100 / bytes,
+                     static_cast<double>(bytes) / (1 << 30));
+      }
     }
   };
   std::vector<std::thread> helpers;
   for (int t = 1; t < threads && static_cast<std::size_t>(t) * slice < bytes; ++t) {
     const std::size_t begin = static_cast<std::size_t>(t) * slice;
-    helpers.emplace_back(run, begin, std::min(bytes, begin + slice));
+    helpers.emplace_back(run, begin, std::min(bytes, begin + slice), false);
   }
-  if (!report) {
-    run(0, std::min(bytes, slice));
-  } else {
-    // The caller touches its slice in tenths and reports the total after each.
-    const std::size_t end = std::min(bytes, slice);
-    const std::size_t step = std::max(round_up(end / 10, kHugePage), kHugePage);
-    for (std::size_t at = 0; at < end; at += step) {
-      const std::size_t stop = std::min(end, at + step);
-      touch(data, at, stop);
-      const std::size_t total = done.fetch_add(stop - at) + (stop - at);
-      std::fprintf(stderr, "[hicache] pre-faulting %s on %d threads: %zu%% of %.1f GiB\n",
-                   options.label.c_str(), threads, total * 100 / bytes,
-                   static_cast<double>(bytes) / (1 << 30));
-    }
-  }
+  run(0, std::min(bytes, slice), report);
   for (std::thread& h : helpers) h.join();
 }
 
