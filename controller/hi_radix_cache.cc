@@ -97,6 +97,9 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   if ((storage == nullptr) != (keys == nullptr)) {
     throw InvalidArgument("radix cache: storage and its key namespace go together");
   }
+  if (!config_.host_tier && storage != nullptr) {
+    throw InvalidArgument("radix cache: host_tier false (device only) with a storage tier");
+  }
   if (keys != nullptr) {
     keyer_ = std::make_unique<PageKeyer>(*keys);
     if (keyer_->page_size() != page_size_) {
@@ -240,6 +243,20 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   return r;
 }
 
+std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> tokens) const {
+  const Node* node = root_.get();
+  std::size_t pos = 0;
+  while (pos + page_size_ <= tokens.size()) {
+    const Node* child = child_of(const_cast<Node*>(node), tokens.subspan(pos, page_size_));
+    if (child == nullptr) break;
+    const std::size_t common = common_tokens(child, tokens.subspan(pos));
+    pos += common;
+    if (common < child->key.size()) break;
+    node = child;
+  }
+  return static_cast<std::int64_t>(pos);
+}
+
 std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
                                   std::span<const std::int64_t> device_slots) {
   if (tokens.size() % page_size_ != 0) {
@@ -288,6 +305,7 @@ void HiRadixCache::unlock(Node* node) {
 }
 
 void HiRadixCache::write_node(Node* node) {
+  if (!config_.host_tier) return;  // device only: the node stays device-only
   auto host = controller_.write(node->device, 0, node->id);
   if (!host) return;  // host full or queue full: the node stays device-only
   node->host = std::move(*host);

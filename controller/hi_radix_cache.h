@@ -58,6 +58,10 @@ EvictionPolicy parse_eviction_policy(std::string_view name);
 std::string_view to_string(EvictionPolicy policy);
 
 struct RadixCacheConfig {
+  // false: a device-only prefix cache (no hierarchy; the baseline hicache-bench --compare
+  // measures against): nothing is written to the host, evicted pages are gone. Storage must be
+  // absent then.
+  bool host_tier = true;
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
   std::int32_t write_through_threshold = 2;  // hits before a selective write
   std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
@@ -122,6 +126,10 @@ class HiRadixCache {
   // Longest cached prefix of the whole pages of `tokens`; splits nodes at page boundaries and
   // updates access times and hit counts on the way.
   MatchResult match_prefix(std::span<const std::int32_t> tokens);
+
+  // How many leading tokens of `tokens` (whole pages) the tree holds on the device or the host,
+  // without match_prefix's side effects (no split, no access time, no hit). For accounting.
+  std::int64_t cached_prefix_tokens(std::span<const std::int32_t> tokens) const;
 
   // Adds tokens (whole pages) whose KV is in `device_slots` (one slot per token). Returns the
   // number of leading tokens already in the tree (on the device or the host); their slots stay

@@ -1,5 +1,6 @@
 #include "controller/simulated_engine.h"
 
+#include <algorithm>
 #include <string_view>
 #include <thread>
 
@@ -24,6 +25,14 @@ SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& control
   if (config_.max_batch < 1) {
     throw InvalidArgument(str_cat("simulated engine: max_batch ", config_.max_batch, " < 1"));
   }
+  if (config_.max_running < config_.max_batch) {
+    throw InvalidArgument(str_cat("simulated engine: max_running ", config_.max_running,
+                                  " < max_batch ", config_.max_batch));
+  }
+  if (!(config_.decode_step_seconds >= 0)) {
+    throw InvalidArgument(str_cat("simulated engine: decode_step_seconds ",
+                                  config_.decode_step_seconds, " < 0"));
+  }
   if (config_.max_prefetches < 1) {
     throw InvalidArgument(str_cat("simulated engine: max_prefetches ", config_.max_prefetches,
                                   " < 1"));
@@ -39,16 +48,28 @@ SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& control
 }
 
 void SimulatedEngine::submit(SimulatedRequest request) {
+  if (request.output_tokens < 0 ||
+      static_cast<std::size_t>(request.output_tokens) >= request.tokens.size()) {
+    throw InvalidArgument(str_cat("simulated engine: request '", request.id, "' has ",
+                                  request.output_tokens, " output tokens of ",
+                                  request.tokens.size(), ": the prompt must not be empty"));
+  }
   if (request.tokens.size() < static_cast<std::size_t>(page_size_)) {
     throw InvalidArgument(str_cat("simulated engine: request '", request.id, "' has ",
                                   request.tokens.size(), " tokens, less than one page"));
   }
-  request.tokens.resize(request.tokens.size() / page_size_ * page_size_);  // whole pages
+  if (request.arrival == std::chrono::steady_clock::time_point{}) {
+    request.arrival = std::chrono::steady_clock::now();
+  }
   waiting_.push_back(Waiting{std::move(request)});
 }
 
-bool SimulatedEngine::admit(SimulatedRequest& request, std::vector<Running>& batch) {
-  auto m = cache_.match_prefix(request.tokens);
+bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
+  SimulatedRequest& request = w.request;
+  const std::size_t prompt = request.tokens.size() - static_cast<std::size_t>(request.output_tokens);
+  // Whole pages of prompt and answer go into the tree at the end; slots are taken for them now.
+  const std::size_t cacheable = request.tokens.size() / page_size_ * page_size_;
+  auto m = cache_.match_prefix(std::span(request.tokens).first(prompt));
   Running r;
   r.held = m.last_host_node;
   cache_.lock(r.held);
@@ -64,7 +85,7 @@ bool SimulatedEngine::admit(SimulatedRequest& request, std::vector<Running>& bat
       cache_.lock(r.held);
     }
   }
-  const auto missing = static_cast<std::int64_t>(request.tokens.size() - r.slots.size());
+  const auto missing = static_cast<std::int64_t>(cacheable - r.slots.size());
   if (missing > 0) {
     auto fresh = device_pool_.allocator().alloc(missing);
     if (!fresh) {
@@ -80,11 +101,24 @@ bool SimulatedEngine::admit(SimulatedRequest& request, std::vector<Running>& bat
     }
     r.slots.insert(r.slots.end(), fresh->begin(), fresh->end());
   }
-  r.cached_tokens = request.tokens.size() - static_cast<std::size_t>(missing);
-  stats_.device_hit_tokens += static_cast<std::int64_t>(r.cached_tokens) - loaded;
+  r.cached_tokens = r.slots.size() - static_cast<std::size_t>(missing);
+  r.prompt_tokens = prompt;
+  const auto device_hit = static_cast<std::int64_t>(r.cached_tokens) - loaded;
+  const std::int64_t from_storage = std::min(loaded, w.storage_tokens);
+  const auto computed = static_cast<std::int64_t>(prompt - r.cached_tokens);
+  stats_.device_hit_tokens += device_hit;
   stats_.loaded_back_tokens += loaded;
-  stats_.computed_tokens += missing;
-  stats_.prompt_tokens += static_cast<std::int64_t>(request.tokens.size());
+  stats_.storage_hit_tokens += from_storage;
+  stats_.computed_tokens += computed;
+  stats_.prompt_tokens += static_cast<std::int64_t>(prompt);
+  stats_.output_tokens += request.output_tokens;
+  r.report = FinishedRequest{.id = request.id,
+                             .prompt_tokens = static_cast<std::int64_t>(prompt),
+                             .output_tokens = request.output_tokens,
+                             .device_hit_tokens = device_hit,
+                             .host_hit_tokens = loaded - from_storage,
+                             .storage_hit_tokens = from_storage,
+                             .computed_tokens = computed};
   r.request = std::move(request);
   batch.push_back(std::move(r));
   return true;
@@ -112,8 +146,15 @@ bool SimulatedEngine::step() {
   cache_.check_events();
   // Prefetches that are over rejoin the queue's front.
   for (std::size_t i = 0; i < prefetching_.size();) {
-    if (cache_.check_prefetch_progress(prefetching_[i].request.id)) {
-      waiting_.push_front(std::move(prefetching_[i]));
+    Waiting& w = prefetching_[i];
+    if (cache_.check_prefetch_progress(w.request.id)) {
+      // What the prefetch added (another request may have added part of it meanwhile: it is
+      // counted here too).
+      const std::size_t prompt = w.request.tokens.size() - static_cast<std::size_t>(w.request.output_tokens);
+      w.storage_tokens = std::max<std::int64_t>(
+          0, cache_.cached_prefix_tokens(std::span(w.request.tokens).first(prompt)) -
+                 w.known_before_prefetch);
+      waiting_.push_front(std::move(w));
       prefetching_.erase(prefetching_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
       ++i;
@@ -126,21 +167,24 @@ bool SimulatedEngine::step() {
   }
   std::vector<Running> batch;
   std::deque<Waiting> deferred;
-  while (!waiting_.empty() && static_cast<int>(batch.size()) < config_.max_batch) {
+  while (!waiting_.empty() && static_cast<int>(batch.size()) < config_.max_batch &&
+         static_cast<int>(batch.size() + decoding_.size()) < config_.max_running) {
     Waiting w = std::move(waiting_.front());
     waiting_.pop_front();
     if (config_.use_storage && !w.asked_storage) {
       // First admission: ask L3 for what follows the tree (one prefetch per request).
-      auto m = cache_.match_prefix(w.request.tokens);
+      const std::size_t prompt = w.request.tokens.size() - static_cast<std::size_t>(w.request.output_tokens);
+      auto m = cache_.match_prefix(std::span(w.request.tokens).first(prompt));
       const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
-      if (known < w.request.tokens.size()) {
+      if (known < prompt) {
         if (static_cast<int>(prefetching_.size()) >= config_.max_prefetches) {
           deferred.push_back(std::move(w));  // waits for a prefetch slot
           continue;
         }
         w.asked_storage = true;
+        w.known_before_prefetch = static_cast<std::int64_t>(known);
         if (cache_.prefetch_from_storage(w.request.id, m.last_host_node,
-                                         std::span(w.request.tokens).subspan(known))) {
+                                         std::span(w.request.tokens).first(prompt).subspan(known))) {
           ++stats_.prefetches;
           prefetching_.push_back(std::move(w));
           continue;
@@ -148,10 +192,10 @@ bool SimulatedEngine::step() {
       }
       w.asked_storage = true;
     }
-    if (!admit(w.request, batch)) deferred.push_back(std::move(w));
+    if (!admit(w, batch)) deferred.push_back(std::move(w));
   }
   for (auto it = deferred.rbegin(); it != deferred.rend(); ++it) waiting_.push_front(std::move(*it));
-  if (batch.empty()) {
+  if (batch.empty() && decoding_.empty()) {
     // Loads queued by an admission that was then deferred for memory run only once handed to
     // the load thread; nobody reads them in this step, so the consumer's side is released now.
     if (const std::int32_t slot = controller_.start_loading(); slot >= 0) {
@@ -172,44 +216,104 @@ bool SimulatedEngine::step() {
     return true;
   }
 
-  // The forward pass, layer by layer, overlapping the loads.
+  // The prefill forward pass, layer by layer, overlapping the loads (with no prefill, only the
+  // loads of deferred admissions are released).
   const std::int32_t slot = controller_.start_loading();
-  std::int64_t computed = 0;
-  for (const Running& r : batch) computed += static_cast<std::int64_t>(r.request.tokens.size() - r.cached_tokens);
-  const auto per_layer = std::chrono::duration<double>(config_.cost_per_token_layer *
-                                                       static_cast<double>(computed));
-  for (std::int32_t layer = 0; layer < device_pool_.geometry().num_layers; ++layer) {
-    device_pool_.wait_for_layer(layer);
-    if (per_layer.count() > 0) {
-      std::this_thread::sleep_for(per_layer);  // the GPU computing layer `layer`
-      stats_.compute_seconds += per_layer.count();
-    }
-  }
-  if (slot >= 0) controller_.layer_done_counter().release(slot);
-
-  for (Running& r : batch) {
-    verify(r);
-    const std::size_t pages = r.request.tokens.size() / page_size_;
-    if (verifiable_) {
-      for (std::size_t p = r.cached_tokens / page_size_; p < pages; ++p) {
-        fill_page(device_pool_.layout(), r.slots[p * page_size_] / page_size_,
-                  page_data_seed(r.request.tokens, p, page_size_));
+  if (batch.empty()) {
+    if (slot >= 0) controller_.layer_done_counter().release(slot);
+  } else {
+    std::int64_t computed = 0;
+    for (const Running& r : batch) computed += static_cast<std::int64_t>(r.prompt_tokens - r.cached_tokens);
+    const auto per_layer = std::chrono::duration<double>(config_.cost_per_token_layer *
+                                                         static_cast<double>(computed));
+    for (std::int32_t layer = 0; layer < device_pool_.geometry().num_layers; ++layer) {
+      device_pool_.wait_for_layer(layer);
+      if (per_layer.count() > 0) {
+        std::this_thread::sleep_for(per_layer);  // the GPU computing layer `layer`
+        stats_.compute_seconds += per_layer.count();
       }
     }
-    const std::int64_t dup = cache_.insert(r.request.tokens, r.slots);
-    const auto ours = static_cast<std::int64_t>(r.cached_tokens);
-    if (dup > ours) device_pool_.allocator().free(std::span(r.slots).subspan(ours, dup - ours));
-    cache_.unlock(r.held);
-    ++stats_.finished;
+    if (slot >= 0) controller_.layer_done_counter().release(slot);
+    const auto now = std::chrono::steady_clock::now();
+    for (Running& r : batch) {
+      verify(r);
+      r.report.ttft_s = std::chrono::duration<double>(now - r.request.arrival).count();
+      r.first_token = now;
+      r.left = std::max(0, r.request.output_tokens - 1);  // prefill produced the first
+      if (r.left == 0) {
+        finish(r);
+      } else {
+        decoding_.push_back(std::move(r));
+      }
+    }
   }
+  // Then one decode step for every decoding request (those just prefilled included).
+  if (!decoding_.empty()) decode_step();
   ++stats_.steps;
   stats_.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return true;
 }
 
+void SimulatedEngine::decode_step() {
+  if (config_.decode_step_seconds > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(config_.decode_step_seconds));
+    stats_.compute_seconds += config_.decode_step_seconds;
+  }
+  ++stats_.decode_steps;
+  for (std::size_t i = 0; i < decoding_.size();) {
+    if (--decoding_[i].left > 0) {
+      ++i;
+      continue;
+    }
+    finish(decoding_[i]);
+    decoding_.erase(decoding_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
+void SimulatedEngine::finish(Running& r) {
+  const auto now = std::chrono::steady_clock::now();
+  const std::size_t cacheable = r.slots.size();
+  if (verifiable_) {
+    for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
+      fill_page(device_pool_.layout(), r.slots[p * page_size_] / page_size_,
+                page_data_seed(r.request.tokens, p, page_size_));
+    }
+  }
+  const std::int64_t dup = cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots);
+  const auto ours = static_cast<std::int64_t>(r.cached_tokens);
+  if (dup > ours) device_pool_.allocator().free(std::span(r.slots).subspan(ours, dup - ours));
+  cache_.unlock(r.held);
+  ++stats_.finished;
+  if (config_.record_finished) {
+    r.report.e2e_s = std::chrono::duration<double>(now - r.request.arrival).count();
+    if (r.request.output_tokens > 1) {
+      r.report.itl_s = std::chrono::duration<double>(now - r.first_token).count() /
+                       (r.request.output_tokens - 1);
+    }
+    finished_.push_back(std::move(r.report));
+  }
+}
+
 void SimulatedEngine::run_until_idle(std::int64_t max_steps) {
   for (std::int64_t i = 0; i < max_steps && step(); ++i) {
   }
+}
+
+void SimulatedEngine::flush(std::int64_t max_steps) {
+  for (std::int64_t i = 0; i < max_steps; ++i) {
+    const bool busy = step();
+    const auto s = cache_.stats();
+    if (!busy && s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0) {
+      return;
+    }
+    if (!busy) std::this_thread::yield();  // acks in flight: the threads are working
+  }
+}
+
+std::vector<FinishedRequest> SimulatedEngine::drain_finished() {
+  std::vector<FinishedRequest> out;
+  out.swap(finished_);
+  return out;
 }
 
 }  // namespace hicache

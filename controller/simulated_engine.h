@@ -11,12 +11,21 @@
 //      (DeviceKVPool::wait_for_layer) and "compute" it for cost_per_token_layer seconds per
 //      computed token, so loads overlap with compute;
 //   5. verify, byte for byte, every page the batch read from the cache (device prefix, loaded
-//      back, prefetched) against the data its token prefix derives, write the new pages' data,
-//      insert, free the duplicate slots, unlock, finish.
+//      back, prefetched) against the data its token prefix derives;
+//   6. one decode step for the requests decoding; a request whose answer is complete writes
+//      its new pages' data, is inserted, frees the duplicate slots, unlocks, finishes.
 //
-// Requests are prefill-only (a prompt, no decode). Page data derives from the whole token prefix
-// of the page (as a model's KV does), so any tier can be checked. Verification needs device
-// memory the CPU can read (the host backend); on CUDA pages are counted as unverified.
+// Decode: a request's last `output_tokens` tokens are its answer. Prefill computes the prompt
+// (and produces the first output token); the request then decodes one token per step, each
+// decode step costing `decode_step_seconds` for the whole decoding batch, and holds its device
+// slots (prompt and answer) until it finishes, when its whole pages go into the tree, so that
+// the next round of a conversation finds its answer cached too (as SGLang inserts finished
+// requests). Requests report TTFT (arrival to the end of the prefill), end-to-end latency and
+// the mean inter-token latency through drain_finished().
+//
+// Page data derives from the whole token prefix of the page (as a model's KV does), so any tier
+// can be checked. Verification needs device memory the CPU can read (the host backend); on CUDA
+// pages are counted as unverified.
 #pragma once
 
 #include <chrono>
@@ -32,11 +41,28 @@ namespace hicache {
 
 struct SimulatedRequest {
   std::string id;
-  std::vector<std::int32_t> tokens;
+  std::vector<std::int32_t> tokens;  // prompt, then the answer's output_tokens
+  std::int32_t output_tokens = 0;    // 0: prefill only
+  // When the request arrived (TTFT counts from here); default: when submitted.
+  std::chrono::steady_clock::time_point arrival{};
+};
+
+// What a finished request reports. Tokens of the prompt by where they came from: the device
+// prefix, host pages loaded back (of which `storage_hit_tokens` came from L3 by this request's
+// prefetch), and computed.
+struct FinishedRequest {
+  std::string id;
+  std::int64_t prompt_tokens = 0, output_tokens = 0;
+  std::int64_t device_hit_tokens = 0, host_hit_tokens = 0, storage_hit_tokens = 0;
+  std::int64_t computed_tokens = 0;
+  double ttft_s = 0, e2e_s = 0;
+  double itl_s = 0;  // mean time between output tokens (0 with fewer than 2)
 };
 
 struct SimulatedEngineConfig {
-  int max_batch = 8;                   // requests per forward pass
+  int max_batch = 8;                   // requests admitted per prefill forward pass
+  int max_running = 64;                // requests prefilling or decoding at once
+  double decode_step_seconds = 0.0;    // simulated cost of one decode forward pass
   double cost_per_token_layer = 0.0;   // simulated compute, seconds per token per layer
   bool use_storage = true;             // prefetch from L3 when the cache has one
   int max_prefetches = 2;              // prefetches in flight; later requests wait their turn
@@ -44,20 +70,25 @@ struct SimulatedEngineConfig {
   // Before admitting, evict host pages (LRU) until this fraction of the host pool is free, so
   // writes keep finding room (pages then live on in L3 when it is on).
   double host_free_target = 0.1;
+  // Keep per-request records for drain_finished() (off: only the totals in stats()).
+  bool record_finished = true;
 };
 
 struct SimulatedEngineStats {
   std::int64_t steps = 0, finished = 0;
   std::int64_t prompt_tokens = 0;
+  std::int64_t output_tokens = 0;
   std::int64_t device_hit_tokens = 0;   // served from the device prefix
   std::int64_t loaded_back_tokens = 0;  // host -> device for the request
+  std::int64_t storage_hit_tokens = 0;  // of those, prefetched from L3 for the request
   std::int64_t computed_tokens = 0;
   std::int64_t prefetches = 0;
   std::int64_t verified_pages = 0, mismatched_pages = 0, unverified_pages = 0;
   std::int64_t deferred = 0;  // admissions put back for lack of device memory
   std::int64_t rejected = 0;  // requests larger than the device pool can ever hold
   double step_seconds = 0;    // wall time inside step(), compute included
-  double compute_seconds = 0; // simulated compute
+  double compute_seconds = 0; // simulated compute (prefill and decode)
+  std::int64_t decode_steps = 0;
 };
 
 // The 64-bit seed of page `page` of `tokens`: a hash of the whole prefix up to its end.
@@ -77,23 +108,38 @@ class SimulatedEngine {
   // Steps until every submitted request finished (or `max_steps`).
   void run_until_idle(std::int64_t max_steps = 1 << 30);
   std::size_t waiting() const { return waiting_.size() + prefetching_.size(); }
+  std::size_t decoding() const { return decoding_.size(); }
+  // Steps (without admitting anything new beyond what is queued) until no write, load or
+  // backup is in flight, so that what the tree holds is on the host and in L3: an instance
+  // hands a conversation over to another through L3 after this. Returns at `max_steps`.
+  void flush(std::int64_t max_steps = 1 << 30);
+  // The requests finished since the last call (config.record_finished).
+  std::vector<FinishedRequest> drain_finished();
   const SimulatedEngineStats& stats() const { return stats_; }
   // The first verification failure ("request R page P"), or empty.
   const std::string& first_mismatch() const { return first_mismatch_; }
 
  private:
+  struct Waiting {
+    SimulatedRequest request;
+    bool asked_storage = false;  // L3 is asked once per request
+    std::int64_t known_before_prefetch = 0;
+    std::int64_t storage_tokens = 0;  // what its prefetch added to the tree
+  };
   struct Running {
     SimulatedRequest request;
     HiRadixCache::Node* held = nullptr;
     std::vector<std::int64_t> slots;     // cached prefix, then the computed pages
     std::size_t cached_tokens = 0;       // read from the cache (to verify)
+    std::size_t prompt_tokens = 0;
+    std::int32_t left = 0;               // output tokens still to decode
+    std::chrono::steady_clock::time_point first_token{};
+    FinishedRequest report;
   };
-  struct Waiting {
-    SimulatedRequest request;
-    bool asked_storage = false;  // L3 is asked once per request
-  };
-  bool admit(SimulatedRequest& request, std::vector<Running>& batch);
+  bool admit(Waiting& w, std::vector<Running>& batch);
   void verify(const Running& r);
+  void finish(Running& r);
+  void decode_step();
 
   HiRadixCache& cache_;
   HiCacheController& controller_;
@@ -104,6 +150,8 @@ class SimulatedEngine {
   std::int32_t page_size_;
   std::deque<Waiting> waiting_;
   std::vector<Waiting> prefetching_;
+  std::vector<Running> decoding_;
+  std::vector<FinishedRequest> finished_;
   SimulatedEngineStats stats_;
   std::string first_mismatch_;
 };

@@ -198,6 +198,7 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
       std::span<const std::string>(op.keys).subspan(begin, n), spans);
   std::int64_t ok = 0;
   while (ok < static_cast<std::int64_t>(n) && results[ok].is_ok()) ++ok;
+  written_bytes_ += ok * static_cast<std::int64_t>(page_bytes);
   if (ok < static_cast<std::int64_t>(n)) {
     error = str_cat("page ", begin + ok, " (key '", op.keys[begin + ok], "'): ",
                     to_string(results[ok].status), " ", results[ok].reason);

@@ -205,6 +205,8 @@ class StorageController {
   // brought them (the L3 -> host bandwidth the radix cache weighs against recomputing).
   std::int64_t read_bytes() const { return read_bytes_.load(); }
   double read_seconds() const { return static_cast<double>(read_ns_.load()) * 1e-9; }
+  // Backup payload bytes the store accepted so far.
+  std::int64_t written_bytes() const { return written_bytes_.load(); }
 
   // Stops the threads promptly: queued backups are acked with zero completed tokens, queued
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
@@ -258,7 +260,7 @@ class StorageController {
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;
   std::atomic<std::int64_t> next_id_{1};
   std::atomic<std::int64_t> failed_ops_{0};
-  std::atomic<std::int64_t> read_bytes_{0}, read_ns_{0};
+  std::atomic<std::int64_t> read_bytes_{0}, read_ns_{0}, written_bytes_{0};
   std::vector<std::byte> staging_;  // backup thread only
   std::thread backup_thread_;
 };

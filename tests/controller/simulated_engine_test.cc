@@ -37,7 +37,7 @@ struct Stack {
   HiRadixCache cache;
   SimulatedEngine engine;
   Stack(const fs::path& root, std::int64_t device_pages, std::int64_t host_pages,
-        SimulatedEngineConfig config = {})
+        SimulatedEngineConfig config = {}, RadixCacheConfig radix = {})
       : device_pool(device, geometry(), device_pages * kPage),
         host_pool(device, geometry(), HostLayout::kLayerFirst, host_pages * kPage),
         controller(device, device_pool, host_pool,
@@ -45,7 +45,8 @@ struct Stack {
         file(FileStorageConfig{.root = root.string()}),
         storage(host_pool, file, ns, local, local, local,
                 {.policy = PrefetchPolicy::kWaitComplete}),
-        cache(controller, device_pool, host_pool, {}, &storage, &ns),
+        cache(controller, device_pool, host_pool, radix, radix.host_tier ? &storage : nullptr,
+              radix.host_tier ? &ns : nullptr),
         engine(cache, controller, device_pool, host_pool, device, config) {}
 };
 
@@ -168,6 +169,114 @@ TEST(SimulatedEngine, BadInputIsNamedAndOversizedRequestsAreRejected) {
   s.engine.run_until_idle();  // steps while acks are in flight: no step count to rely on
   EXPECT_EQ(s.engine.stats().rejected, 1);
   EXPECT_EQ(s.engine.stats().finished, 1);
+}
+
+// A conversation: round 1 is a prompt and an answer decoded token by token; round 2's prompt is
+// round 1's prompt, its answer and a new question. The answer's pages are cached at the end of
+// round 1, so round 2 computes only the question.
+TEST(SimulatedEngine, DecodedAnswersAreCachedForTheNextRound) {
+  const TempRoot root("decode");
+  Stack s(root, 64, 128, {.decode_step_seconds = 1e-4, .use_storage = false});
+  std::vector<std::int32_t> round1;
+  for (int t = 0; t < 10 * kPage; ++t) round1.push_back(100 + t);  // 8 pages prompt, 2 answer
+  s.engine.submit({"c0-r1", round1, 2 * kPage});
+  s.engine.run_until_idle();
+  auto done = s.engine.drain_finished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].id, "c0-r1");
+  EXPECT_EQ(done[0].prompt_tokens, 8 * kPage);
+  EXPECT_EQ(done[0].output_tokens, 2 * kPage);
+  EXPECT_EQ(done[0].computed_tokens, 8 * kPage);
+  EXPECT_EQ(s.engine.stats().decode_steps, 2 * kPage - 1) << "prefill makes the first token";
+  // Sleeps give lower bounds only: e2e covers 7 decode steps of >= 100 us after the TTFT.
+  EXPECT_GE(done[0].e2e_s - done[0].ttft_s, (2 * kPage - 1) * 1e-4);
+  EXPECT_GE(done[0].itl_s, 1e-4);
+  EXPECT_GT(done[0].ttft_s, 0);
+
+  auto round2 = round1;
+  for (int t = 0; t < 2 * kPage; ++t) round2.push_back(5000 + t);
+  s.engine.submit({"c0-r2", round2, 1});
+  s.engine.run_until_idle();
+  done = s.engine.drain_finished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].prompt_tokens, 12 * kPage - 1);
+  EXPECT_EQ(done[0].device_hit_tokens, 10 * kPage) << "the answer of round 1 was not cached";
+  EXPECT_EQ(done[0].computed_tokens, 2 * kPage - 1);
+  EXPECT_EQ(done[0].itl_s, 0);
+  EXPECT_EQ(s.engine.stats().mismatched_pages, 0) << s.engine.first_mismatch();
+  EXPECT_EQ(s.engine.stats().verified_pages, 10);
+  EXPECT_TRUE(s.engine.drain_finished().empty());
+  EXPECT_THROW(s.engine.submit({"all-answer", round1, static_cast<std::int32_t>(round1.size())}),
+               InvalidArgument);
+  EXPECT_THROW(SimulatedEngine(s.cache, s.controller, s.device_pool, s.host_pool, s.device,
+                               {.max_batch = 8, .max_running = 4}),
+               InvalidArgument);
+}
+
+// A second engine on the same L3 finds a conversation's pages there: its report counts them as
+// storage hits, and they are byte-for-byte what the first engine computed.
+TEST(SimulatedEngine, StorageHitsAreAttributedToTheRequestThatFetchedThem) {
+  const TempRoot root("attribution");
+  std::vector<std::int32_t> prompt;
+  for (int t = 0; t < 6 * kPage; ++t) prompt.push_back(7 + 3 * t);
+  {
+    Stack first(root, 64, 128);
+    first.engine.submit({"a", prompt, 1});
+    first.engine.flush();
+    EXPECT_EQ(first.cache.stats().backups_in_flight, 0);
+    EXPECT_GT(first.cache.stats().stored_tokens, 0);
+  }
+  Stack second(root, 64, 128);
+  auto again = prompt;
+  again.push_back(99);  // the prompt is the 6 pages; one token of answer
+  second.engine.submit({"b", again, 1});
+  second.engine.run_until_idle();
+  const auto done = second.engine.drain_finished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].storage_hit_tokens, 6 * kPage);
+  EXPECT_EQ(done[0].host_hit_tokens, 0);
+  EXPECT_EQ(done[0].device_hit_tokens, 0);
+  EXPECT_EQ(done[0].computed_tokens, 0);
+  EXPECT_EQ(second.engine.stats().verified_pages, 6);
+  EXPECT_EQ(second.engine.stats().mismatched_pages, 0) << second.engine.first_mismatch();
+}
+
+// The --compare baseline: no hierarchy. Nothing reaches the host, evicted pages are recomputed.
+TEST(SimulatedEngine, DeviceOnlyCacheWritesNothingToTheHost) {
+  const TempRoot root("device-only");
+  Stack s(root, 16, 8, {.use_storage = false}, {.host_tier = false});
+  for (auto& r : workload(40, 6, 5)) s.engine.submit(std::move(r));
+  s.engine.run_until_idle(2'000'000);
+  const auto& st = s.engine.stats();
+  EXPECT_EQ(st.finished, 40);
+  EXPECT_EQ(st.mismatched_pages, 0) << s.engine.first_mismatch();
+  EXPECT_GT(st.device_hit_tokens, 0);
+  EXPECT_EQ(st.loaded_back_tokens, 0);
+  EXPECT_GT(s.cache.stats().evicted_device_tokens, 0);
+  EXPECT_EQ(s.controller.stats().writes_done, 0u);
+  EXPECT_EQ(s.host_pool.free_tokens(), s.host_pool.capacity_tokens());
+  EXPECT_EQ(s.cache.check_invariants(), "");
+  // Its illegal twin: a device-only cache with a storage tier.
+  EXPECT_THROW(HiRadixCache(s.controller, s.device_pool, s.host_pool, {.host_tier = false},
+                            &s.storage, &s.ns),
+               InvalidArgument);
+}
+
+TEST(SimulatedEngine, CachedPrefixTokensLeavesTheTreeAsItWas) {
+  const TempRoot root("peek");
+  Stack s(root, 64, 128, {.use_storage = false});
+  std::vector<std::int32_t> tokens;
+  for (int t = 0; t < 6 * kPage; ++t) tokens.push_back(t);
+  s.engine.submit({"a", tokens, 1});
+  s.engine.run_until_idle();
+  const std::string before = s.cache.describe();
+  auto probe = std::vector<std::int32_t>(tokens.begin(), tokens.begin() + 3 * kPage);
+  probe.push_back(-1);  // ends inside the node, then a partial page
+  EXPECT_EQ(s.cache.cached_prefix_tokens(probe), 3 * kPage);
+  EXPECT_EQ(s.cache.cached_prefix_tokens(tokens), 6 * kPage);
+  probe[kPage] = -5;  // differs in page 2
+  EXPECT_EQ(s.cache.cached_prefix_tokens(probe), kPage);
+  EXPECT_EQ(s.cache.describe(), before) << "the probe split or touched a node";
 }
 
 }  // namespace
