@@ -331,14 +331,18 @@ bool HiRadixCache::moving_pays(std::int64_t tokens, double bytes_moved, double s
   return all_ranks(pays, tag);
 }
 
-bool HiRadixCache::all_ranks(bool local, const char* tag) {
+std::int64_t HiRadixCache::min_over_ranks(std::int64_t local, const char* tag) {
   if (tp_ == nullptr || !tp_->failure().empty()) return local;
-  std::int64_t v = local ? 1 : 0;
+  std::int64_t v = local;
   if (!tp_->min_allreduce(std::span(&v, 1), tag).ok) {
     ++counters_.tp_failures;
     return local;  // the collective is failed for good: each rank goes on alone
   }
-  return v == 1;
+  return v;
+}
+
+bool HiRadixCache::all_ranks(bool local, const char* tag) {
+  return min_over_ranks(local ? 1 : 0, tag) == 1;
 }
 
 bool HiRadixCache::load_back_pays(std::int64_t tokens) {
@@ -738,9 +742,17 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   }
   std::optional<PageDigest> prior;
   if (node != root_.get()) prior = node->digests.back();
+  lock(node);  // before making room: the prefix it continues must stay
+  // Room on the host for what it fetches, as SGLang makes it: without it a full host pool
+  // revokes every prefetch. The free count may differ between TP ranks (their prefetch threads
+  // reserve concurrently), so they evict by the smallest.
+  const std::int64_t free = min_over_ranks(host_pool_.free_tokens(), "radix.prefetch_room");
+  if (free < static_cast<std::int64_t>(usable)) evict_host(static_cast<std::int64_t>(usable) - free);
   auto op = storage_->prefetch(request_id, tokens.first(usable), prior);
-  if (!op) return false;
-  lock(node);
+  if (!op) {
+    unlock(node);
+    return false;
+  }
   pending_->prefetches[request_id] =
       Pending::Prefetch{std::move(op), node, std::vector<std::int32_t>(tokens.begin(),
                                                                         tokens.begin() + static_cast<std::ptrdiff_t>(usable))};

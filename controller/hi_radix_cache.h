@@ -170,7 +170,8 @@ class HiRadixCache {
   void check_events();
 
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
-  // right after it). `node` stays locked until the prefetch ends. False when there is no storage,
+  // right after it). When the host pool has less free than that, host-only pages are evicted
+  // first (LRU/LFU) to make room. `node` stays locked until the prefetch ends. False when there is no storage,
   // nothing to fetch, or the request id is in use.
   bool prefetch_from_storage(const std::string& request_id, Node* node,
                              std::span<const std::int32_t> tokens);
@@ -221,6 +222,8 @@ class HiRadixCache {
   // `local` when there is no TP collective (or it failed for good), else true only when it is
   // true on every rank (one min-reduction under `tag`).
   bool all_ranks(bool local, const char* tag);
+  // `local`, or its minimum over the TP ranks (one reduction under `tag`).
+  std::int64_t min_over_ranks(std::int64_t local, const char* tag);
   // True when moving `tokens` at the bandwidth bytes_moved / seconds (unmeasured: true) takes no
   // longer than recomputing them; records the inputs; agreed over TP under `tag`.
   bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,

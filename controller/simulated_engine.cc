@@ -1,6 +1,7 @@
 #include "controller/simulated_engine.h"
 
 #include <algorithm>
+#include <optional>
 #include <string_view>
 #include <thread>
 
@@ -73,35 +74,48 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   Running r;
   r.held = m.last_host_node;
   cache_.lock(r.held);
+  // Device slots for what is computed first (evicting while the prefix is locked), and only
+  // then the load back: a request deferred for memory has loaded nothing (its loads would be
+  // evicted again by the admissions that ran instead, and loaded again next time).
+  auto alloc = [&](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
+    if (tokens == 0) return std::vector<std::int64_t>{};
+    auto got = device_pool_.allocator().alloc(tokens);
+    if (!got) {
+      cache_.evict_device(tokens);
+      got = device_pool_.allocator().alloc(tokens);
+    }
+    return got;
+  };
+  const auto host_part = m.host_hit_tokens;
+  const auto missing = static_cast<std::int64_t>(cacheable - m.device_slots.size()) - host_part;
+  auto fresh = alloc(missing);
+  if (!fresh) {
+    cache_.unlock(r.held);
+    ++stats_.deferred;
+    return false;
+  }
   r.slots = m.device_slots;
   std::int64_t loaded = 0;
-  if (m.host_hit_tokens > 0) {
+  if (host_part > 0) {
     if (auto back = cache_.load_back(r.held)) {
       loaded = static_cast<std::int64_t>(back->size() - r.slots.size());
       r.slots = std::move(*back);
-    } else {  // refused: recompute the host part
+    } else {  // refused (cost, or device short): recompute the host part
+      auto extra = alloc(host_part);
+      if (!extra) {
+        device_pool_.allocator().free(*fresh);
+        cache_.unlock(r.held);
+        ++stats_.deferred;
+        return false;
+      }
       cache_.unlock(r.held);
       r.held = m.last_device_node;
       cache_.lock(r.held);
+      r.slots.insert(r.slots.end(), extra->begin(), extra->end());
     }
   }
-  const auto missing = static_cast<std::int64_t>(cacheable - r.slots.size());
-  if (missing > 0) {
-    auto fresh = device_pool_.allocator().alloc(missing);
-    if (!fresh) {
-      cache_.evict_device(missing);
-      fresh = device_pool_.allocator().alloc(missing);
-    }
-    if (!fresh) {
-      // Loads already queued for it complete anyway (their nodes stay in the tree); the request
-      // waits for memory.
-      cache_.unlock(r.held);
-      ++stats_.deferred;
-      return false;
-    }
-    r.slots.insert(r.slots.end(), fresh->begin(), fresh->end());
-  }
-  r.cached_tokens = r.slots.size() - static_cast<std::size_t>(missing);
+  r.slots.insert(r.slots.end(), fresh->begin(), fresh->end());
+  r.cached_tokens = m.device_slots.size() + static_cast<std::size_t>(loaded);
   r.prompt_tokens = prompt;
   const auto device_hit = static_cast<std::int64_t>(r.cached_tokens) - loaded;
   const std::int64_t from_storage = std::min(loaded, w.storage_tokens);
@@ -171,26 +185,28 @@ bool SimulatedEngine::step() {
          static_cast<int>(batch.size() + decoding_.size()) < config_.max_running) {
     Waiting w = std::move(waiting_.front());
     waiting_.pop_front();
-    if (config_.use_storage && !w.asked_storage) {
-      // First admission: ask L3 for what follows the tree (one prefetch per request).
+    if (config_.use_storage && w.storage_asks < kMaxStorageAsks) {
+      // Ask L3 for what follows the tree: at the first admission, and again when the tree lost
+      // part of the prefix since the last ask (host eviction while the request waited for
+      // device memory), at most kMaxStorageAsks times per request.
       const std::size_t prompt = w.request.tokens.size() - static_cast<std::size_t>(w.request.output_tokens);
-      auto m = cache_.match_prefix(std::span(w.request.tokens).first(prompt));
-      const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
-      if (known < prompt) {
+      const auto span = std::span(w.request.tokens).first(prompt);
+      const std::int64_t known = cache_.cached_prefix_tokens(span);
+      if (known < static_cast<std::int64_t>(prompt) && (w.storage_asks == 0 || known < w.known_before_prefetch)) {
         if (static_cast<int>(prefetching_.size()) >= config_.max_prefetches) {
           deferred.push_back(std::move(w));  // waits for a prefetch slot
           continue;
         }
-        w.asked_storage = true;
-        w.known_before_prefetch = static_cast<std::int64_t>(known);
+        ++w.storage_asks;
+        w.known_before_prefetch = known;
+        auto m = cache_.match_prefix(span);
         if (cache_.prefetch_from_storage(w.request.id, m.last_host_node,
-                                         std::span(w.request.tokens).first(prompt).subspan(known))) {
+                                         span.subspan(static_cast<std::size_t>(known)))) {
           ++stats_.prefetches;
           prefetching_.push_back(std::move(w));
           continue;
         }
       }
-      w.asked_storage = true;
     }
     if (!admit(w, batch)) deferred.push_back(std::move(w));
   }

@@ -4,7 +4,8 @@
 //   1. check_events() on the cache (acks, finished prefetches);
 //   2. admit waiting requests into the batch (up to max_batch): match the prefix; when L3 is on
 //      and the request continues past the tree, start a prefetch and let the request wait for
-//      it (other requests run meanwhile); once it is over, match again;
+//      it (other requests run meanwhile); once it is over, match again (and ask L3 again when
+//      the tree lost part of the prefix while the request waited for memory);
 //   3. for each admitted request: lock its prefix, load back the host part (when the cache
 //      accepts), allocate device slots for the tokens to compute (evicting when short);
 //   4. start_loading(), then the forward pass layer by layer: wait for layer l's loads
@@ -122,8 +123,8 @@ class SimulatedEngine {
  private:
   struct Waiting {
     SimulatedRequest request;
-    bool asked_storage = false;  // L3 is asked once per request
-    std::int64_t known_before_prefetch = 0;
+    int storage_asks = 0;
+    std::int64_t known_before_prefetch = 0;  // tree prefix at the last ask
     std::int64_t storage_tokens = 0;  // what its prefetch added to the tree
   };
   struct Running {
@@ -136,6 +137,7 @@ class SimulatedEngine {
     std::chrono::steady_clock::time_point first_token{};
     FinishedRequest report;
   };
+  static constexpr int kMaxStorageAsks = 3;
   bool admit(Waiting& w, std::vector<Running>& batch);
   void verify(const Running& r);
   void finish(Running& r);

@@ -32,8 +32,8 @@ namespace fs = std::filesystem;
 FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) {
   constexpr std::string_view what = "file storage config";
   const auto j = json_fields::parse_object(json_text, what);
-  json_fields::reject_unknown(j, {"backend", "root", "capacity_bytes", "durability", "io_threads"},
-                              what);
+  json_fields::reject_unknown(
+      j, {"backend", "root", "capacity_bytes", "durability", "io_threads", "shared"}, what);
   FileStorageConfig c;
   c.root = json_fields::get<std::string>(j, "root", "", what);
   if (c.root.empty()) throw InvalidArgument(str_cat(what, ": 'root' (a directory) is required"));
@@ -49,6 +49,7 @@ FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) 
                                   "' (valid: none, group_commit)"));
   }
   c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 4, 0, 256, what));
+  c.shared = json_fields::get<bool>(j, "shared", false, what);
   return c;
 }
 
@@ -146,8 +147,18 @@ class FileStorage::Impl {
   std::size_t exists(std::span<const std::string> keys) {
     std::lock_guard lock(mu_);
     std::size_t n = 0;
-    while (n < keys.size() && index_.count(keys[n]) != 0) ++n;
+    while (n < keys.size() && (index_.count(keys[n]) != 0 || adopt_locked(keys[n]))) ++n;
     return n;
+  }
+
+  // Shared mode: a record another process wrote since the index was built is indexed when
+  // first asked for (one fstatat). Not counted against capacity_bytes eviction here.
+  bool adopt_locked(const std::string& key) {
+    if (!config_.shared) return false;
+    struct stat st {};
+    if (::fstatat(root_fd_, key.c_str(), &st, 0) != 0 || !S_ISREG(st.st_mode)) return false;
+    insert_locked(key, static_cast<std::uint64_t>(st.st_size));
+    return true;
   }
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
@@ -244,7 +255,10 @@ class FileStorage::Impl {
     {
       std::lock_guard lock(mu_);
       auto it = index_.find(key);
-      if (it == index_.end()) return IoResult::miss();
+      if (it == index_.end()) {
+        if (!adopt_locked(key)) return IoResult::miss();
+        it = index_.find(key);
+      }
       lru_.splice(lru_.end(), lru_, it->second.lru);
       if (const std::uint64_t stored = it->second.bytes; stored != want) {
         ++owner_.counters_.bad_records;

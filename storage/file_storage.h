@@ -16,8 +16,12 @@
 //   the caller. Disk full, permission denied or a removed directory are per-key errors, and the
 //   store keeps serving what still works (the .tmp/ and .trash/ folders are recreated on demand).
 //
+// - shared: several processes (engine instances) use one root. Each keeps its own index; a key
+//   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
+//   stored is found. Capacity eviction then counts only what this process wrote or adopted.
+//
 // JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "durability": "none",
-//        "io_threads": 4}
+//        "io_threads": 4, "shared": false}
 #pragma once
 
 #include <cstdint>
@@ -36,6 +40,7 @@ struct FileStorageConfig {
   std::uint64_t capacity_bytes = 0;
   Durability durability = Durability::kNone;
   int io_threads = 4;
+  bool shared = false;  // other processes write to the same root (see above)
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static FileStorageConfig from_json_text(std::string_view json_text);

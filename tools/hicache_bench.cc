@@ -1,304 +1,664 @@
-// hicache-bench: the main job. Until the synthetic workload lands (issue: hicache-bench), it
-// runs a smoke round trip through all three tiers and prints what it did: it builds the device
-// and host KV pools on the chosen device backend, writes pages whose bytes derive from their
-// keys into device memory, backs them up to host through the write thread (L1 -> L2), loads
-// them back into fresh device pages layer by layer through the load thread (L2 -> L1), backs
-// the host pages up to a file store in a temporary directory (L2 -> L3, the backup thread),
-// drops them from host memory and prefetches them back (L3 -> L2: hit query, reservation,
-// read, terminate), verifying every byte at every step.
+// hicache-bench: the synthetic workload tool, and the main job. It runs a simulated serving
+// engine (SimulatedEngine: scheduler, prefill layer by layer overlapping the loads, decode) over
+// HiRadixCache and every tier, fed by a synthetic workload (multiturn, longcontext, tree;
+// tools/workload/workload.h), verifies every page read from any tier byte for byte, and reports
+// SGLang bench_multiturn's metrics (TTFT, ITL, end-to-end latency, throughput, cache hit rate
+// per round) plus per-tier hits, bytes and bandwidth, queue depths, revokes and errors.
+//
+// Settings come from flags and from a JSON file (--config; the keys are the flag names with '_'
+// for '-'; flags given on the command line win). --compare runs the workload under several
+// configurations (device only, + host, + host + file, + host + redis with --redis) and prints
+// them side by side. --instances N runs N engine processes (fork, before any thread exists),
+// each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
+// a conversation moves between instances and finds its earlier rounds only in L3. The rounds
+// are then run with a barrier: every instance finishes round r and lands its backups in L3
+// before any starts round r+1.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <span>
-#include <thread>
-
-#include <filesystem>
-#include <unistd.h>
-
-#include "controller/hicache_controller.h"
-#include "controller/storage_controller.h"
-#include "storage/file_storage.h"
-#include "pools/device_kv_pool.h"
-#include "pools/host_kv_pool.h"
-#include "pools/kv_pattern.h"
-#include "transfer/device.h"
+#include "storage/redis_cluster.h"
+#include "tools/workload/engine_stack.h"
+#include "tools/workload/report.h"
+#include "tools/workload/runner.h"
+#include "tools/workload/workload.h"
 #include "transfer/errors.h"
 
 namespace {
 
+namespace fs = std::filesystem;
+using hicache::InvalidArgument;
 using hicache::str_cat;
-using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+namespace wl = hicache::workload;
 
-struct Options {
+struct Settings {
+  // workload
+  std::string workload = "multiturn";
+  std::int64_t seed = 1, clients = 16, rounds = 6, request_tokens = 512, output_tokens = 32,
+               system_prompt_tokens = 256, documents = 4, questions = 4, document_tokens = 8192,
+               trees = 2, branching = 3, depth = 3;
+  std::string length_dist = "uniform";
+  double request_rate = 0;
+  std::int64_t max_inflight = 0;
+  bool barrier = false;
+  // model and pools
   std::string device = "host";
-  std::string layout = "layer_first";
+  std::int64_t layers = 16, kv_heads = 4, head_dim = 64, page_size = 64;
   std::string dtype = "fp16";
-  std::string io = "direct";
-  int layers = 32, heads = 8, head_dim = 128, page_size = 64;
-  long pages = 32;  // pages moved each way (the device pool holds twice that)
+  std::int64_t device_tokens = 8192;
   double host_ratio = 2.0;
-  std::string storage_dir;  // empty: a temporary directory
+  std::string host_layout = "layer_first", io_backend = "direct", write_policy = "write_through";
+  // radix cache
+  std::string eviction_policy = "lru";
+  std::int64_t write_through_threshold = 2, load_back_min_tokens = 0;
+  double recompute_seconds_per_token = 0, demote_low_watermark = 0, demote_high_watermark = 0;
+  // engine
+  std::int64_t max_batch = 8, max_running = 64, max_prefetches = 4;
+  double cost_per_token_layer = 3e-6, decode_step_seconds = 0.002, host_free_target = 0.1;
+  // tiers
+  std::string tiers = "file";
+  bool compare = false;
+  std::string compare_configs = "device,host,file";
+  std::string storage_dir, redis, model_fingerprint;
+  bool keep_storage = false;
+  std::string prefetch_policy = "wait_complete";
+  std::int64_t prefetch_threshold_tokens = 256, storage_batch_pages = 16;
+  std::int64_t instances = 1;
+  // output
+  std::string report, plot;
+  bool progress = true;
 };
 
-constexpr const char* kUsage = R"(usage: hicache-bench [options]
-  --device auto|host|cuda     device backend (default host)
-  --layout layer_first|page_first|page_first_direct   host layout (default layer_first)
-  --dtype fp16|bf16|fp8|fp32  KV dtype (default fp16)
-  --io direct|kernel          controller io backend (default direct)
-  --layers N --heads N --head-dim N --page-size N   KV geometry (default 32 8 128 64)
-  --pages N                   pages to move each way (default 32)
-  --host-ratio X              host pool size as a ratio of the device pool (default 2)
-  --storage-dir DIR           file store root (default: a fresh directory under /tmp, removed
-                              at the end)
-  --help
-)";
+struct Option {
+  const char* name;  // flag without "--", '-' separated; the JSON key has '_'
+  const char* help;
+  std::function<void(Settings&, const std::string&)> set;  // value as text
+  bool is_switch = false;                                   // a flag without a value
+  std::function<json(const Settings&)> get;
+};
+
+std::int64_t to_int(const std::string& name, const std::string& v, std::int64_t min) {
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (errno != 0 || end == v.c_str() || *end != '\0' || x < min) {
+    throw InvalidArgument(str_cat(name, ": '", v, "' is not an integer >= ", min));
+  }
+  return x;
+}
+
+double to_double(const std::string& name, const std::string& v, double min) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(x >= min)) {
+    throw InvalidArgument(str_cat(name, ": '", v, "' is not a number >= ", min));
+  }
+  return x;
+}
+
+bool to_bool(const std::string& name, const std::string& v) {
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0") return false;
+  throw InvalidArgument(str_cat(name, ": '", v, "' is not true or false"));
+}
+
+#define INT_OPT(field, min, help)                                                                \
+  Option{#field, help,                                                                           \
+         [](Settings& s, const std::string& v) { s.field = to_int(#field, v, min); }, false,     \
+         [](const Settings& s) { return json(s.field); }}
+#define DBL_OPT(field, min, help)                                                                \
+  Option{#field, help,                                                                           \
+         [](Settings& s, const std::string& v) { s.field = to_double(#field, v, min); }, false,  \
+         [](const Settings& s) { return json(s.field); }}
+#define STR_OPT(field, help)                                                                     \
+  Option{#field, help, [](Settings& s, const std::string& v) { s.field = v; }, false,            \
+         [](const Settings& s) { return json(s.field); }}
+#define BOOL_OPT(field, help)                                                                    \
+  Option{#field, help,                                                                           \
+         [](Settings& s, const std::string& v) { s.field = to_bool(#field, v); }, true,          \
+         [](const Settings& s) { return json(s.field); }}
+
+const std::vector<Option>& options() {
+  static const std::vector<Option> kOptions = {
+      STR_OPT(workload, "multiturn | longcontext | tree (default multiturn)"),
+      INT_OPT(seed, 0, "seed of the synthetic tokens and arrivals (1)"),
+      INT_OPT(clients, 1, "multiturn: clients (16)"),
+      INT_OPT(rounds, 1, "multiturn: rounds per client (6)"),
+      INT_OPT(request_tokens, 1, "question length L (multiturn, longcontext), tree segment (512)"),
+      STR_OPT(length_dist, "fixed | uniform (L/2..3L/2) | lognormal (median L) (uniform)"),
+      INT_OPT(output_tokens, 0, "answer length O, decoded token by token (32)"),
+      INT_OPT(system_prompt_tokens, 0, "multiturn: system prompt shared by all clients (256)"),
+      INT_OPT(documents, 1, "longcontext: documents (4)"),
+      INT_OPT(questions, 1, "longcontext: questions per document (4)"),
+      INT_OPT(document_tokens, 1, "longcontext: document length (8192)"),
+      INT_OPT(trees, 1, "tree: trees (2)"),
+      INT_OPT(branching, 1, "tree: at most this many children per node (3)"),
+      INT_OPT(depth, 1, "tree: depth (3)"),
+      DBL_OPT(request_rate, 0, "Poisson arrivals, requests/s over all clients; 0: all at once (0)"),
+      INT_OPT(max_inflight, 0, "requests in flight at most; 0: no cap (0)"),
+      BOOL_OPT(barrier, "round r+1 starts once round r is done (always on with --instances)"),
+      STR_OPT(device, "device backend: host | cuda | auto (host)"),
+      INT_OPT(layers, 1, "model layers (16)"),
+      INT_OPT(kv_heads, 1, "KV heads (4)"),
+      INT_OPT(head_dim, 1, "head dim (64)"),
+      STR_OPT(dtype, "KV dtype: fp16 | bf16 | fp8 | fp32 (fp16)"),
+      INT_OPT(page_size, 1, "tokens per page (64)"),
+      INT_OPT(device_tokens, 1, "device KV pool, tokens (8192)"),
+      DBL_OPT(host_ratio, 0, "host pool size / device pool size (2)"),
+      STR_OPT(host_layout, "layer_first | page_first | page_first_direct (layer_first)"),
+      STR_OPT(io_backend, "direct | kernel (direct)"),
+      STR_OPT(write_policy, "write_through | write_through_selective | write_back (write_through)"),
+      STR_OPT(eviction_policy, "lru | lfu (lru)"),
+      INT_OPT(write_through_threshold, 1, "hits before a selective write (2)"),
+      INT_OPT(load_back_min_tokens, 0, "smaller host hits are recomputed (0: one page)"),
+      DBL_OPT(recompute_seconds_per_token, 0, "cost-aware tiers: recompute cost; 0: off (0)"),
+      DBL_OPT(demote_low_watermark, 0, "demotion starts below this free device fraction; 0: off"),
+      DBL_OPT(demote_high_watermark, 0, "... and frees up to this fraction (0)"),
+      INT_OPT(max_batch, 1, "requests admitted per prefill pass (8)"),
+      INT_OPT(max_running, 1, "requests prefilling or decoding at once (64)"),
+      INT_OPT(max_prefetches, 1, "L3 prefetches in flight (4)"),
+      DBL_OPT(cost_per_token_layer, 0, "simulated prefill compute, s per token per layer (3e-6)"),
+      DBL_OPT(decode_step_seconds, 0, "simulated decode step, s (0.002)"),
+      DBL_OPT(host_free_target, 0, "host fraction kept free by evicting before admission (0.1)"),
+      STR_OPT(tiers, "the configuration of a single run: device | host | file | redis (file)"),
+      BOOL_OPT(compare, "run every configuration of --compare-configs side by side"),
+      STR_OPT(compare_configs, "configurations for --compare (device,host,file; redis added "
+                               "when --redis is given)"),
+      STR_OPT(storage_dir, "file store root (default: a new directory under /tmp, removed)"),
+      BOOL_OPT(keep_storage, "keep the file store and a stable key namespace (warm restarts)"),
+      STR_OPT(redis, "Redis for the redis tier: HOST:PORT, or HOST:PORT,HOST:PORT,... (cluster)"),
+      STR_OPT(model_fingerprint, "key namespace fingerprint (default: fresh per run, or "
+                                 "'synthetic' with --keep-storage)"),
+      STR_OPT(prefetch_policy, "best_effort | wait_complete | timeout (wait_complete)"),
+      INT_OPT(prefetch_threshold_tokens, 0, "smaller L3 hits are not prefetched (256)"),
+      INT_OPT(storage_batch_pages, 1, "pages per storage call (16)"),
+      INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
+      STR_OPT(report, "write the JSON report here"),
+      STR_OPT(plot, "write an SVG plot here (TTFT per round, hit rate per tier)"),
+      BOOL_OPT(progress, "progress on stderr (true; --no-progress turns it off)"),
+  };
+  return kOptions;
+}
+
+std::string flag_name(const char* name) {
+  std::string f = name;
+  for (char& c : f) c = c == '_' ? '-' : c;
+  return f;
+}
+
+std::string usage() {
+  std::string u = "usage: hicache-bench [--config FILE.json] [options]\n";
+  for (const Option& o : options()) {
+    std::string left = "  --" + flag_name(o.name) + (o.is_switch ? "" : " V");
+    if (left.size() < 32) left += std::string(32 - left.size(), ' ');
+    u += left + " " + o.help + "\n";
+  }
+  u += "  --help\n"
+       "JSON config: {\"workload\": \"tree\", \"depth\": 4, ...}: the same names with '_'.\n"
+       "Exit code: 0 all pages verified, 1 a wrong page or a failed instance, 2 bad settings.\n";
+  return u;
+}
 
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "hicache-bench: %s\n%s", message.c_str(), kUsage);
+  std::fprintf(stderr, "hicache-bench: %s\n%s", message.c_str(), usage().c_str());
   std::exit(2);
 }
 
-long parse_long(std::string_view flag, const char* text) {
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0' || v <= 0) {
-    usage_error(str_cat(flag, ": '", text, "' is not a positive integer"));
+const Option* find_option(std::string_view key) {
+  for (const Option& o : options()) {
+    if (key == o.name || key == flag_name(o.name)) return &o;
   }
-  return v;
+  return nullptr;
 }
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
+void apply_json_file(Settings& s, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InvalidArgument(str_cat("--config: cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const std::exception& e) {
+    throw InvalidArgument(str_cat("--config '", path, "': not JSON: ", e.what()));
+  }
+  if (!j.is_object()) throw InvalidArgument(str_cat("--config '", path, "': not a JSON object"));
+  for (const auto& [key, value] : j.items()) {
+    const Option* o = find_option(key);
+    if (o == nullptr || key.find('-') != std::string::npos) {
+      throw InvalidArgument(str_cat("--config '", path, "': unknown key '", key, "'"));
     }
-    if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
-    const char* value = argv[++i];
-    if (flag == "--device") o.device = value;
-    else if (flag == "--layout") o.layout = value;
-    else if (flag == "--dtype") o.dtype = value;
-    else if (flag == "--io") o.io = value;
-    else if (flag == "--layers") o.layers = static_cast<int>(parse_long(flag, value));
-    else if (flag == "--heads") o.heads = static_cast<int>(parse_long(flag, value));
-    else if (flag == "--head-dim") o.head_dim = static_cast<int>(parse_long(flag, value));
-    else if (flag == "--page-size") o.page_size = static_cast<int>(parse_long(flag, value));
-    else if (flag == "--pages") o.pages = parse_long(flag, value);
-    else if (flag == "--storage-dir") o.storage_dir = value;
-    else if (flag == "--host-ratio") {
-      char* end = nullptr;
-      o.host_ratio = std::strtod(value, &end);
-      if (end == value || *end != '\0' || !(o.host_ratio > 0)) {
-        usage_error(str_cat("--host-ratio: '", value, "' is not a positive number"));
+    o->set(s, value.is_string() ? value.get<std::string>() : value.dump());
+  }
+}
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  try {
+    for (int i = 1; i < argc; ++i) {  // the file first: flags override it
+      if (std::string_view(argv[i]) == "--config") {
+        if (i + 1 >= argc) throw InvalidArgument("--config: missing file");
+        apply_json_file(s, argv[i + 1]);
+      }
+    }
+    for (int i = 1; i < argc; ++i) {
+      std::string_view flag = argv[i];
+      if (flag == "--help" || flag == "-h") {
+        std::fputs(usage().c_str(), stdout);
+        std::exit(0);
+      }
+      if (flag == "--config") {
+        ++i;
+        continue;
+      }
+      if (flag.substr(0, 2) != "--") throw InvalidArgument(str_cat("unexpected argument '", flag, "'"));
+      flag.remove_prefix(2);
+      bool negated = false;
+      if (flag.substr(0, 3) == "no-") {
+        const Option* o = find_option(flag.substr(3));
+        if (o != nullptr && o->is_switch) {
+          o->set(s, "false");
+          negated = true;
+        }
+      }
+      if (negated) continue;
+      const Option* o = find_option(flag);
+      if (o == nullptr || flag.find('_') != std::string_view::npos) {
+        throw InvalidArgument(str_cat("unknown flag '--", flag, "'"));
+      }
+      if (o->is_switch) {
+        o->set(s, "true");
+      } else {
+        if (i + 1 >= argc) throw InvalidArgument(str_cat("--", flag, ": missing value"));
+        o->set(s, argv[++i]);
+      }
+    }
+  } catch (const InvalidArgument& e) {
+    usage_error(e.what());
+  }
+  return s;
+}
+
+json settings_json(const Settings& s) {
+  json j = json::object();
+  for (const Option& o : options()) j[o.name] = o.get(s);
+  return j;
+}
+
+wl::WorkloadConfig workload_config(const Settings& s) {
+  wl::WorkloadConfig w;
+  w.kind = wl::parse_kind(s.workload);
+  w.seed = static_cast<std::uint64_t>(s.seed);
+  w.clients = static_cast<int>(s.clients);
+  w.rounds = static_cast<int>(s.rounds);
+  w.request_tokens = s.request_tokens;
+  w.length_dist = wl::parse_length_dist(s.length_dist);
+  w.output_tokens = s.output_tokens;
+  w.system_prompt_tokens = s.system_prompt_tokens;
+  w.documents = static_cast<int>(s.documents);
+  w.questions = static_cast<int>(s.questions);
+  w.document_tokens = s.document_tokens;
+  w.trees = static_cast<int>(s.trees);
+  w.branching = static_cast<int>(s.branching);
+  w.depth = static_cast<int>(s.depth);
+  w.validate();
+  return w;
+}
+
+// The storage object of make_storage for a --redis value.
+json redis_json(const std::string& spec) {
+  std::vector<std::string> nodes;
+  std::stringstream in(spec);
+  for (std::string part; std::getline(in, part, ',');) {
+    if (!hicache::redis::parse_host_port(part)) {
+      throw InvalidArgument(str_cat("--redis: '", part, "' is not HOST:PORT"));
+    }
+    nodes.push_back(part);
+  }
+  if (nodes.empty()) throw InvalidArgument("--redis: empty");
+  if (nodes.size() == 1) {
+    const auto hp = *hicache::redis::parse_host_port(nodes[0]);
+    return {{"backend", "redis"}, {"host", hp.host}, {"port", hp.port}};
+  }
+  return {{"backend", "redis"}, {"cluster", true}, {"nodes", nodes}};
+}
+
+struct TierSetup {
+  std::string name;   // as reported
+  std::string tier;   // device | host | file | redis
+};
+
+// The stack of one configuration; `storage_root` for the file tier.
+wl::StackConfig stack_config(const Settings& s, const std::string& tier,
+                             const std::string& storage_root, const std::string& fingerprint) {
+  wl::StackConfig c;
+  auto& h = c.cache;
+  h.device = s.device;
+  h.geometry = hicache::KVGeometry::mha(static_cast<int>(s.layers), static_cast<int>(s.kv_heads),
+                                        static_cast<int>(s.head_dim), hicache::parse_dtype(s.dtype),
+                                        static_cast<int>(s.page_size));
+  h.device_tokens = s.device_tokens;
+  h.host_size = hicache::HostPoolSize{.ratio = s.host_ratio};
+  h.host_layout = hicache::parse_host_layout(s.host_layout);
+  h.controller.io_backend = hicache::parse_io_backend(s.io_backend);
+  h.controller.write_policy = hicache::parse_write_policy(s.write_policy);
+  h.model_name = "hicache-bench";
+  h.model_fingerprint = fingerprint;
+  if (tier == "file") {
+    h.storage = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances > 1}}.dump();
+  } else if (tier == "redis") {
+    if (s.redis.empty()) throw InvalidArgument("tier redis: --redis HOST:PORT is required");
+    h.storage = redis_json(s.redis).dump();
+  } else if (tier != "device" && tier != "host") {
+    throw InvalidArgument(str_cat("unknown tier '", tier, "': valid are device, host, file, redis"));
+  }
+  auto& sc = h.storage_controller;
+  sc.policy = hicache::parse_prefetch_policy(s.prefetch_policy);
+  sc.prefetch_threshold_tokens = s.prefetch_threshold_tokens;
+  sc.io_batch_pages = s.storage_batch_pages;
+  c.radix.host_tier = tier != "device";
+  c.radix.eviction_policy = hicache::parse_eviction_policy(s.eviction_policy);
+  c.radix.write_through_threshold = static_cast<std::int32_t>(s.write_through_threshold);
+  c.radix.load_back_min_tokens = s.load_back_min_tokens;
+  c.radix.recompute_seconds_per_token = s.recompute_seconds_per_token;
+  c.radix.demote_low_watermark = s.demote_low_watermark;
+  c.radix.demote_high_watermark = s.demote_high_watermark;
+  c.engine.max_batch = static_cast<int>(s.max_batch);
+  c.engine.max_running = static_cast<int>(s.max_running);
+  c.engine.max_prefetches = static_cast<int>(s.max_prefetches);
+  c.engine.cost_per_token_layer = s.cost_per_token_layer;
+  c.engine.decode_step_seconds = s.decode_step_seconds;
+  c.engine.host_free_target = s.host_free_target;
+  c.engine.use_storage = tier == "file" || tier == "redis";
+  return c;
+}
+
+wl::RunOptions run_options(const Settings& s, const std::string& label, int instances) {
+  return wl::RunOptions{.request_rate = s.request_rate / instances,
+                        .max_inflight = static_cast<int>(s.max_inflight),
+                        .barrier = s.barrier || instances > 1,
+                        .seed = static_cast<std::uint64_t>(s.seed),
+                        .label = label,
+                        .progress = s.progress};
+}
+
+// One process: the stack, the run, then every write and backup landed (kept stores hold it all).
+wl::InstanceResult run_single(const Settings& s, const wl::StackConfig& config,
+                              const std::vector<wl::PlannedRequest>& plan, const std::string& label) {
+  wl::EngineStack stack(config);
+  std::vector<int> all(plan.size());
+  for (std::size_t i = 0; i < plan.size(); ++i) all[i] = static_cast<int>(i);
+  wl::Runner runner(stack, plan, all, run_options(s, label, 1));
+  runner.run_all();
+  wl::InstanceResult r = runner.result();
+  runner.flush();
+  const double duration = r.duration_s;
+  r = runner.result();  // counters after the flush (backups included), the run's duration
+  r.duration_s = duration;
+  return r;
+}
+
+// Line I/O over pipes between the parent and an instance.
+bool read_line(int fd, std::string& line) {
+  line.clear();
+  char c;
+  while (true) {
+    const ssize_t n = ::read(fd, &c, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    if (c == '\n') return true;
+    line += c;
+  }
+}
+
+bool write_all(int fd, const std::string& text) {
+  std::size_t off = 0;
+  while (off < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + off, text.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    off += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+// An instance process: builds its stack, then runs round R on "R <r>" (and lands its writes and
+// backups in L3 before answering "D"), and on "E" answers with its result as one JSON line.
+[[noreturn]] void instance_main(const Settings& s, const wl::StackConfig& config,
+                                const std::vector<wl::PlannedRequest>& plan, int instance,
+                                int instances, int in_fd, int out_fd, const std::string& label) {
+  int code = 0;
+  try {
+    wl::EngineStack stack(config);
+    std::vector<int> mine;
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      if ((plan[i].client + plan[i].round) % instances == instance) mine.push_back(static_cast<int>(i));
+    }
+    wl::Runner runner(stack, plan, mine, run_options(s, str_cat(label, " #", instance), instances),
+                      instance);
+    double busy = 0;
+    for (std::string line; read_line(in_fd, line);) {
+      if (line.rfind("R ", 0) == 0) {
+        const int round = std::stoi(line.substr(2));
+        const double t0 = wl::now_seconds();
+        runner.run_rounds(round, round);
+        busy += wl::now_seconds() - t0;
+        runner.flush();
+        if (!write_all(out_fd, "D\n")) break;
+      } else if (line == "E") {
+        wl::InstanceResult r = runner.result();
+        r.duration_s = busy;  // time spent running rounds, not waiting at the barrier
+        write_all(out_fd, wl::to_json(r).dump() + "\n");
+        break;
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hicache-bench: instance %d: %s\n", instance, e.what());
+    code = 1;
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
+
+// N instance processes for one configuration; the parent holds no threads when it forks.
+std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::StackConfig& config,
+                                              const std::vector<wl::PlannedRequest>& plan,
+                                              const std::string& label, int n) {
+  struct Child {
+    pid_t pid = -1;
+    int to = -1, from = -1;
+  };
+  std::vector<Child> children;
+  for (int i = 0; i < n; ++i) {
+    int down[2], up[2];
+    if (::pipe2(down, O_CLOEXEC) != 0 || ::pipe2(up, O_CLOEXEC) != 0) {
+      throw std::runtime_error(str_cat("pipe: ", std::strerror(errno)));
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error(str_cat("fork: ", std::strerror(errno)));
+    if (pid == 0) {
+      for (const Child& c : children) {
+        ::close(c.to);
+        ::close(c.from);
+      }
+      ::close(down[1]);
+      ::close(up[0]);
+      instance_main(s, config, plan, i, n, down[0], up[1], label);
+    }
+    ::close(down[0]);
+    ::close(up[1]);
+    children.push_back({pid, down[1], up[0]});
+  }
+  int last_round = 0;
+  for (const auto& p : plan) last_round = std::max(last_round, p.round);
+  bool failed = false;
+  std::string line;
+  for (int r = 0; r <= last_round && !failed; ++r) {
+    for (const Child& c : children) failed |= !write_all(c.to, str_cat("R ", r, "\n"));
+    for (const Child& c : children) failed |= !(read_line(c.from, line) && line == "D");
+  }
+  std::vector<wl::InstanceResult> results;
+  for (const Child& c : children) {
+    if (!failed && write_all(c.to, "E\n") && read_line(c.from, line)) {
+      try {
+        results.push_back(wl::instance_result_from_json(json::parse(line)));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "hicache-bench: bad result from an instance: %s\n", e.what());
+        failed = true;
       }
     } else {
-      usage_error(str_cat("unknown flag: ", flag));
+      failed = true;
     }
   }
-  return o;
+  for (const Child& c : children) {
+    ::close(c.to);
+    ::close(c.from);
+    if (failed) ::kill(c.pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+  }
+  if (failed) throw std::runtime_error(str_cat(label, ": an instance failed (see above)"));
+  return results;
 }
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+std::string default_fingerprint(const Settings& s) {
+  if (!s.model_fingerprint.empty()) return s.model_fingerprint;
+  if (s.keep_storage) return "synthetic";
+  return str_cat("run-", ::getpid(), "-",
+                 std::chrono::system_clock::now().time_since_epoch().count());
 }
 
-// Drains acks until `n` arrived (the smoke run has nothing else to do meanwhile).
-std::vector<hicache::Ack> wait_acks(hicache::HiCacheController& c, bool write, std::size_t n) {
-  std::vector<hicache::Ack> acks;
-  while (acks.size() < n) {
-    write ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
-    std::this_thread::yield();
-  }
-  return acks;
-}
-
-int run(const Options& o) {
-  auto device = hicache::Device::create(o.device);
-  const auto geometry = hicache::KVGeometry::mha(o.layers, o.heads, o.head_dim,
-                                                 hicache::parse_dtype(o.dtype), o.page_size);
-  const auto layout = hicache::parse_host_layout(o.layout);
-  hicache::ControllerConfig config;
-  config.io_backend = hicache::parse_io_backend(o.io);
-  std::printf("[hicache-bench] device: %s\n", device->name().c_str());
-  std::printf("[hicache-bench] geometry: %s\n", geometry.describe().c_str());
-
-  auto t0 = Clock::now();
-  hicache::DeviceKVPool device_pool(*device, geometry, 2 * o.pages * o.page_size);
-  const std::int64_t host_tokens = hicache::HostPoolSize{.ratio = o.host_ratio}.resolve_tokens(
-      geometry, device_pool.capacity_tokens());
-  hicache::HostKVPool host_pool(*device, geometry, layout, host_tokens);
-  hicache::HiCacheController controller(*device, device_pool, host_pool, config);
-  std::printf("[hicache-bench] pools: device %lld tokens (%.1f MiB), host %lld tokens (%.1f MiB, "
-              "%s), io %s, created in %.3f s\n",
-              static_cast<long long>(device_pool.capacity_tokens()),
-              device_pool.size_bytes() / 1048576.0, static_cast<long long>(host_tokens),
-              host_pool.size_bytes() / 1048576.0, o.layout.c_str(), o.io.c_str(),
-              seconds_since(t0));
-
-  // Staging buffer in the device layout, CPU-addressable on every backend.
-  hicache::Buffer staging = device->alloc_host(device_pool.size_bytes());
-  hicache::LayoutDesc staging_desc = device_pool.layout();
-  staging_desc.base = reinterpret_cast<std::uint8_t*>(staging.data());
-  auto stream = device->create_stream();
-
-  // 1. The "forward pass": fill device pages with data derived from their keys.
-  auto& allocator = device_pool.allocator();
-  auto device_slots = allocator.alloc(o.pages * o.page_size);
-  if (!device_slots) throw hicache::Error("device pool too small");
-  std::vector<std::int64_t> src_pages;
-  hicache::slots_to_pages(*device_slots, o.page_size, allocator.num_pages(), "smoke", src_pages);
-  for (std::int64_t page : src_pages) hicache::fill_page(staging_desc, page, 1000 + page);
-  stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
-  stream->synchronize();
-
-  // 2. L1 -> L2: one write per page, acknowledged by node id (= index).
-  t0 = Clock::now();
-  std::vector<std::int64_t> host_slots;
-  for (long i = 0; i < o.pages; ++i) {
-    auto h = controller.write(std::span(*device_slots).subspan(i * o.page_size, o.page_size), 0,
-                              hicache::NodeId{i});
-    if (!h) throw hicache::Error("host pool too small");
-    host_slots.insert(host_slots.end(), h->begin(), h->end());
-  }
-  long failed = 0;
-  for (const auto& ack : wait_acks(controller, true, static_cast<std::size_t>(o.pages))) {
-    failed += !ack.ok;
-  }
-  const double write_s = seconds_since(t0);
-  std::vector<std::int64_t> host_pages;
-  hicache::slots_to_pages(host_slots, o.page_size, host_pool.num_pages(), "smoke", host_pages);
-  long bad = 0;
-  for (std::size_t i = 0; i < host_pages.size(); ++i) {
-    bad += !hicache::verify_page(host_pool.layout(), host_pages[i], 1000 + src_pages[i]);
-  }
-  // Evict the device copy: the host now holds the only copy above storage.
-  controller.evict_device(*device_slots, host_slots);
-  std::memset(staging.data(), 0, staging.size());
-  stream->copy_async(device_pool.layout().base, staging.data(), device_pool.size_bytes());
-  stream->synchronize();
-
-  // 3. L2 -> L1 into fresh device slots, layer by layer, as a forward pass consumes it.
-  t0 = Clock::now();
-  auto back = controller.load(host_slots, 0, hicache::NodeId{0});
-  if (!back) throw hicache::Error("device pool too small");
-  const std::int32_t slot = controller.start_loading();
-  for (std::int32_t layer = 0; layer < geometry.num_layers; ++layer) {
-    device_pool.wait_for_layer(layer);
-  }
-  const double load_s = seconds_since(t0);
-  controller.layer_done_counter().release(slot);
-  for (const auto& ack : wait_acks(controller, false, 1)) failed += !ack.ok;
-  stream->copy_async(staging.data(), device_pool.layout().base, device_pool.size_bytes());
-  stream->synchronize();
-  std::vector<std::int64_t> back_pages;
-  hicache::slots_to_pages(*back, o.page_size, allocator.num_pages(), "smoke", back_pages);
-  for (std::size_t i = 0; i < back_pages.size(); ++i) {
-    bad += !hicache::verify_page(staging_desc, back_pages[i], 1000 + src_pages[i]);
-  }
-
-  const double bytes = static_cast<double>(o.pages) * geometry.page_bytes();
-  std::printf("[hicache-bench] L1->L2: %ld writes of 1 page, %.1f MiB in %.4f s (%.2f GB/s)\n",
-              o.pages, bytes / 1048576.0, write_s, bytes / write_s / 1e9);
-  std::printf("[hicache-bench] L2->L1: 1 load of %ld pages, layer by layer, %.1f MiB in %.4f s "
-              "(%.2f GB/s)\n",
-              o.pages, bytes / 1048576.0, load_s, bytes / load_s / 1e9);
-  controller.evict_device(*back, host_slots);
-
-  // 4. L2 -> L3: back the host pages up to a file store under their chained page keys.
-  namespace fs = std::filesystem;
-  const bool temporary = o.storage_dir.empty();
-  const fs::path root = temporary ? fs::temp_directory_path() /
-                                        str_cat("hicache-bench-", ::getpid())
-                                  : fs::path(o.storage_dir);
-  long storage_pages = 0;
-  {
-    hicache::FileStorage store(hicache::FileStorageConfig{.root = root.string()});
-    hicache::LocalCollective local;
-    const hicache::KeyNamespace ns{.model = "hicache-bench", .fingerprint = "smoke",
-                                   .dtype = o.dtype, .layout = o.layout,
-                                   .page_size = o.page_size};
-    hicache::StorageController storage(host_pool, store, ns, local, local, local);
-    std::vector<std::int32_t> tokens(static_cast<std::size_t>(o.pages * o.page_size));
-    for (std::size_t t = 0; t < tokens.size(); ++t) tokens[t] = static_cast<std::int32_t>(t * 7 + 1);
-    hicache::PageKeyer keyer(ns);
-    std::vector<std::string> keys;
-    keyer.keys(tokens, nullptr, keys);
-    t0 = Clock::now();
-    storage.write_storage(host_slots, keys);
-    std::vector<hicache::BackupAck> backup;
-    while (storage.drain_backup_acks(backup) == 0) std::this_thread::yield();
-    const double backup_s = seconds_since(t0);
-    if (backup[0].completed_tokens != backup[0].total_tokens) {
-      std::fprintf(stderr, "[hicache-bench] backup stored %lld of %lld tokens: %s\n",
-                   static_cast<long long>(backup[0].completed_tokens),
-                   static_cast<long long>(backup[0].total_tokens), backup[0].error.c_str());
-      ++failed;
+int run(const Settings& s) {
+  const wl::WorkloadConfig wc = workload_config(s);
+  const std::vector<wl::PlannedRequest> plan = wl::generate(wc);
+  std::vector<std::string> tiers;
+  if (s.compare) {
+    std::stringstream in(s.compare_configs);
+    for (std::string t; std::getline(in, t, ',');) tiers.push_back(t);
+    if (!s.redis.empty() && std::find(tiers.begin(), tiers.end(), "redis") == tiers.end()) {
+      tiers.push_back("redis");
     }
-    // The host copy goes; storage holds the only copy now.
-    controller.evict_host(host_slots);
-
-    // 5. L3 -> L2: prefetch the sequence back into fresh host pages.
-    t0 = Clock::now();
-    auto op = storage.prefetch("smoke", tokens);
-    while (op->stage() == hicache::PrefetchStage::kQueued ||
-           op->stage() == hicache::PrefetchStage::kLoading) {
-      std::this_thread::yield();
-    }
-    const hicache::PrefetchResult got = storage.terminate_prefetch(*op);
-    const double prefetch_s = seconds_since(t0);
-    storage_pages = static_cast<long>(got.keys.size());
-    if (storage_pages != o.pages) {
-      std::fprintf(stderr, "[hicache-bench] prefetch returned %ld of %ld pages: %s\n",
-                   storage_pages, o.pages, op->error().c_str());
-      ++failed;
-    }
-    std::vector<std::int64_t> fetched_pages;
-    hicache::slots_to_pages(got.host_slots, o.page_size, host_pool.num_pages(), "smoke",
-                            fetched_pages);
-    for (std::size_t i = 0; i < fetched_pages.size(); ++i) {
-      bad += !hicache::verify_page(host_pool.layout(), fetched_pages[i], 1000 + src_pages[i]);
-    }
-    if (!got.host_slots.empty()) host_pool.free(got.host_slots);
-    std::printf("[hicache-bench] L2->L3: backup of %ld pages to %s, %.1f MiB in %.4f s "
-                "(%.2f GB/s)\n",
-                o.pages, root.c_str(), bytes / 1048576.0, backup_s, bytes / backup_s / 1e9);
-    std::printf("[hicache-bench] L3->L2: prefetch of %ld pages (hit query, reservation, read), "
-                "%.1f MiB in %.4f s (%.2f GB/s)\n",
-                storage_pages, bytes / 1048576.0, prefetch_s, bytes / prefetch_s / 1e9);
-    if (temporary) {
-      store.clear();
-      store.flush_trash();
+  } else {
+    tiers.push_back(s.tiers);
+  }
+  const std::string fingerprint = default_fingerprint(s);
+  // Validate every configuration before running any (a bad one is exit code 2, nothing run).
+  for (const std::string& t : tiers) {
+    try {
+      stack_config(s, t, "/nonexistent", fingerprint);
+    } catch (const InvalidArgument& e) {
+      usage_error(e.what());
     }
   }
-  if (temporary) {
-    std::error_code ec;
-    fs::remove_all(root, ec);
+  if (s.instances > 1) {
+    for (const std::string& t : tiers) {
+      if (t == "device" || t == "host") {
+        std::fprintf(stderr, "hicache-bench: note: --instances with tier '%s' shares nothing "
+                             "between instances\n", t.c_str());
+      }
+    }
   }
-  const bool clean = host_pool.free_tokens() == host_pool.capacity_tokens() &&
-                     allocator.free_tokens() == allocator.capacity_tokens();
-  std::printf("[hicache-bench] verified %ld pages across L1, L2 and L3: %ld mismatches, %ld "
-              "failures; pools clean: %s\n",
-              2 * o.pages + storage_pages, bad, failed, clean ? "yes" : "no");
-  return bad == 0 && failed == 0 && clean ? 0 : 1;
+  std::printf("[hicache-bench] workload %s: %zu requests, seed %lld; %lld instance(s); "
+              "configurations:", std::string(wl::to_string(wc.kind)).c_str(), plan.size(),
+              static_cast<long long>(s.seed), static_cast<long long>(s.instances));
+  for (const auto& t : tiers) std::printf(" %s", t.c_str());
+  std::printf("\n");
+  std::fflush(stdout);
+
+  std::vector<json> summaries;
+  bool wrong = false;
+  for (const std::string& tier : tiers) {
+    const std::string name = tier == "device" ? "device" : tier == "host" ? "host" : "host+" + tier;
+    // The file tier: the given root, or a fresh directory removed after the run.
+    std::string root = s.storage_dir;
+    bool remove_root = false;
+    if (tier == "file" && root.empty()) {
+      char tmpl[] = "/tmp/hicache-bench-XXXXXX";
+      if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error(str_cat("mkdtemp: ", std::strerror(errno)));
+      root = tmpl;
+      remove_root = !s.keep_storage;
+      if (s.keep_storage) std::printf("[hicache-bench] file store kept at %s\n", root.c_str());
+    }
+    const auto config = stack_config(s, tier, root, fingerprint);
+    wl::ConfigRun run{name, {}, config.cache.geometry.page_bytes(), config.cache.geometry.page_size};
+    try {
+      if (s.instances > 1) {
+        run.instances = run_instances(s, config, plan, name, static_cast<int>(s.instances));
+      } else {
+        run.instances.push_back(run_single(s, config, plan, name));
+      }
+    } catch (...) {
+      if (remove_root) fs::remove_all(root);
+      throw;
+    }
+    if (remove_root) {
+      std::error_code ec;
+      fs::remove_all(root, ec);
+    }
+    json summary = wl::summarize(run, plan);
+    wrong |= summary["mismatched_pages"].get<double>() > 0;
+    summaries.push_back(std::move(summary));
+  }
+  std::printf("\n%s", wl::format_table(summaries).c_str());
+  if (!s.report.empty()) {
+    std::ofstream out(s.report);
+    out << json{{"tool", "hicache-bench"},
+                {"workload", wl::to_string(wc.kind)},
+                {"settings", settings_json(s)},
+                {"configurations", summaries}}
+               .dump(2)
+        << "\n";
+    if (!out) throw std::runtime_error(str_cat("cannot write the report to '", s.report, "'"));
+    std::printf("[hicache-bench] report: %s\n", s.report.c_str());
+  }
+  if (!s.plot.empty()) {
+    std::ofstream out(s.plot);
+    out << wl::render_svg(summaries, str_cat("hicache-bench ", wl::to_string(wc.kind), ", ",
+                                             plan.size(), " requests, ", s.instances,
+                                             " instance(s)"));
+    if (!out) throw std::runtime_error(str_cat("cannot write the plot to '", s.plot, "'"));
+    std::printf("[hicache-bench] plot: %s\n", s.plot.c_str());
+  }
+  for (const json& sm : summaries) {
+    if (sm["mismatched_pages"].get<double>() > 0) {
+      std::fprintf(stderr, "hicache-bench: %s served a wrong page: %s\n",
+                   sm["name"].get<std::string>().c_str(), sm["first_mismatch"].get<std::string>().c_str());
+    }
+  }
+  std::printf("[hicache-bench] %s\n", wrong ? "FAILED: wrong bytes served" : "ok: every page verified");
+  return wrong ? 1 : 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options options = parse(argc, argv);
+  const Settings settings = parse(argc, argv);
   try {
-    return run(options);
-  } catch (const hicache::InvalidArgument& e) {
+    return run(settings);
+  } catch (const InvalidArgument& e) {
     usage_error(e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hicache-bench: %s\n", e.what());

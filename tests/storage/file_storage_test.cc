@@ -173,6 +173,36 @@ TEST_F(FileStorageTest, WarmRestartFindsThePagesAgain) {
   EXPECT_EQ(again.stats().stored_keys, 8u);
 }
 
+// Two stores on one root, as two engine instances: with `shared`, a page one writes after the
+// other started is found and read byte for byte; without it, the other's index never sees it.
+TEST_F(FileStorageTest, SharedRootFindsPagesAnotherProcessWrote) {
+  auto c = config();
+  c.shared = true;
+  FileStorage a(c), b(c);
+  auto unshared = config();
+  FileStorage blind(unshared);
+  const auto keys = make_keys("sh", 6);
+  put(a, keys, kPage);
+  EXPECT_EQ(exists(blind, keys), 0u) << "an unshared store is expected to know only its index";
+  EXPECT_EQ(exists(b, keys), keys.size());
+  for (const auto& r : get(b, keys, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  // Read without an exists query first, too.
+  FileStorage c2(c);
+  const auto more = make_keys("sh2", 3);
+  put(a, more, kPage);
+  for (const auto& r : get(c2, more, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  // A truncated record found this way is a miss, never wrong bytes.
+  const auto late = make_keys("sh3", 1);
+  put(a, late, kPage);
+  fs::resize_file(root_ / late[0], kPage / 2);
+  const auto r = get(b, late, kPage);
+  EXPECT_FALSE(r[0].is_ok());
+  EXPECT_EQ(b.stats().bad_records, 1u);
+  EXPECT_THROW(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": "yes"})"),
+               InvalidArgument);
+  EXPECT_TRUE(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": true})").shared);
+}
+
 TEST_F(FileStorageTest, CrashDebrisIsCleanedAndNotIndexed) {
   fs::create_directories(root_ / ".tmp");
   fs::create_directories(root_ / ".trash");

@@ -1,0 +1,193 @@
+// hicache-bench end to end: the tool runs as a user runs it (a child process), on tiny settings,
+// and its JSON report must parse and add up: hits + misses = lookups, tokens per tier sum to the
+// hits, bytes per tier are whole pages and cover the pages served from that tier, every request
+// is reported once, and no page was wrong. Bad settings exit with 2 and name the value.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct BenchRun {
+  int status = -1;
+  std::string output;
+};
+
+BenchRun run_bench(const std::string& args) {
+  BenchRun r;
+  const std::string cmd = std::string(HICACHE_BENCH_PATH) + " --no-progress " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) r.output += buf;
+  const int s = ::pclose(p);
+  r.status = WIFEXITED(s) ? WEXITSTATUS(s) : -1;
+  return r;
+}
+
+struct TempFile {
+  fs::path path;
+  explicit TempFile(const std::string& name)
+      : path(fs::temp_directory_path() / (name + "-" + std::to_string(::getpid()))) {}
+  ~TempFile() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return json::parse(in);
+}
+
+const std::string kTiny =
+    "--layers 2 --kv-heads 1 --head-dim 8 --page-size 16 --device-tokens 512 --host-ratio 2 "
+    "--cost-per-token-layer 0 --decode-step-seconds 0 --prefetch-threshold-tokens 16 "
+    "--request-tokens 48 --output-tokens 8 --system-prompt-tokens 16 ";
+
+// The checks every configuration's summary must pass.
+void check_adds_up(const json& c, double expected_requests) {
+  SCOPED_TRACE(c["name"].get<std::string>());
+  EXPECT_EQ(c["requests"].get<double>() + c["rejected_requests"].get<double>(), expected_requests);
+  EXPECT_EQ(c["mismatched_pages"].get<double>(), 0) << c["first_mismatch"];
+  const json& l = c["lookups"];
+  EXPECT_EQ(l["hits"].get<double>() + l["misses"].get<double>(), l["lookups"].get<double>());
+  const json& t = c["tokens"];
+  EXPECT_EQ(t["device_hit"].get<double>() + t["host_hit"].get<double>() + t["storage_hit"].get<double>(),
+            t["cached"].get<double>());
+  EXPECT_EQ(t["cached"].get<double>(), l["hits"].get<double>());
+  EXPECT_EQ(t["computed"].get<double>(), l["misses"].get<double>());
+  EXPECT_GT(t["prompt"].get<double>(), 0);
+  const double page_bytes = c["page_bytes"].get<double>();
+  const double page_size = c["page_size"].get<double>();
+  for (const char* tier : {"l1_to_l2", "l2_to_l1", "l2_to_l3", "l3_to_l2"}) {
+    const json& b = c["tiers"][tier];
+    const double pages = b["pages"].get<double>();
+    EXPECT_EQ(pages, static_cast<double>(static_cast<long long>(pages))) << tier << ": not whole pages";
+    EXPECT_EQ(b["bytes"].get<double>(), pages * page_bytes) << tier;
+  }
+  // What came from a tier crossed into the device: loaded pages cover the host and L3 hits.
+  EXPECT_GE(c["tiers"]["l2_to_l1"]["pages"].get<double>() * page_size,
+            t["host_hit"].get<double>() + t["storage_hit"].get<double>());
+  EXPECT_GE(c["tiers"]["l3_to_l2"]["pages"].get<double>() * page_size, t["storage_hit"].get<double>());
+  double round_requests = 0;
+  for (const json& r : c["per_round"]) round_requests += r["requests"].get<double>();
+  EXPECT_EQ(round_requests, c["requests"].get<double>());
+  EXPECT_GT(c["ttft_ms"]["p99"].get<double>(), 0);
+  EXPECT_GE(c["ttft_ms"]["p99"].get<double>(), c["ttft_ms"]["p50"].get<double>());
+  EXPECT_GE(c["e2e_ms"]["avg"].get<double>(), c["ttft_ms"]["avg"].get<double>());
+}
+
+TEST(HicacheBench, CompareReportAddsUpForEveryWorkload) {
+  for (const std::string workload : {"multiturn", "longcontext", "tree"}) {
+    SCOPED_TRACE(workload);
+    TempFile report("hicache-bench-report.json"), plot("hicache-bench-plot.svg");
+    const BenchRun r = run_bench(kTiny + "--workload " + workload +
+                            " --clients 4 --rounds 3 --documents 3 --questions 3 "
+                            "--document-tokens 160 --trees 2 --branching 2 --depth 3 --compare "
+                            "--report " + report.path.string() + " --plot " + plot.path.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("ok: every page verified"), std::string::npos) << r.output;
+    const json j = read_json(report.path);
+    EXPECT_EQ(j["workload"], workload);
+    EXPECT_EQ(j["settings"]["clients"], 4);
+    EXPECT_EQ(j["settings"]["workload"], workload);
+    ASSERT_EQ(j["configurations"].size(), 3u);
+    EXPECT_EQ(j["configurations"][0]["name"], "device");
+    EXPECT_EQ(j["configurations"][1]["name"], "host");
+    EXPECT_EQ(j["configurations"][2]["name"], "host+file");
+    const double requests = workload == "multiturn" ? 12 : workload == "longcontext" ? 9 : -1;
+    for (const json& c : j["configurations"]) {
+      check_adds_up(c, requests > 0 ? requests : c["requests"].get<double>());
+    }
+    const json& device = j["configurations"][0];
+    EXPECT_EQ(device["tokens"]["host_hit"].get<double>(), 0);
+    EXPECT_EQ(device["tiers"]["l1_to_l2"]["bytes"].get<double>(), 0);
+    EXPECT_EQ(j["configurations"][1]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
+    EXPECT_GT(j["configurations"][2]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
+    EXPECT_GT(j["configurations"][2]["verified_pages"].get<double>(), 0);
+    std::ifstream svg(plot.path);
+    std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text.rfind("<svg", 0), 0u);
+    EXPECT_NE(text.find("host+file"), std::string::npos);
+    EXPECT_NE(text.find("</svg>"), std::string::npos);
+  }
+}
+
+// Two engine processes share one file store; every conversation alternates between them, so
+// its earlier rounds are found only in L3, and those hits are reported as cross-instance.
+TEST(HicacheBench, InstancesShareL3AcrossProcesses) {
+  TempFile report("hicache-bench-instances.json");
+  const BenchRun r = run_bench(kTiny + "--clients 4 --rounds 3 --instances 2 --tiers file --report " +
+                          report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  ASSERT_EQ(j["configurations"].size(), 1u);
+  const json& c = j["configurations"][0];
+  EXPECT_EQ(c["instances"], 2);
+  check_adds_up(c, 12);
+  EXPECT_GT(c["tokens"]["storage_hit"].get<double>(), 0);
+  EXPECT_GT(c["tokens"]["cross_instance_storage_hit"].get<double>(), 0);
+  EXPECT_GT(c["verified_pages"].get<double>(), 0);
+}
+
+TEST(HicacheBench, BadSettingsExitWithUsageAndNameTheValue) {
+  BenchRun r = run_bench("--workload nope");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("unknown workload 'nope'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("usage: hicache-bench"), std::string::npos);
+  r = run_bench("--host-layout sideways");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("'sideways'"), std::string::npos) << r.output;
+  r = run_bench("--clients -3");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("clients: '-3'"), std::string::npos) << r.output;
+  r = run_bench("--no-such-flag 1");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("unknown flag '--no-such-flag'"), std::string::npos) << r.output;
+  r = run_bench("--tiers redis");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("--redis"), std::string::npos) << r.output;
+  TempFile config("hicache-bench-config.json");
+  {
+    std::ofstream(config.path) << R"({"workload": "tree", "depth": 0})";
+  }
+  r = run_bench("--config " + config.path.string());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("depth: '0'"), std::string::npos) << r.output;
+  {
+    std::ofstream(config.path) << R"({"colour": "blue"})";
+  }
+  r = run_bench("--config " + config.path.string());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("unknown key 'colour'"), std::string::npos) << r.output;
+}
+
+// Settings from a JSON file, with a flag overriding one of them.
+TEST(HicacheBench, JsonConfigIsReadAndFlagsOverrideIt) {
+  TempFile config("hicache-bench-config2.json"), report("hicache-bench-config2-report.json");
+  {
+    std::ofstream(config.path) << R"({"workload": "longcontext", "documents": 2, "questions": 2,
+                                      "document_tokens": 64, "tiers": "host", "clients": 9})";
+  }
+  const BenchRun r = run_bench(kTiny + "--config " + config.path.string() + " --questions 3 --report " +
+                          report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  EXPECT_EQ(j["workload"], "longcontext");
+  EXPECT_EQ(j["settings"]["questions"], 3);
+  EXPECT_EQ(j["settings"]["clients"], 9);
+  EXPECT_EQ(j["configurations"][0]["name"], "host");
+  check_adds_up(j["configurations"][0], 6);
+}
+
+}  // namespace

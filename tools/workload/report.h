@@ -1,0 +1,42 @@
+// hicache-bench's results: one summary per configuration (JSON, with the metrics of SGLang's
+// bench_multiturn plus per-tier figures), the side-by-side table, and the SVG plot.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "tools/workload/runner.h"
+#include "tools/workload/workload.h"
+
+namespace hicache::workload {
+
+struct ConfigRun {
+  std::string name;                      // "device", "host", "host+file", "host+redis"
+  std::vector<InstanceResult> instances;
+  std::int64_t page_bytes = 0;           // KV bytes of one page (all layers)
+  std::int32_t page_size = 0;
+};
+
+// Nearest-rank percentile of `values` (q in (0, 1]); 0 when empty.
+double percentile(std::vector<double> values, double q);
+
+// Summary of one configuration over every instance. Keys: see the README's hicache-bench section.
+nlohmann::json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan);
+
+// The configurations side by side, one column each.
+std::string format_table(const std::vector<nlohmann::json>& summaries);
+
+// TTFT per round (lines) and hit rate per tier (stacked bars), one colour per configuration.
+std::string render_svg(const std::vector<nlohmann::json>& summaries, const std::string& title);
+
+}  // namespace hicache::workload
+
+namespace hicache::workload {
+
+// An instance's result as JSON and back (hicache-bench --instances sends it over a pipe).
+nlohmann::json to_json(const InstanceResult& result);
+InstanceResult instance_result_from_json(const nlohmann::json& j);
+
+}  // namespace hicache::workload

@@ -1,0 +1,216 @@
+#include "tools/workload/runner.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "transfer/errors.h"
+
+namespace hicache::workload {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Runner::Runner(EngineStack& stack, const std::vector<PlannedRequest>& plan, std::vector<int> mine,
+               RunOptions options, int instance)
+    : stack_(stack), plan_(plan), mine_(std::move(mine)), options_(std::move(options)),
+      instance_(instance), done_(plan.size(), 0), sent_(plan.size(), 0) {
+  if (options_.request_rate < 0) {
+    throw InvalidArgument(str_cat("request rate ", options_.request_rate, " < 0"));
+  }
+  if (options_.max_inflight < 0) {
+    throw InvalidArgument(str_cat("max inflight ", options_.max_inflight, " < 0"));
+  }
+  // What is not ours counts as done (another instance serves it, before our round starts).
+  std::vector<char> ours(plan.size(), 0);
+  for (int i : mine_) ours[static_cast<std::size_t>(i)] = 1;
+  for (std::size_t i = 0; i < plan.size(); ++i) done_[i] = ours[i] ? 0 : 1;
+  started_ = now_seconds();
+}
+
+void Runner::run_all() {
+  int last = 0;
+  for (int i : mine_) last = std::max(last, plan_[static_cast<std::size_t>(i)].round);
+  if (!options_.barrier) return run_rounds(0, last);
+  for (int r = 0; r <= last; ++r) run_rounds(r, r);
+}
+
+void Runner::run_rounds(int first_round, int last_round) {
+  std::vector<int> todo;
+  for (int i : mine_) {
+    const int r = plan_[static_cast<std::size_t>(i)].round;
+    if (r >= first_round && r <= last_round && !done_[static_cast<std::size_t>(i)]) todo.push_back(i);
+  }
+  std::unordered_map<std::string, int> by_id;
+  for (int i : todo) by_id.emplace(plan_[static_cast<std::size_t>(i)].id, i);
+  std::mt19937_64 rng(options_.seed * 7919 + static_cast<std::uint64_t>(first_round) * 104729 +
+                      static_cast<std::uint64_t>(instance_));
+  std::exponential_distribution<double> gap(options_.request_rate > 0 ? options_.request_rate : 1);
+  double next_arrival = now_seconds();
+  std::size_t remaining = todo.size(), cursor = 0;
+  int inflight = 0;
+  SimulatedEngine& engine = stack_.engine();
+  std::int64_t iteration = 0;
+  while (remaining > 0) {
+    const double now = now_seconds();
+    bool any_ready = false;
+    for (std::size_t k = cursor; k < todo.size(); ++k) {
+      const int idx = todo[k];
+      if (sent_[static_cast<std::size_t>(idx)]) continue;
+      const PlannedRequest& p = plan_[static_cast<std::size_t>(idx)];
+      if (p.depends_on >= 0 && !done_[static_cast<std::size_t>(p.depends_on)]) continue;
+      any_ready = true;
+      if (options_.max_inflight > 0 && inflight >= options_.max_inflight) break;
+      if (options_.request_rate > 0 && now < next_arrival) break;
+      engine.submit(SimulatedRequest{p.id, p.tokens, p.output_tokens,
+                                     std::chrono::steady_clock::now()});
+      sent_[static_cast<std::size_t>(idx)] = 1;
+      ++inflight;
+      records_.push_back(RequestRecord{.index = idx, .instance = instance_, .sent_s = now - started_});
+      if (options_.request_rate > 0) next_arrival += gap(rng);
+    }
+    while (cursor < todo.size() && sent_[static_cast<std::size_t>(todo[cursor])]) ++cursor;
+
+    const bool busy = engine.step();
+    for (FinishedRequest& f : engine.drain_finished()) {
+      const int idx = by_id.at(f.id);
+      done_[static_cast<std::size_t>(idx)] = 1;
+      --inflight;
+      --remaining;
+      prompt_tokens_ += f.prompt_tokens;
+      cached_tokens_ += f.prompt_tokens - f.computed_tokens;
+      for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
+        if (it->index == idx) {
+          it->report = std::move(f);
+          break;
+        }
+      }
+    }
+    if (!busy && inflight > 0 && engine.waiting() == 0 && engine.decoding() == 0) {
+      // The engine dropped them: larger than its device pool can ever hold.
+      for (RequestRecord& r : records_) {
+        if (!done_[static_cast<std::size_t>(r.index)] && by_id.count(plan_[static_cast<std::size_t>(r.index)].id)) {
+          r.rejected = true;
+          done_[static_cast<std::size_t>(r.index)] = 1;
+          --inflight;
+          --remaining;
+        }
+      }
+    }
+    if ((++iteration & 15) == 0) sample();
+    if (!busy && inflight == 0 && remaining > 0) {
+      if (!any_ready) {
+        throw StateError(str_cat("workload runner: ", remaining,
+                                 " requests wait for requests outside rounds ", first_round, "..",
+                                 last_round));
+      }
+      if (options_.request_rate > 0 && next_arrival > now_seconds()) {
+        // Idle until the next client sends (think time between arrivals, not engine work).
+        std::this_thread::sleep_for(std::chrono::duration<double>(next_arrival - now_seconds()));
+      }
+    }
+    report_progress(false);
+  }
+  sample();
+  report_progress(true);
+}
+
+void Runner::flush() {
+  stack_.engine().flush();
+  sample();
+}
+
+void Runner::sample() {
+  auto up = [this](const char* name, double v) {
+    double& m = maxima_[name];
+    if (v > m) m = v;
+  };
+  const auto s = stack_.cache().stats();
+  up("writes_in_flight", static_cast<double>(s.writes_in_flight));
+  up("loads_in_flight", static_cast<double>(s.loads_in_flight));
+  up("backups_in_flight", static_cast<double>(s.backups_in_flight));
+  up("prefetches_in_flight", static_cast<double>(stack_.cache().prefetches_in_flight()));
+  up("requests_waiting", static_cast<double>(stack_.engine().waiting()));
+  up("requests_decoding", static_cast<double>(stack_.engine().decoding()));
+  up("device_tokens_cached", static_cast<double>(s.device_tokens));
+  up("host_tokens_cached", static_cast<double>(s.host_tokens));
+}
+
+void Runner::report_progress(bool final) {
+  if (!options_.progress) return;
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const double now = now_seconds();
+  if (!final && now - last_progress_ < (tty ? 0.25 : 5.0)) return;
+  last_progress_ = now;
+  std::size_t finished = 0;
+  for (const auto& r : records_) finished += r.rejected || !r.report.id.empty() ? 1 : 0;
+  const double elapsed = now - started_;
+  const std::string note = progress_note ? progress_note() : "";
+  std::fprintf(stderr, "%s[%s] %s%zu/%zu requests, %.1f req/s, hit rate %.1f%%%s",
+               tty ? "\r" : "", options_.label.c_str(), note.c_str(), finished, mine_.size(),
+               elapsed > 0 ? static_cast<double>(finished) / elapsed : 0.0,
+               prompt_tokens_ > 0 ? 100.0 * static_cast<double>(cached_tokens_) / static_cast<double>(prompt_tokens_) : 0.0,
+               tty && !final ? "   " : "\n");
+  std::fflush(stderr);
+}
+
+InstanceResult Runner::result() const {
+  InstanceResult out;
+  out.records = records_;
+  out.maxima = maxima_;
+  out.duration_s = now_seconds() - started_;
+  auto& c = out.counters;
+  const auto& e = stack_.engine().stats();
+  c["steps"] = static_cast<double>(e.steps);
+  c["decode_steps"] = static_cast<double>(e.decode_steps);
+  c["verified_pages"] = static_cast<double>(e.verified_pages);
+  c["mismatched_pages"] = static_cast<double>(e.mismatched_pages);
+  c["unverified_pages"] = static_cast<double>(e.unverified_pages);
+  c["rejected_requests"] = static_cast<double>(e.rejected);
+  c["deferred_admissions"] = static_cast<double>(e.deferred);
+  c["prefetches"] = static_cast<double>(e.prefetches);
+  c["compute_seconds"] = e.compute_seconds;
+  c["step_seconds"] = e.step_seconds;
+  const auto s = stack_.cache().stats();
+  c["evicted_device_tokens"] = static_cast<double>(s.evicted_device_tokens);
+  c["evicted_host_tokens"] = static_cast<double>(s.evicted_host_tokens);
+  c["prefetched_tokens"] = static_cast<double>(s.prefetched_tokens);
+  c["prefetch_revokes"] = static_cast<double>(s.revoked_prefetches);
+  c["write_failures"] = static_cast<double>(s.write_failures);
+  c["load_failures"] = static_cast<double>(s.load_failures);
+  c["load_backs_refused_by_cost"] = static_cast<double>(s.load_backs_refused_by_cost);
+  c["prefetches_refused_by_cost"] = static_cast<double>(s.prefetches_refused_by_cost);
+  c["demotions"] = static_cast<double>(s.demotions);
+  const auto ctl = stack_.controller().stats();
+  c["l1_to_l2_bytes"] = static_cast<double>(ctl.bytes_written);
+  c["l2_to_l1_bytes"] = static_cast<double>(ctl.bytes_loaded);
+  c["l2_to_l1_seconds"] = ctl.load_seconds;
+  c["controller_write_failures"] = static_cast<double>(ctl.write_failures);
+  c["controller_load_failures"] = static_cast<double>(ctl.load_failures);
+  c["l2_to_l3_bytes"] = 0;
+  c["l3_to_l2_bytes"] = 0;
+  c["l3_to_l2_seconds"] = 0;
+  c["storage_errors"] = 0;
+  if (const StorageController* sc = stack_.storage_controller()) {
+    c["l2_to_l3_bytes"] = static_cast<double>(sc->written_bytes());
+    c["l3_to_l2_bytes"] = static_cast<double>(sc->read_bytes());
+    c["l3_to_l2_seconds"] = sc->read_seconds();
+    c["storage_errors"] = static_cast<double>(sc->failed_ops());
+  }
+  if (const StorageBackend* b = const_cast<EngineStack&>(stack_).storage()) {
+    const StorageStats st = b->stats();
+    c["storage_get_errors"] = static_cast<double>(st.get_errors);
+    c["storage_set_errors"] = static_cast<double>(st.set_errors);
+    c["storage_bad_records"] = static_cast<double>(st.bad_records);
+    c["storage_get_misses"] = static_cast<double>(st.get_misses);
+  }
+  out.first_mismatch = stack_.engine().first_mismatch();
+  return out;
+}
+
+}  // namespace hicache::workload

@@ -1,0 +1,87 @@
+// Drives a SimulatedEngine with a planned workload the way clients would: a request is sent once
+// the request it depends on finished (and, with the barrier, once every request of the earlier
+// rounds did), at Poisson arrival times when a rate is set (else as soon as it is ready), with at
+// most `max_inflight` requests in flight. Between steps it collects the engine's reports and the
+// queue depths. Sleeps only when nothing is in flight and the next arrival is in the future (a
+// client's think time, not the engine's).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "controller/simulated_engine.h"
+#include "tools/workload/engine_stack.h"
+#include "tools/workload/workload.h"
+
+namespace hicache::workload {
+
+struct RunOptions {
+  double request_rate = 0;  // requests/s over all clients (Poisson); 0: all at once
+  int max_inflight = 0;     // 0: no cap
+  bool barrier = false;     // round r+1 waits until round r is done
+  std::uint64_t seed = 1;
+  std::string label;        // progress lines
+  bool progress = true;     // progress on stderr (a bar on a terminal, else a line each 5 s)
+};
+
+struct RequestRecord {
+  int index = 0;        // in the plan
+  int instance = 0;
+  bool rejected = false;  // larger than the device pool can ever hold
+  double sent_s = 0;      // since the run's start
+  FinishedRequest report;
+};
+
+// Everything one instance measured, as flat maps so that instances merge by adding up (counters)
+// or taking the largest (maxima).
+struct InstanceResult {
+  std::vector<RequestRecord> records;
+  std::map<std::string, double> counters;
+  std::map<std::string, double> maxima;
+  double duration_s = 0;
+  std::string first_mismatch;
+};
+
+class Runner {
+ public:
+  // `mine`: the plan indices this instance serves (all of them for one instance); a dependency
+  // outside `mine` counts as done (the round barrier between instances guarantees it).
+  Runner(EngineStack& stack, const std::vector<PlannedRequest>& plan, std::vector<int> mine,
+         RunOptions options, int instance = 0);
+
+  // Runs the requests of `mine` whose round is in [first_round, last_round] to completion.
+  void run_rounds(int first_round, int last_round);
+  // The whole share: round by round with the barrier, else all rounds at once.
+  void run_all();
+  // Waits until every write, load and backup is acknowledged (what the tree holds is in L2/L3).
+  void flush();
+  // Called by the progress reporter for extra text ("round 3/5").
+  std::function<std::string()> progress_note;
+
+  // Counters and maxima as of now (engine, radix cache, controller, storage controller).
+  InstanceResult result() const;
+
+ private:
+  void sample();
+  void report_progress(bool final);
+
+  EngineStack& stack_;
+  const std::vector<PlannedRequest>& plan_;
+  std::vector<int> mine_;
+  RunOptions options_;
+  int instance_;
+  std::vector<char> done_;   // by plan index
+  std::vector<char> sent_;
+  std::vector<RequestRecord> records_;
+  std::map<std::string, double> maxima_;
+  double started_ = 0;
+  double last_progress_ = 0;
+  std::int64_t cached_tokens_ = 0, prompt_tokens_ = 0;
+};
+
+double now_seconds();  // steady clock, seconds
+
+}  // namespace hicache::workload
