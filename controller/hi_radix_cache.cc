@@ -133,6 +133,23 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
 
 HiRadixCache::~HiRadixCache() = default;
 
+void HiRadixCache::reset() {
+  // The threads first: once they are stopped nothing reads or writes a page of either pool, and
+  // every ack, revoke and op they held is dropped (reset starts them again).
+  if (storage_ != nullptr) storage_->reset();
+  controller_.reset();
+  pending_ = std::make_unique<Pending>();  // prefetch ops go; their host pages go with the pool
+  arrived_ = std::make_unique<Arrived>();
+  acks_.clear();
+  backup_acks_.clear();
+  revoked_.clear();
+  root_ = std::make_unique<Node>();
+  root_->lock = 1;  // never evicted
+  device_pool_.allocator().reset();
+  host_pool_.reset();
+  ++counters_.resets;
+}
+
 HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int32_t> page) const {
   auto it = node->children.find(page_key(page));
   return it == node->children.end() ? nullptr : it->second.get();

@@ -98,6 +98,7 @@ struct RadixCacheStats {
   std::int64_t load_backs_refused_by_cost = 0, prefetches_refused_by_cost = 0;
   double measured_prefetch_gbps = 0, last_prefetch_estimate_s = 0;
   std::int64_t demotions = 0;  // check_events() calls that started a demotion
+  std::int64_t resets = 0;
   double measured_load_gbps = 0, last_load_estimate_s = 0, last_recompute_estimate_s = 0;
 };
 
@@ -181,6 +182,13 @@ class HiRadixCache {
   // Ends a request's prefetch and frees what it fetched.
   void release_aborted_request(const std::string& request_id);
   std::size_t prefetches_in_flight() const;
+
+  // Drops the whole tree and every op in flight (SGLang's flush_cache / HiRadixCache.reset):
+  // stops the controllers' threads (nothing reads or writes a page afterwards), forgets every
+  // pending ack, frees every device and host page, and starts the threads again. The caller
+  // must hold nothing of the tree: no locks, no slots it got from it (the engine aborts its
+  // requests first). Every TP rank calls it at the same step. Counters stay.
+  void reset();
 
   RadixCacheStats stats() const;
   // Empty when the tree is consistent with itself and the pools: every lock count >= 0, no

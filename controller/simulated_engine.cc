@@ -326,6 +326,23 @@ void SimulatedEngine::flush(std::int64_t max_steps) {
   }
 }
 
+std::size_t SimulatedEngine::reset() {
+  std::vector<const SimulatedRequest*> ended;
+  for (const Waiting& w : waiting_) ended.push_back(&w.request);
+  for (const Waiting& w : prefetching_) ended.push_back(&w.request);
+  for (const Running& r : decoding_) ended.push_back(&r.request);
+  if (config_.record_finished) {
+    for (const SimulatedRequest* r : ended) finished_.push_back(FinishedRequest{.id = r->id, .aborted = true});
+  }
+  const std::size_t n = ended.size();
+  stats_.aborted += static_cast<std::int64_t>(n);
+  waiting_.clear();
+  prefetching_.clear();
+  decoding_.clear();  // their slots and locks go with the tree
+  cache_.reset();
+  return n;
+}
+
 std::vector<FinishedRequest> SimulatedEngine::drain_finished() {
   std::vector<FinishedRequest> out;
   out.swap(finished_);

@@ -58,6 +58,7 @@ struct FinishedRequest {
   std::int64_t computed_tokens = 0;
   double ttft_s = 0, e2e_s = 0;
   double itl_s = 0;  // mean time between output tokens (0 with fewer than 2)
+  bool aborted = false;  // reset() ended it: only the id is meaningful
 };
 
 struct SimulatedEngineConfig {
@@ -90,6 +91,7 @@ struct SimulatedEngineStats {
   double step_seconds = 0;    // wall time inside step(), compute included
   double compute_seconds = 0; // simulated compute (prefill and decode)
   std::int64_t decode_steps = 0;
+  std::int64_t aborted = 0;  // requests reset() ended
 };
 
 // The 64-bit seed of page `page` of `tokens`: a hash of the whole prefix up to its end.
@@ -114,6 +116,10 @@ class SimulatedEngine {
   // backup is in flight, so that what the tree holds is on the host and in L3: an instance
   // hands a conversation over to another through L3 after this. Returns at `max_steps`.
   void flush(std::int64_t max_steps = 1 << 30);
+  // Aborts every request (reported by drain_finished() with `aborted`) and resets the cache
+  // (HiRadixCache::reset): what a serving engine does to flush its cache under traffic.
+  // Returns the number of requests aborted.
+  std::size_t reset();
   // The requests finished since the last call (config.record_finished).
   std::vector<FinishedRequest> drain_finished();
   const SimulatedEngineStats& stats() const { return stats_; }

@@ -100,12 +100,29 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
     staging_.resize(bytes);
     prefetch_staging_.resize(bytes);
   }
+  start_threads();
+}
+
+void StorageController::start_threads() {
   backup_thread_ = std::thread([this] { backup_loop(); });
   prefetch_thread_ = std::thread([this] { prefetch_loop(); });
   prefetch_io_thread_ = std::thread([this] { prefetch_io_loop(); });
 }
 
 StorageController::~StorageController() { stop(); }
+
+void StorageController::reset() {
+  stop();
+  // Acks of what stop() ended: the caller drops its view of those ops with them.
+  std::vector<BackupAck> backups;
+  drain_queue(backup_acks_, backups);
+  std::vector<std::string> revokes;
+  drain_queue(revokes_, revokes);
+  backup_queue_.reset();
+  prefetch_queue_.reset();
+  prefetch_io_queue_.reset();
+  start_threads();
+}
 
 void StorageController::stop() {
   backup_queue_.stop();

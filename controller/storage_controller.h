@@ -212,6 +212,11 @@ class StorageController {
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
   // their pages). Idempotent.
   void stop();
+  // stop(), then drops every ack and revoke not yet drained and starts the threads again: for
+  // the owner's reset (HiRadixCache::reset), which forgets every op and frees every host page
+  // itself. Prefetch ops the caller still holds are finished or revoked (terminate_prefetch
+  // returns their pages; after a host pool reset do not free them).
+  void reset();
 
  private:
   struct BackupOp {
@@ -235,6 +240,7 @@ class StorageController {
   void finish(PrefetchOperation& op);
   BackupAck run_backup(const BackupOp& op);
   // Writes the pages [begin, end) of op; returns how many leading pages are stored.
+  void start_threads();
   std::int64_t write_batch(const BackupOp& op, std::size_t begin, std::size_t end,
                            std::string& error);
 

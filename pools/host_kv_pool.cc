@@ -128,6 +128,19 @@ void HostKVPool::free(std::span<const std::int64_t> slots) {
              PageState::kFree, "free");
 }
 
+void HostKVPool::reset() {
+  std::lock_guard lock(mu_);
+  for (std::size_t page = 0; page < states_.size(); ++page) {
+    if (states_[page] == PageState::kProtected) {
+      throw StateError(str_cat("host pool reset: page ", page, " (slot ",
+                               static_cast<std::int64_t>(page) * geometry_.page_size,
+                               ") is protected: a copy is in flight"));
+    }
+  }
+  std::fill(states_.begin(), states_.end(), PageState::kFree);
+  allocator_.reset();
+}
+
 void HostKVPool::discard(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
   transition(slots, state_bit(PageState::kSynced), PageState::kFree, "discard");

@@ -66,6 +66,9 @@ class HostKVPool {
   void complete_io(std::span<const std::int64_t> slots, PageState to);
   void abort_io(std::span<const std::int64_t> slots);    // protected -> reserved (no valid data)
   void mark_backup(std::span<const std::int64_t> slots);  // synced -> backup (device copy gone)
+  // Every page -> free (the owner dropped all it held: HiRadixCache::reset). A page in state
+  // protected has a copy in flight: StateError naming it, nothing changed.
+  void reset();
 
   PageState page_state(std::int64_t page) const;
   // True when every page of `slots` is in `state`.

@@ -262,6 +262,46 @@ TEST(SimulatedEngine, DeviceOnlyCacheWritesNothingToTheHost) {
                InvalidArgument);
 }
 
+// reset() under traffic, at many different points: every request in flight is aborted, both
+// pools are entirely free at once, the tree is empty and consistent, and the engine then serves
+// a new workload with correct bytes, finding in L3 what was backed up before the reset.
+TEST(SimulatedEngine, ResetUnderTrafficFreesEverythingAndServesAgain) {
+  const TempRoot root("reset");
+  Stack s(root, 40, 48, {.max_batch = 4, .decode_step_seconds = 0});
+  std::mt19937 rng(11);
+  std::int64_t aborted = 0;
+  for (int round = 0; round < 30; ++round) {
+    auto requests = workload(20, 5, 100 + static_cast<std::uint32_t>(round));
+    for (auto& r : requests) {
+      r.output_tokens = static_cast<std::int32_t>(rng() % 6);
+      s.engine.submit(std::move(r));
+    }
+    const int steps = static_cast<int>(rng() % 12);
+    for (int i = 0; i < steps; ++i) s.engine.step();
+    const std::size_t n = s.engine.reset();
+    aborted += static_cast<std::int64_t>(n);
+    ASSERT_EQ(s.device_pool.allocator().free_tokens(), s.device_pool.capacity_tokens()) << round;
+    ASSERT_EQ(s.host_pool.free_tokens(), s.host_pool.capacity_tokens()) << round;
+    ASSERT_EQ(s.cache.stats().nodes, 0) << round;
+    ASSERT_EQ(s.cache.check_invariants(), "") << round;
+    ASSERT_EQ(s.engine.waiting() + s.engine.decoding(), 0u);
+    std::size_t reported_aborted = 0;
+    for (const auto& f : s.engine.drain_finished()) reported_aborted += f.aborted ? 1 : 0;
+    ASSERT_EQ(reported_aborted, n);
+  }
+  EXPECT_GT(aborted, 0);
+  EXPECT_EQ(s.cache.stats().resets, 30);
+  EXPECT_EQ(s.engine.stats().mismatched_pages, 0) << s.engine.first_mismatch();
+  // Afterwards: a full workload, every page correct, L3 pages written before the resets found.
+  for (auto& r : workload(60, 5, 7)) s.engine.submit(std::move(r));
+  s.engine.run_until_idle(2'000'000);
+  EXPECT_EQ(s.engine.waiting(), 0u);
+  EXPECT_EQ(s.engine.stats().mismatched_pages, 0) << s.engine.first_mismatch();
+  EXPECT_GT(s.engine.stats().verified_pages, 0);
+  EXPECT_GT(s.cache.stats().prefetched_tokens, 0) << "nothing found in L3 after the resets";
+  EXPECT_EQ(s.cache.check_invariants(), "");
+}
+
 TEST(SimulatedEngine, CachedPrefixTokensLeavesTheTreeAsItWas) {
   const TempRoot root("peek");
   Stack s(root, 64, 128, {.use_storage = false});

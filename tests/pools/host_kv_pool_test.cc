@@ -157,6 +157,33 @@ TEST(HostKVPool, AllocRunsOutCleanlyAndCountsStates) {
   EXPECT_EQ(pool.free_tokens(), 3 * kPage);
 }
 
+TEST(HostKVPool, ResetFreesEveryPageButNotOneWithACopyInFlight) {
+  HostDevice device;
+  HostKVPool pool(device, small_geometry(), HostLayout::kPageFirst, 4 * kPage);
+  page_in_state(pool, PageState::kReserved);
+  page_in_state(pool, PageState::kSynced);
+  const auto backup = page_in_state(pool, PageState::kBackup);
+  const auto in_flight = page_in_state(pool, PageState::kProtected);
+  EXPECT_EQ(pool.free_tokens(), 0);
+  // Illegal twin first: a protected page refuses the reset, and nothing changes.
+  try {
+    pool.reset();
+    ADD_FAILURE() << "reset with a protected page";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(in_flight[0] / kPage)), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(pool.free_tokens(), 0);
+  EXPECT_EQ(pool.page_state(backup[0] / kPage), PageState::kBackup);
+  pool.complete_io(in_flight, PageState::kBackup);
+  pool.reset();
+  EXPECT_EQ(pool.free_tokens(), 4 * kPage);
+  EXPECT_EQ(pool.count_in_state(PageState::kFree), 4);
+  auto all = pool.alloc(4 * kPage);  // the allocator agrees: every page can be had again
+  ASSERT_TRUE(all);
+  EXPECT_EQ(all->size(), static_cast<std::size_t>(4 * kPage));
+}
+
 TEST(HostKVPool, SizeResolvesFromRatioBytesOrTokens) {
   const auto g = small_geometry();  // page_bytes = 2 layers * 2 kv * 4 tokens * 8 * 2 bytes
   EXPECT_EQ(HostPoolSize{.ratio = 2.0}.resolve_tokens(g, 64), 128);

@@ -56,15 +56,15 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
   }
   std::vector<double> ttft, itl, e2e;
   double prompt = 0, output = 0, device = 0, host = 0, storage = 0, computed = 0, cross = 0;
-  std::int64_t rejected = 0;
+  std::int64_t rejected = 0, aborted = 0;
   struct Round {
     std::vector<double> ttft, e2e;
     double prompt = 0, device = 0, host = 0, storage = 0;
   };
   std::map<int, Round> rounds;
   for (const RequestRecord* rec : records) {
-    if (rec->rejected) {
-      ++rejected;
+    if (rec->rejected || rec->aborted) {
+      ++(rec->rejected ? rejected : aborted);
       continue;
     }
     const FinishedRequest& f = rec->report;
@@ -123,6 +123,7 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
       {"instances", run.instances.size()},
       {"requests", finished},
       {"rejected_requests", rejected},
+      {"aborted_requests", aborted},
       {"duration_s", duration},
       {"throughput_req_s", ratio(finished, duration)},
       {"input_tokens_per_s", ratio(prompt, duration)},
@@ -299,7 +300,8 @@ nlohmann::json to_json(const InstanceResult& r) {
     const FinishedRequest& f = rec.report;
     records.push_back({rec.index, rec.instance, rec.rejected, rec.sent_s, f.id, f.prompt_tokens,
                        f.output_tokens, f.device_hit_tokens, f.host_hit_tokens,
-                       f.storage_hit_tokens, f.computed_tokens, f.ttft_s, f.e2e_s, f.itl_s});
+                       f.storage_hit_tokens, f.computed_tokens, f.ttft_s, f.e2e_s, f.itl_s,
+                       rec.aborted});
   }
   return {{"records", records}, {"counters", r.counters}, {"maxima", r.maxima},
           {"duration_s", r.duration_s}, {"first_mismatch", r.first_mismatch}};
@@ -324,6 +326,7 @@ InstanceResult instance_result_from_json(const nlohmann::json& j) {
     f.ttft_s = a.at(11).get<double>();
     f.e2e_s = a.at(12).get<double>();
     f.itl_s = a.at(13).get<double>();
+    rec.aborted = a.at(14).get<bool>();
     r.records.push_back(std::move(rec));
   }
   r.counters = j.at("counters").get<std::map<std::string, double>>();

@@ -82,6 +82,15 @@ void Runner::run_rounds(int first_round, int last_round) {
       done_[static_cast<std::size_t>(idx)] = 1;
       --inflight;
       --remaining;
+      if (f.aborted) {
+        for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
+          if (it->index == idx) {
+            it->aborted = true;
+            break;
+          }
+        }
+        continue;
+      }
       prompt_tokens_ += f.prompt_tokens;
       cached_tokens_ += f.prompt_tokens - f.computed_tokens;
       for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
@@ -148,7 +157,7 @@ void Runner::report_progress(bool final) {
   if (!final && now - last_progress_ < (tty ? 0.25 : 5.0)) return;
   last_progress_ = now;
   std::size_t finished = 0;
-  for (const auto& r : records_) finished += r.rejected || !r.report.id.empty() ? 1 : 0;
+  for (const auto& r : records_) finished += r.rejected || r.aborted || !r.report.id.empty() ? 1 : 0;
   const double elapsed = now - started_;
   const std::string note = progress_note ? progress_note() : "";
   std::fprintf(stderr, "%s[%s] %s%zu/%zu requests, %.1f req/s, hit rate %.1f%%%s",

@@ -31,6 +31,7 @@ struct RequestRecord {
   int index = 0;        // in the plan
   int instance = 0;
   bool rejected = false;  // larger than the device pool can ever hold
+  bool aborted = false;   // ended by an engine reset
   double sent_s = 0;      // since the run's start
   FinishedRequest report;
 };
