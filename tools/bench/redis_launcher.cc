@@ -221,8 +221,19 @@ bool RedisProcess::start(const std::vector<std::string>& extra, std::string* err
   return false;
 }
 
+bool RedisProcess::restart(std::string* error) {
+  const int port = port_;
+  if (port == 0) {
+    *error = "restart: the server was never started";
+    return false;
+  }
+  const auto extra = extra_;
+  return start_on(port, extra, error);
+}
+
 bool RedisProcess::start_on(int port, const std::vector<std::string>& extra, std::string* error) {
   stop();
+  extra_ = extra;
   const std::string server = find_binary("redis-server");
   std::vector<std::string> args = {server,
                                    "--port",

@@ -62,6 +62,9 @@ class RedisProcess {
   // arguments; false with *error otherwise.
   bool start(const std::vector<std::string>& extra, std::string* error);
   void stop();  // SIGKILL + waitpid; idempotent
+  // SIGKILL, then a new server on the same port with the same arguments (an empty dataset: the
+  // servers run without persistence). False with *error when it does not come back.
+  bool restart(std::string* error);
   int port() const { return port_; }
 
  private:
@@ -69,6 +72,7 @@ class RedisProcess {
   pid_t pid_ = -1;
   int port_ = 0;
   std::string dir_;
+  std::vector<std::string> extra_;
 };
 
 // One server (nodes == 1, no cluster mode) or a cluster of `nodes` masters formed with

@@ -1,0 +1,555 @@
+// hicache-stress: the engine loop with every tier under a seeded random workload, for a given
+// time or step count, with faults injected at configurable rates:
+//
+//   error       storage get/set results turned into errors (a failed get's span is filled
+//               with garbage first: nobody may use it)
+//   exists      exists queries failing
+//   slow        storage batches delayed up to --slow-ms
+//   timeout     storage batches that wait --timeout-ms and then fail every key
+//   corrupt     one byte of a random stored record flipped on disk or in Redis
+//   truncate    a random stored record truncated
+//   disk_full   the file store's disk filled to the last byte for a window (a tmpfs the tool
+//               mounts, with a ballast file; without the right to mount, sets fail with ENOSPC
+//               through the injector instead; Redis: the injector)
+//   redis_restart  redis-server killed (SIGKILL) and started again, empty, on the same port
+//   host_exhaust   every free host page taken for a window (another tenant of the pool)
+//   reset       HiRadixCache::reset through SimulatedEngine::reset in the middle of traffic
+//
+// Every page the engine reads from any tier is verified byte for byte against the data its
+// token prefix derives. At the end the faults stop, the engine drains, every write and backup
+// lands, everything is evicted, and the tool checks that both pools are entirely free (no slot
+// leaked), the tree is consistent, and L3 still works (a page backed up after all the faults is
+// found again after a reset: the storage threads did not die). It prints the table and exits
+// 0 when nothing wrong was served and nothing leaked, 1 otherwise, 2 for bad flags.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tools/bench/redis_launcher.h"
+#include "tools/stress/fault_storage.h"
+#include "tools/workload/engine_stack.h"
+#include "storage/file_storage.h"
+#include "transfer/errors.h"
+
+// After the headers above: it defines BLOCK_SIZE, a name moodycamel's queue uses.
+#include <sys/mount.h>
+
+namespace {
+
+namespace fs = std::filesystem;
+using hicache::InvalidArgument;
+using hicache::str_cat;
+using Clock = std::chrono::steady_clock;
+
+const std::vector<std::string> kFaults = {"error",    "exists",    "slow",          "timeout",
+                                          "corrupt",  "truncate",  "disk_full",     "redis_restart",
+                                          "host_exhaust", "reset"};
+
+struct Settings {
+  double seconds = 60;
+  std::int64_t steps = 0;  // > 0: stop after this many engine steps instead
+  std::uint64_t seed = 1;
+  std::string storage = "file";
+  std::set<std::string> faults{kFaults.begin(), kFaults.end()};
+  double error_rate = 0.02, exists_error_rate = 0.01, slow_rate = 0.05, timeout_rate = 0.005;
+  int slow_ms = 20, timeout_ms = 50;
+  double corrupt_every_s = 0.2, truncate_every_s = 0.5, disk_full_every_s = 7,
+         disk_full_window_s = 1, redis_restart_every_s = 10, host_exhaust_every_s = 4,
+         host_exhaust_window_s = 0.5, reset_every_s = 6;
+  std::int64_t tmpfs_mb = 64;
+  std::string report;
+  bool progress = true;
+};
+
+constexpr const char* kUsage = R"(usage: hicache-stress [options]
+  --seconds S             run time (default 60)
+  --steps N               stop after N engine steps instead (0: by time)
+  --seed N                workload and fault seed (1)
+  --storage file|redis    L3: a file store on a tmpfs it mounts (or a temporary directory), or
+                          a redis-server it starts on a free loopback port (file)
+  --faults LIST|all|none  comma list of: error, exists, slow, timeout, corrupt, truncate,
+                          disk_full, redis_restart, host_exhaust, reset (all)
+  --error-rate P          per key of a get/set (0.02)     --exists-error-rate P  (0.01)
+  --slow-rate P           per batch (0.05)                --slow-ms N            (20)
+  --timeout-rate P        per batch (0.005)               --timeout-ms N         (50)
+  --corrupt-every-s S     (0.2)                           --truncate-every-s S   (0.5)
+  --disk-full-every-s S   (7)                             --disk-full-window-s S (1)
+  --redis-restart-every-s S (10)
+  --host-exhaust-every-s S (4)                            --host-exhaust-window-s S (0.5)
+  --reset-every-s S       (6)
+  --tmpfs-mb N            size of the file store's tmpfs (64)
+  --report FILE           also write the table as JSON
+  --no-progress           no progress lines on stderr
+Exit code: 0 pass (no wrong byte served, no slot leaked, L3 alive), 1 fail, 2 bad flags.
+)";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "hicache-stress: %s\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+double number(const std::string& flag, const char* v, double min) {
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(x >= min)) {
+    usage_error(str_cat(flag, ": '", v, "' is not a number >= ", min));
+  }
+  return x;
+}
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  std::map<std::string, double*> doubles = {
+      {"--seconds", &s.seconds},
+      {"--error-rate", &s.error_rate},
+      {"--exists-error-rate", &s.exists_error_rate},
+      {"--slow-rate", &s.slow_rate},
+      {"--timeout-rate", &s.timeout_rate},
+      {"--corrupt-every-s", &s.corrupt_every_s},
+      {"--truncate-every-s", &s.truncate_every_s},
+      {"--disk-full-every-s", &s.disk_full_every_s},
+      {"--disk-full-window-s", &s.disk_full_window_s},
+      {"--redis-restart-every-s", &s.redis_restart_every_s},
+      {"--host-exhaust-every-s", &s.host_exhaust_every_s},
+      {"--host-exhaust-window-s", &s.host_exhaust_window_s},
+      {"--reset-every-s", &s.reset_every_s}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--no-progress") {
+      s.progress = false;
+      continue;
+    }
+    if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
+    const char* v = argv[++i];
+    if (auto it = doubles.find(flag); it != doubles.end()) {
+      *it->second = number(flag, v, 0);
+    } else if (flag == "--steps") {
+      s.steps = static_cast<std::int64_t>(number(flag, v, 0));
+    } else if (flag == "--seed") {
+      s.seed = static_cast<std::uint64_t>(number(flag, v, 0));
+    } else if (flag == "--slow-ms") {
+      s.slow_ms = static_cast<int>(number(flag, v, 0));
+    } else if (flag == "--timeout-ms") {
+      s.timeout_ms = static_cast<int>(number(flag, v, 0));
+    } else if (flag == "--tmpfs-mb") {
+      s.tmpfs_mb = static_cast<std::int64_t>(number(flag, v, 8));
+    } else if (flag == "--report") {
+      s.report = v;
+    } else if (flag == "--storage") {
+      s.storage = v;
+      if (s.storage != "file" && s.storage != "redis") {
+        usage_error(str_cat("--storage: '", v, "': valid are file, redis"));
+      }
+    } else if (flag == "--faults") {
+      s.faults.clear();
+      const std::string list = v;
+      if (list == "all") {
+        s.faults.insert(kFaults.begin(), kFaults.end());
+      } else if (list != "none") {
+        std::stringstream in(list);
+        for (std::string f; std::getline(in, f, ',');) {
+          if (std::find(kFaults.begin(), kFaults.end(), f) == kFaults.end()) {
+            usage_error(str_cat("--faults: unknown fault '", f, "'"));
+          }
+          s.faults.insert(f);
+        }
+      }
+    } else {
+      usage_error(str_cat("unknown flag: ", flag));
+    }
+  }
+  for (const char* rate : {"--error-rate", "--exists-error-rate", "--slow-rate", "--timeout-rate"}) {
+    if (*doubles[rate] > 1) usage_error(str_cat(rate, ": ", *doubles[rate], " is not a probability"));
+  }
+  if (s.seconds <= 0 && s.steps == 0) usage_error("--seconds must be > 0 (or give --steps)");
+  return s;
+}
+
+// A tmpfs for the file store (a real full disk), when this process may mount one.
+class Tmpfs {
+ public:
+  explicit Tmpfs(std::int64_t mb) {
+    char tmpl[] = "/tmp/hicache-stress-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error(str_cat("mkdtemp: ", std::strerror(errno)));
+    dir_ = tmpl;
+    const std::string opts = str_cat("size=", mb, "m");
+    mounted_ = ::mount("tmpfs", dir_.c_str(), "tmpfs", 0, opts.c_str()) == 0;
+    if (!mounted_) why_not_ = std::strerror(errno);
+    fs::create_directories(dir_ / "store");
+  }
+  ~Tmpfs() {
+    release_ballast();
+    if (mounted_) ::umount2(dir_.c_str(), MNT_DETACH);
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& why_not() const { return why_not_; }
+  fs::path store() const { return dir_ / "store"; }
+  // Fills the file system to the last byte.
+  void fill() {
+    const int fd = ::open((dir_ / "ballast").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    std::vector<char> chunk(1 << 20, 0);
+    for (std::size_t size = chunk.size(); size >= 512;) {
+      const ssize_t n = ::write(fd, chunk.data(), size);
+      if (n < 0) {
+        if (errno != ENOSPC) break;
+        size /= 2;  // the last bytes, in smaller writes
+      }
+    }
+    ::close(fd);
+  }
+  void release_ballast() {
+    std::error_code ec;
+    fs::remove(dir_ / "ballast", ec);
+  }
+
+ private:
+  fs::path dir_;
+  bool mounted_ = false;
+  std::string why_not_;
+};
+
+// Requests over 16 families of shared prefixes, each up to 48 pages, plus own pages and a short
+// answer: the tree shares, evicts, loads back and prefetches constantly.
+class RequestSource {
+ public:
+  RequestSource(std::uint64_t seed, std::int32_t page) : rng_(seed), page_(page) {
+    for (int f = 0; f < 16; ++f) {
+      std::vector<std::int32_t> t;
+      for (int i = 0; i < 48 * page; ++i) t.push_back(static_cast<std::int32_t>(rng_() >> 33));
+      families_.push_back(std::move(t));
+    }
+  }
+  hicache::SimulatedRequest next() {
+    const auto& fam = families_[rng_() % families_.size()];
+    const auto shared = static_cast<std::size_t>((2 + rng_() % 47) * static_cast<std::uint64_t>(page_));
+    hicache::SimulatedRequest r;
+    r.id = str_cat("s", n_++);
+    r.tokens.assign(fam.begin(), fam.begin() + static_cast<std::ptrdiff_t>(shared));
+    const auto own = static_cast<int>(rng_() % (3 * static_cast<std::uint64_t>(page_) + 1));
+    for (int i = 0; i < own; ++i) r.tokens.push_back(static_cast<std::int32_t>(rng_() >> 33));
+    r.output_tokens = static_cast<std::int32_t>(rng_() % 9);
+    for (int i = 0; i < r.output_tokens; ++i) r.tokens.push_back(static_cast<std::int32_t>(rng_() >> 33));
+    return r;
+  }
+  std::mt19937_64& rng() { return rng_; }
+
+ private:
+  std::mt19937_64 rng_;
+  std::int32_t page_;
+  std::vector<std::vector<std::int32_t>> families_;
+  std::int64_t n_ = 0;
+};
+
+// A fault that fires every `every` seconds (jittered), optionally lasting `window` seconds.
+struct Periodic {
+  std::string name;
+  double every = 0, window = 0;
+  double next = 0, ends = -1;  // seconds since start; ends >= 0: a window is open
+  std::int64_t fired = 0;
+};
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int run(const Settings& s) {
+  using namespace hicache;
+  auto on = [&](const std::string& f) { return s.faults.count(f) != 0; };
+  std::unique_ptr<Tmpfs> tmpfs;
+  std::unique_ptr<bench::RedisProcess> redis;
+  std::string storage_json;
+  fs::path store_root;
+  if (s.storage == "file") {
+    tmpfs = std::make_unique<Tmpfs>(s.tmpfs_mb);
+    store_root = tmpfs->store();
+    // Capacity below the tmpfs: eviction keeps it from filling except when the ballast does.
+    storage_json = nlohmann::json{{"backend", "file"},
+                                  {"root", store_root.string()},
+                                  {"capacity_bytes", s.tmpfs_mb * 3 / 4 << 20}}
+                       .dump();
+    std::printf("[hicache-stress] file store on %s (%s)\n", store_root.c_str(),
+                tmpfs->mounted() ? str_cat("tmpfs of ", s.tmpfs_mb, " MiB").c_str()
+                                 : str_cat("no tmpfs: ", tmpfs->why_not(),
+                                           "; a full disk is injected").c_str());
+  } else {
+    redis = std::make_unique<bench::RedisProcess>();
+    std::string error;
+    if (!redis->start({"--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"}, &error)) {
+      std::fprintf(stderr, "hicache-stress: cannot start redis-server: %s\n", error.c_str());
+      return 1;
+    }
+    storage_json = nlohmann::json{{"backend", "redis"}, {"host", "127.0.0.1"}, {"port", redis->port()},
+                                  {"timeout_ms", 500}}
+                       .dump();
+    std::printf("[hicache-stress] redis-server on 127.0.0.1:%d\n", redis->port());
+  }
+  auto faulty = std::make_unique<stress::FaultInjectingStorage>(make_storage(storage_json), s.seed);
+  stress::FaultInjectingStorage* inject = faulty.get();
+  const stress::FaultRates rates{.error = on("error") ? s.error_rate : 0,
+                                 .exists_error = on("exists") ? s.exists_error_rate : 0,
+                                 .slow = on("slow") ? s.slow_rate : 0,
+                                 .slow_ms = s.slow_ms,
+                                 .timeout = on("timeout") ? s.timeout_rate : 0,
+                                 .timeout_ms = s.timeout_ms};
+  inject->set_rates(rates);
+  std::unique_ptr<stress::Corruptor> corruptor =
+      s.storage == "file" ? stress::make_file_corruptor(store_root)
+                          : stress::make_redis_corruptor(redis->port());
+
+  workload::StackConfig config;
+  config.cache.device = "host";
+  config.cache.geometry = KVGeometry::mha(4, 2, 32, DType::kFloat16, 16);
+  config.cache.device_tokens = 4096;
+  config.cache.host_size = HostPoolSize{.ratio = 2.0};
+  config.cache.controller.write_policy = WritePolicy::kWriteThrough;
+  config.cache.model_name = "hicache-stress";
+  config.cache.model_fingerprint = str_cat("seed", s.seed);
+  // Prefetches wait for their pages up to 20 ms + 2 ms per page (at most 200 ms), then take
+  // what landed: slow and timed-out storage shows as partial prefetches, not stalls.
+  config.cache.storage_controller.policy = PrefetchPolicy::kTimeout;
+  config.cache.storage_controller.timeout_base = std::chrono::milliseconds(20);
+  config.cache.storage_controller.timeout_per_page = std::chrono::milliseconds(2);
+  config.cache.storage_controller.timeout_cap = std::chrono::milliseconds(200);
+  config.cache.storage_controller.prefetch_threshold_tokens = 32;
+  config.engine.max_batch = 8;
+  config.engine.max_prefetches = 4;
+  workload::EngineStack stack(config, std::move(faulty));
+  SimulatedEngine& engine = stack.engine();
+  const std::int32_t page = config.cache.geometry.page_size;
+  RequestSource source(s.seed, page);
+
+  std::vector<Periodic> periodic;
+  auto add = [&](const char* name, double every, double window) {
+    if (on(name) && every > 0) periodic.push_back({name, every, window, every * 0.5});
+  };
+  add("corrupt", s.corrupt_every_s, 0);
+  add("truncate", s.truncate_every_s, 0);
+  add("disk_full", s.disk_full_every_s, s.disk_full_window_s);
+  if (s.storage == "redis") add("redis_restart", s.redis_restart_every_s, 0);
+  add("host_exhaust", s.host_exhaust_every_s, s.host_exhaust_window_s);
+  add("reset", s.reset_every_s, 0);
+
+  std::int64_t submitted = 0, finished = 0, aborted = 0, corrupt_injected = 0, restart_failures = 0;
+  std::vector<std::int64_t> held_host;
+  std::mt19937_64& rng = source.rng();
+  auto close_window = [&](Periodic& p) {
+    if (p.name == "disk_full") {
+      if (tmpfs && tmpfs->mounted()) tmpfs->release_ballast();
+      inject->set_disk_full(false);
+    } else if (p.name == "host_exhaust" && !held_host.empty()) {
+      stack.host_pool().free(held_host);
+      held_host.clear();
+    }
+    p.ends = -1;
+  };
+  auto fire = [&](Periodic& p) {
+    ++p.fired;
+    if (p.name == "corrupt") {
+      corrupt_injected += corruptor->flip_byte(rng) ? 1 : 0;
+      if (corrupt_injected == 0) --p.fired;  // nothing stored yet: not a fault
+    } else if (p.name == "truncate") {
+      if (corruptor->truncate(rng)) {
+        ++corrupt_injected;
+      } else {
+        --p.fired;
+      }
+    } else if (p.name == "disk_full") {
+      if (s.storage == "file" && tmpfs->mounted()) {
+        tmpfs->fill();
+      } else {
+        inject->set_disk_full(true);
+      }
+    } else if (p.name == "redis_restart") {
+      std::string error;
+      if (!redis->restart(&error)) {
+        ++restart_failures;
+        std::fprintf(stderr, "hicache-stress: redis restart failed: %s\n", error.c_str());
+      }
+    } else if (p.name == "host_exhaust") {
+      const std::int64_t free = stack.host_pool().free_tokens() / page * page;
+      if (free > 0) {
+        if (auto got = stack.host_pool().alloc(free)) held_host = std::move(*got);
+      }
+    } else if (p.name == "reset") {
+      aborted += static_cast<std::int64_t>(engine.reset());
+      held_host.clear();  // the reset freed every host page, the ones held here too
+    }
+  };
+
+  const auto t0 = Clock::now();
+  double last_progress = 0;
+  std::int64_t steps = 0;
+  auto drain = [&] {
+    for (const FinishedRequest& f : engine.drain_finished()) {
+      if (!f.aborted) ++finished;
+    }
+  };
+  auto keep_going = [&] { return s.steps > 0 ? steps < s.steps : since(t0) < s.seconds; };
+  while (keep_going()) {
+    while (submitted - finished - aborted < 32) {
+      engine.submit(source.next());
+      ++submitted;
+    }
+    engine.step();
+    ++steps;
+    drain();
+    const double now = since(t0);
+    for (Periodic& p : periodic) {
+      if (p.ends >= 0 && now >= p.ends) close_window(p);
+      if (p.ends < 0 && now >= p.next) {
+        fire(p);
+        if (p.window > 0) p.ends = now + p.window;
+        p.next = now + p.every * std::uniform_real_distribution<double>(0.5, 1.5)(rng);
+      }
+    }
+    if (s.progress && now - last_progress >= 5) {
+      last_progress = now;
+      std::fprintf(stderr, "[hicache-stress] %.0f s: %lld steps, %lld requests done, %lld aborted, %lld wrong pages\n",
+                   now, static_cast<long long>(steps), static_cast<long long>(finished),
+                   static_cast<long long>(aborted),
+                   static_cast<long long>(engine.stats().mismatched_pages));
+    }
+  }
+  const double run_seconds = since(t0);
+
+  // Quiesce: faults off, what is queued finishes, every write and backup lands.
+  for (Periodic& p : periodic) {
+    if (p.ends >= 0) close_window(p);
+  }
+  inject->set_rates({});
+  inject->set_disk_full(false);
+  engine.run_until_idle(50'000'000);
+  engine.flush();
+  drain();
+  const bool drained = engine.waiting() == 0 && engine.decoding() == 0;
+
+  // L3 alive after everything: a fresh conversation is backed up, the cache is reset, and the
+  // same request finds it in L3.
+  SimulatedRequest probe;
+  probe.id = "probe";
+  for (int i = 0; i < 8 * page; ++i) probe.tokens.push_back(static_cast<std::int32_t>(rng() >> 33));
+  probe.tokens.push_back(1);
+  probe.output_tokens = 1;
+  engine.submit(probe);
+  engine.run_until_idle();
+  engine.flush();
+  engine.drain_finished();
+  engine.reset();
+  probe.id = "probe-again";
+  engine.submit(probe);
+  engine.run_until_idle();
+  std::int64_t probe_from_l3 = 0;
+  for (const FinishedRequest& f : engine.drain_finished()) probe_from_l3 += f.storage_hit_tokens;
+  const bool l3_alive = probe_from_l3 == 8 * page;
+  engine.flush();
+
+  // Everything evicted: both pools must be entirely free.
+  for (int i = 0; i < 8; ++i) {
+    stack.cache().check_events();
+    stack.cache().evict_device(stack.device_pool().capacity_tokens());
+    stack.cache().evict_host(stack.host_pool().capacity_tokens());
+  }
+  const std::int64_t device_leak =
+      stack.device_pool().capacity_tokens() - stack.device_pool().allocator().free_tokens();
+  const std::int64_t host_leak = stack.host_pool().capacity_tokens() - stack.host_pool().free_tokens();
+  const std::string invariants = stack.cache().check_invariants();
+
+  const auto& es = engine.stats();
+  const auto cs = stack.cache().stats();
+  const auto ctl = stack.controller().stats();
+  const StorageController* sc = stack.storage_controller();
+  const auto inner = inject->inner().stats();
+  const auto inj = inject->injected();
+  const double page_bytes = static_cast<double>(config.cache.geometry.page_bytes());
+  std::map<std::string, std::int64_t> faults_fired;
+  for (const Periodic& p : periodic) faults_fired[p.name] = p.fired;
+  faults_fired["error"] = static_cast<std::int64_t>(inj.errors);
+  faults_fired["exists"] = static_cast<std::int64_t>(inj.exists_errors);
+  faults_fired["slow"] = static_cast<std::int64_t>(inj.slow);
+  faults_fired["timeout"] = static_cast<std::int64_t>(inj.timeouts);
+  faults_fired["disk_full_sets_refused"] = static_cast<std::int64_t>(inj.disk_full_sets);
+  const std::int64_t detected = static_cast<std::int64_t>(inner.bad_records);
+  const std::int64_t wrong = es.mismatched_pages;
+  const bool pass = wrong == 0 && device_leak == 0 && host_leak == 0 && invariants.empty() &&
+                    l3_alive && drained && restart_failures == 0;
+
+  nlohmann::json table = {
+      {"seconds", run_seconds},
+      {"steps", steps},
+      {"requests_submitted", submitted},
+      {"requests_finished", finished},
+      {"requests_aborted_by_reset", aborted},
+      {"pages_l1_to_l2", static_cast<double>(ctl.bytes_written) / page_bytes},
+      {"pages_l2_to_l1", static_cast<double>(ctl.bytes_loaded) / page_bytes},
+      {"pages_l2_to_l3", sc ? static_cast<double>(sc->written_bytes()) / page_bytes : 0.0},
+      {"pages_l3_to_l2", sc ? static_cast<double>(sc->read_bytes()) / page_bytes : 0.0},
+      {"pages_verified", es.verified_pages},
+      {"faults", faults_fired},
+      {"storage_op_failures_seen", sc ? sc->failed_ops() : 0},
+      {"storage_get_errors", inner.get_errors},
+      {"storage_set_errors", inner.set_errors},
+      {"corruptions_injected", corrupt_injected},
+      {"corruptions_detected", detected},
+      {"corruptions_not_read", std::max<std::int64_t>(0, corrupt_injected - detected)},
+      {"corruptions_undetected", wrong},
+      {"wrong_pages_served", wrong},
+      {"device_slots_leaked", device_leak},
+      {"host_slots_leaked", host_leak},
+      {"tree_consistent", invariants.empty()},
+      {"drained", drained},
+      {"l3_alive_after_faults", l3_alive},
+      {"resets", cs.resets},
+      {"pass", pass}};
+  std::printf("\nhicache-stress, %s store, seed %llu, faults:", s.storage.c_str(),
+              static_cast<unsigned long long>(s.seed));
+  for (const auto& f : s.faults) std::printf(" %s", f.c_str());
+  std::printf("\n");
+  for (const auto& [k, v] : table.items()) {
+    if (k == "faults") {
+      for (const auto& [fk, fv] : v.items()) std::printf("  fault %-30s %s\n", fk.c_str(), fv.dump().c_str());
+    } else {
+      std::printf("  %-36s %s\n", k.c_str(), v.dump().c_str());
+    }
+  }
+  if (!invariants.empty()) std::printf("  tree problem: %s\n", invariants.c_str());
+  if (wrong > 0) std::printf("  first wrong page: %s\n", engine.first_mismatch().c_str());
+  if (!s.report.empty()) {
+    std::ofstream(s.report) << table.dump(2) << "\n";
+  }
+  std::printf("[hicache-stress] %s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Settings settings = parse(argc, argv);
+  try {
+    return run(settings);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hicache-stress: FAIL: %s\n", e.what());
+    return 1;
+  }
+}

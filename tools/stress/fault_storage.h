@@ -1,0 +1,88 @@
+// Fault injection for hicache-stress.
+//
+// FaultInjectingStorage wraps a real backend and, at configurable rates, turns results into
+// errors (a get's span is then filled with garbage, which the contract says nobody may use),
+// delays batches (slow storage), times batches out (a delay, then every key an error), fails
+// sets as a full disk would, and fails exists queries. Everything it injects is counted.
+//
+// Corruptors change stored records behind the backend's back: flip one byte of a random record,
+// or truncate one, in the file store's directory or in Redis (RANDOMKEY, SETRANGE / SET). The
+// backend must detect every one when it is read (a miss counted as a bad record), never serve it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+
+#include "storage/storage_backend.h"
+
+namespace hicache::stress {
+
+struct FaultRates {
+  double error = 0;         // per key of a get or set: an error result
+  double exists_error = 0;  // per exists query: fails (counts as nothing stored)
+  double slow = 0;          // per batch: a delay of up to slow_ms
+  int slow_ms = 20;
+  double timeout = 0;       // per batch: timeout_ms, then every key an error "timed out"
+  int timeout_ms = 50;
+};
+
+struct InjectedCounts {
+  std::uint64_t errors = 0, exists_errors = 0, slow = 0, timeouts = 0, disk_full_sets = 0;
+};
+
+class FaultInjectingStorage final : public StorageBackend {
+ public:
+  FaultInjectingStorage(std::unique_ptr<StorageBackend> inner, std::uint64_t seed);
+  ~FaultInjectingStorage() override;
+
+  void set_rates(const FaultRates& rates);
+  // While on, every set fails with "No space left on device" (for stores without a real one).
+  void set_disk_full(bool on) { disk_full_ = on; }
+  InjectedCounts injected() const;
+  StorageBackend& inner() { return *inner_; }
+
+  std::string_view name() const override { return "fault-injecting"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override;
+  bool remove(const std::string& key) override { return inner_->remove(key); }
+  void clear() override { inner_->clear(); }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override;
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override;
+
+ private:
+  bool roll(double p);
+  // Slow or timed out (true: the caller answers every key with an error).
+  bool delay_batch();
+
+  std::unique_ptr<StorageBackend> inner_;
+  mutable std::mutex mu_;
+  std::mt19937_64 rng_;  // GUARDED_BY mu_
+  FaultRates rates_;     // GUARDED_BY mu_
+  std::atomic<bool> disk_full_{false};
+  std::atomic<std::uint64_t> errors_{0}, exists_errors_{0}, slow_{0}, timeouts_{0},
+      disk_full_sets_{0};
+};
+
+// Changes a random stored record behind the store's back. Both return false when the store
+// holds nothing to corrupt right now.
+class Corruptor {
+ public:
+  virtual ~Corruptor() = default;
+  virtual bool flip_byte(std::mt19937_64& rng) = 0;
+  virtual bool truncate(std::mt19937_64& rng) = 0;
+};
+
+// Records are the regular files directly under `root` (not .tmp/ or .trash/).
+std::unique_ptr<Corruptor> make_file_corruptor(std::filesystem::path root);
+// Over a RESP connection to the server on `port` (127.0.0.1).
+std::unique_ptr<Corruptor> make_redis_corruptor(int port);
+
+}  // namespace hicache::stress
