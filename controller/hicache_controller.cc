@@ -218,7 +218,7 @@ void HiCacheController::enqueue_copy(Stream& stream, Scratch& s, bool to_host, s
   stream.transfer_pages_async(t, config_.kernel_max_blocks);
 }
 
-void HiCacheController::run_write(CacheOperation& op, Scratch& s) {
+void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
   bool ok = true;
   try {
     prepare_pages(op, s);
@@ -227,10 +227,10 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s) {
     host_pool_.complete_io(op.host_slots, PageState::kSynced);
     bytes_written_ += static_cast<std::uint64_t>(op.num_tokens() *
                                                  device_pool_.geometry().token_bytes());
-    ++writes_done_;
+    writes_done_ += static_cast<std::uint64_t>(ops);
   } catch (const std::exception&) {
     ok = false;
-    ++write_failures_;
+    write_failures_ += static_cast<std::uint64_t>(ops);
     try {
       host_pool_.abort_io(op.host_slots);
       host_pool_.free(op.host_slots);
@@ -287,7 +287,18 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
 
 void HiCacheController::write_loop() {
   Scratch scratch;
-  while (auto op = write_queue_.pop()) run_write(*op, scratch);
+  while (auto op = write_queue_.pop()) {
+    // Writes queued meanwhile go along (up to kMaxMergedWrites ops, in priority order): one
+    // copy batch and one stream synchronisation for all of them, instead of two thread
+    // hand-offs per op. A failed batch fails every op in it (each is acked, not ok).
+    int ops = 1;
+    for (; ops < kMaxMergedWrites; ++ops) {
+      auto more = write_queue_.try_pop();
+      if (!more) break;
+      op->merge(std::move(*more));
+    }
+    run_write(*op, scratch, ops);
+  }
 }
 
 void HiCacheController::load_loop() {

@@ -132,6 +132,7 @@ class HiCacheController {
     std::int32_t slot = -1;
     CacheOperation op;
   };
+  static constexpr int kMaxMergedWrites = 16;
   void start_threads();
   void write_loop();
   void load_loop();
@@ -141,7 +142,7 @@ class HiCacheController {
   // Enqueues the copy of the prepared pages for layers [lb, le) on `stream`.
   void enqueue_copy(Stream& stream, Scratch& scratch, bool to_host, std::int32_t lb,
                     std::int32_t le);
-  void run_write(CacheOperation& op, Scratch& scratch);
+  void run_write(CacheOperation& op, Scratch& scratch, int ops);
   void run_load(LoadBatch& batch, Scratch& scratch);
   void return_queued_slots();
 

@@ -66,6 +66,13 @@ else
       say "running the test suite under $san"
       TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
         ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^install\.'
+      # The stress tool under the sanitizer too: every fault for 30 s on the file store (only
+      # its own sources compile here; the library is built already).
+      say "hicache-stress under $san (30 s, every fault)"
+      cmake -S . -B "$dir" -DHICACHE_BUILD_TOOLS=ON >/dev/null
+      cmake --build "$dir" -j "$jobs" --target hicache-stress
+      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+        "$dir/tools/hicache-stress" --seconds 30 --no-progress --seed 3
     done
     dir="$build_dir-fuzz"
     say "fuzz build $dir (clang, libFuzzer + ASan + UBSan)"
