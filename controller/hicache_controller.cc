@@ -84,6 +84,19 @@ HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
 
 HiCacheController::~HiCacheController() { stop(); }
 
+CacheOperation HiCacheController::make_op(std::span<const std::int64_t> host_slots,
+                                          std::span<const std::int64_t> device_slots,
+                                          std::int64_t priority, std::optional<NodeId> ack_node) {
+  auto host = arena_.take();
+  host.assign(host_slots.begin(), host_slots.end());
+  auto device = arena_.take();
+  device.assign(device_slots.begin(), device_slots.end());
+  CacheOperation op = CacheOperation::make(std::move(host), std::move(device), priority, std::nullopt);
+  op.node_ids = arena_.take();
+  if (ack_node) op.node_ids.push_back(*ack_node);
+  return op;
+}
+
 void HiCacheController::start_threads() {
   running_ = true;
   write_thread_ = std::thread([this] { write_loop(); });
@@ -93,20 +106,20 @@ void HiCacheController::start_threads() {
 std::optional<std::vector<std::int64_t>> HiCacheController::write(
     std::span<const std::int64_t> device_slots, std::int64_t priority,
     std::optional<NodeId> ack_node, const Event* ready_after) {
-  std::vector<std::int64_t> device_pages;
+  check_pages_.clear();
   slots_to_pages(device_slots, device_pool_.geometry().page_size,
-                 device_pool_.allocator().num_pages(), "HiCacheController::write", device_pages);
+                 device_pool_.allocator().num_pages(), "HiCacheController::write", check_pages_);
   if (device_slots.empty()) throw InvalidArgument("HiCacheController::write: no slots");
   auto host_slots = host_pool_.alloc(static_cast<std::int64_t>(device_slots.size()));
   if (!host_slots) return std::nullopt;
   host_pool_.protect_write(*host_slots);
-  auto op = CacheOperation::make(*host_slots, {device_slots.begin(), device_slots.end()},
-                                 priority, ack_node);
+  auto op = make_op(*host_slots, device_slots, priority, ack_node);
   // Before the push, so the write thread cannot enqueue this op's copy ahead of the wait. It
   // orders every later copy of the write stream after the producer's work: exact for this op,
   // conservative for ops the priority queue runs before it (and harmless if the push fails).
   if (ready_after != nullptr) write_stream_->wait(*ready_after);
   if (write_queue_.push(std::move(op)) != PushResult::kOk) {
+    arena_.give(std::move(op));
     host_pool_.abort_io(*host_slots);
     host_pool_.free(*host_slots);
     return std::nullopt;
@@ -123,9 +136,9 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
   auto device_slots = device_pool_.allocator().alloc(static_cast<std::int64_t>(host_slots.size()));
   if (!device_slots) return std::nullopt;
   host_pool_.protect_load(host_slots);
-  auto op = CacheOperation::make({host_slots.begin(), host_slots.end()}, *device_slots, priority,
-                                 ack_node);
+  auto op = make_op(host_slots, *device_slots, priority, ack_node);
   if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
+    arena_.give(std::move(op));
     host_pool_.complete_io(host_slots, PageState::kBackup);
     device_pool_.allocator().free(*device_slots);
     return std::nullopt;
@@ -134,12 +147,17 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
 }
 
 std::int32_t HiCacheController::start_loading(const Event* ready_after) {
-  std::vector<CacheOperation> ops = pending_loads_.drain();
-  if (ops.empty()) return -1;
+  std::vector<CacheOperation>& ops = load_ops_;  // reused: no allocation per step
+  ops.clear();
+  if (pending_loads_.drain_into(ops) == 0) return -1;
   if (ready_after != nullptr) load_stream_->wait(*ready_after);
   LoadBatch batch;
   batch.op = std::move(ops.front());
-  for (std::size_t i = 1; i < ops.size(); ++i) batch.op.merge(std::move(ops[i]));
+  for (std::size_t i = 1; i < ops.size(); ++i) {
+    batch.op.merge(std::move(ops[i]));
+    arena_.give(std::move(ops[i]));
+  }
+  ops.clear();
   batch.priority = batch.op.priority;
   batch.slot = counter_->acquire();
   if (batch.slot < 0) {  // stopped: give everything back
@@ -239,6 +257,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
     }
   }
   for (NodeId node : op.node_ids) acks_->write.enqueue(Ack{node, ok});
+  arena_.give(std::move(op));
 }
 
 void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
@@ -283,6 +302,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   }
   counter_->release(batch.slot);
   for (NodeId node : batch.op.node_ids) acks_->load.enqueue(Ack{node, ok});
+  arena_.give(std::move(batch.op));
 }
 
 void HiCacheController::write_loop() {
@@ -296,6 +316,7 @@ void HiCacheController::write_loop() {
       auto more = write_queue_.try_pop();
       if (!more) break;
       op->merge(std::move(*more));
+      arena_.give(std::move(*more));
     }
     run_write(*op, scratch, ops);
   }

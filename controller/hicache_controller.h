@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/slot_arena.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
 #include "transfer/cache_operation.h"
@@ -143,6 +144,10 @@ class HiCacheController {
   void enqueue_copy(Stream& stream, Scratch& scratch, bool to_host, std::int32_t lb,
                     std::int32_t le);
   void run_write(CacheOperation& op, Scratch& scratch, int ops);
+  // An op whose lists come from the arena.
+  CacheOperation make_op(std::span<const std::int64_t> host_slots,
+                         std::span<const std::int64_t> device_slots, std::int64_t priority,
+                         std::optional<NodeId> ack_node);
   void run_load(LoadBatch& batch, Scratch& scratch);
   void return_queued_slots();
 
@@ -160,6 +165,10 @@ class HiCacheController {
   std::atomic<std::uint64_t> writes_done_{0}, write_failures_{0}, load_batches_done_{0},
       load_failures_{0}, bytes_written_{0}, bytes_loaded_{0}, load_ns_{0};
   bool running_ = false;
+  // Main loop only: write()'s slot check and start_loading()'s drained ops, reused.
+  std::vector<std::int64_t> check_pages_;
+  std::vector<CacheOperation> load_ops_;
+  SlotArena arena_;  // before the threads: they give lists back until joined
   std::thread write_thread_, load_thread_;
 };
 

@@ -97,7 +97,7 @@ void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t fr
                             std::string_view op) {
   scratch_.clear();
   slots_to_pages(slots, geometry_.page_size, allocator_.num_pages(),
-                 str_cat("HostKVPool::", op), scratch_);
+                 op, scratch_);  // op names the call in full: no string built per call
   for (std::int64_t page : scratch_) {
     if ((state_bit(states_[page]) & from) == 0) {
       std::string wanted;
@@ -107,7 +107,7 @@ void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t fr
           wanted += to_string(static_cast<PageState>(s));
         }
       }
-      throw StateError(str_cat("HostKVPool::", op, ": page ", page, " (slot ",
+      throw StateError(str_cat(op, ": page ", page, " (slot ",
                                page * geometry_.page_size, ") is ", to_string(states_[page]),
                                ", needs ", wanted));
     }
@@ -115,7 +115,7 @@ void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t fr
   sorted_.assign(scratch_.begin(), scratch_.end());
   std::sort(sorted_.begin(), sorted_.end());
   if (auto dup = std::adjacent_find(sorted_.begin(), sorted_.end()); dup != sorted_.end()) {
-    throw StateError(str_cat("HostKVPool::", op, ": page ", *dup, " (slot ",
+    throw StateError(str_cat(op, ": page ", *dup, " (slot ",
                              *dup * geometry_.page_size, ") is listed twice"));
   }
   if (to == PageState::kFree) allocator_.free_pages(scratch_);
@@ -125,7 +125,7 @@ void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t fr
 void HostKVPool::free(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
   transition(slots, state_bit(PageState::kReserved) | state_bit(PageState::kBackup),
-             PageState::kFree, "free");
+             PageState::kFree, "HostKVPool::free");
 }
 
 void HostKVPool::reset() {
@@ -143,17 +143,17 @@ void HostKVPool::reset() {
 
 void HostKVPool::discard(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kSynced), PageState::kFree, "discard");
+  transition(slots, state_bit(PageState::kSynced), PageState::kFree, "HostKVPool::discard");
 }
 
 void HostKVPool::protect_write(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kReserved), PageState::kProtected, "protect_write");
+  transition(slots, state_bit(PageState::kReserved), PageState::kProtected, "HostKVPool::protect_write");
 }
 
 void HostKVPool::protect_load(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kBackup), PageState::kProtected, "protect_load");
+  transition(slots, state_bit(PageState::kBackup), PageState::kProtected, "HostKVPool::protect_load");
 }
 
 void HostKVPool::complete_io(std::span<const std::int64_t> slots, PageState to) {
@@ -163,17 +163,17 @@ void HostKVPool::complete_io(std::span<const std::int64_t> slots, PageState to) 
                                   to_string(to)));
   }
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kProtected), to, "complete_io");
+  transition(slots, state_bit(PageState::kProtected), to, "HostKVPool::complete_io");
 }
 
 void HostKVPool::abort_io(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kProtected), PageState::kReserved, "abort_io");
+  transition(slots, state_bit(PageState::kProtected), PageState::kReserved, "HostKVPool::abort_io");
 }
 
 void HostKVPool::mark_backup(std::span<const std::int64_t> slots) {
   std::lock_guard lock(mu_);
-  transition(slots, state_bit(PageState::kSynced), PageState::kBackup, "mark_backup");
+  transition(slots, state_bit(PageState::kSynced), PageState::kBackup, "HostKVPool::mark_backup");
 }
 
 PageState HostKVPool::page_state(std::int64_t page) const {
@@ -186,10 +186,10 @@ PageState HostKVPool::page_state(std::int64_t page) const {
 }
 
 bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState state) const {
-  std::vector<std::int64_t> pages;
-  slots_to_pages(slots, geometry_.page_size, num_pages(), "HostKVPool::all_in_state", pages);
   std::lock_guard lock(mu_);
-  for (std::int64_t page : pages) {
+  check_.clear();
+  slots_to_pages(slots, geometry_.page_size, num_pages(), "HostKVPool::all_in_state", check_);
+  for (std::int64_t page : check_) {
     if (states_[page] != state) return false;
   }
   return true;
@@ -197,10 +197,10 @@ bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState sta
 
 void HostKVPool::require_state(std::span<const std::int64_t> slots, PageState state,
                                std::string_view what) const {
-  std::vector<std::int64_t> pages;
-  slots_to_pages(slots, geometry_.page_size, num_pages(), what, pages);
   std::lock_guard lock(mu_);
-  for (std::int64_t page : pages) {
+  check_.clear();
+  slots_to_pages(slots, geometry_.page_size, num_pages(), what, check_);
+  for (std::int64_t page : check_) {
     if (states_[page] != state) {
       throw StateError(str_cat(what, ": page ", page, " (slot ", page * geometry_.page_size,
                                ") is ", to_string(states_[page]), ", needs ", to_string(state)));

@@ -105,6 +105,7 @@ class HostKVPool {
   std::vector<PageState> states_;     // GUARDED_BY mu_
   std::vector<std::int64_t> scratch_; // GUARDED_BY mu_
   std::vector<std::int64_t> sorted_;  // GUARDED_BY mu_
+  mutable std::vector<std::int64_t> check_;  // GUARDED_BY mu_: state checks, reused
 };
 
 }  // namespace hicache

@@ -26,7 +26,10 @@ void CacheOperation::merge(CacheOperation&& other) {
   device_slots.insert(device_slots.end(), other.device_slots.begin(), other.device_slots.end());
   node_ids.insert(node_ids.end(), other.node_ids.begin(), other.node_ids.end());
   priority = std::min(priority, other.priority);
-  other = CacheOperation{};
+  // Emptied, keeping the lists' capacity (the controller recycles them).
+  other.host_slots.clear();
+  other.device_slots.clear();
+  other.node_ids.clear();
 }
 
 std::vector<CacheOperation> CacheOperation::split(std::int32_t k, std::int32_t page_size) const {

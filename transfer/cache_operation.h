@@ -28,7 +28,8 @@ struct CacheOperation {
   bool needs_ack() const { return !node_ids.empty(); }
   std::int64_t num_tokens() const { return static_cast<std::int64_t>(host_slots.size()); }
 
-  // Appends other's slots and node ids; the priority becomes the lower of the two.
+  // Appends other's slots and node ids (other is left empty, its lists' capacity kept); the
+  // priority becomes the lower of the two.
   void merge(CacheOperation&& other);
 
   // Cuts into min(k, pages) pieces whose page counts differ by at most one, in order; the node

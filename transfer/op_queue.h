@@ -67,6 +67,15 @@ class OpQueue {
     return out;
   }
 
+  // Appends every queued op to `out` in priority order (`out` keeps its capacity: no
+  // allocation once it is large enough). Returns how many.
+  std::size_t drain_into(std::vector<Op>& out) {
+    std::lock_guard lock(mu_);
+    std::size_t n = 0;
+    for (; !heap_.empty(); ++n) out.push_back(take());
+    return n;
+  }
+
   // Clears stop; the queue must be empty (drain() first).
   void reset() {
     std::lock_guard lock(mu_);
