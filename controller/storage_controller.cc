@@ -297,8 +297,10 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     op.stage_ = PrefetchStage::kLoading;
   }
   op.cv_.notify_all();
-  if (prefetch_io_queue_.push(PrefetchTask{0, handle}) != PushResult::kOk) {
-    finish(op);  // stopped or full: nothing is read, terminate frees the pages
+  // Blocks while the I/O stage is backlogged (backpressure, not a dropped prefetch); false
+  // only once stopped.
+  if (!prefetch_io_queue_.put(PrefetchTask{0, handle})) {
+    finish(op);  // stopped: nothing is read, terminate frees the pages
   }
 }
 
@@ -320,7 +322,7 @@ void StorageController::finish(PrefetchOperation& op) {
 }
 
 void StorageController::prefetch_io_loop() {
-  while (auto task = prefetch_io_queue_.pop()) {
+  while (auto task = prefetch_io_queue_.get()) {
     PrefetchOperation& op = *task->op;
     {
       std::lock_guard lock(op.mu_);

@@ -54,6 +54,7 @@
 #include "storage/page_key.h"
 #include "storage/storage_backend.h"
 #include "transfer/op_queue.h"
+#include "transfer/transfer_buffer.h"
 
 namespace hicache {
 
@@ -256,7 +257,7 @@ class StorageController {
       std::make_shared<std::atomic<std::int64_t>>(0);
 
   OpQueue<PrefetchTask> prefetch_queue_;
-  OpQueue<PrefetchTask> prefetch_io_queue_;
+  TransferBuffer<PrefetchTask> prefetch_io_queue_;  // hit agreement -> reads
   moodycamel::ConcurrentQueue<std::string> revokes_;
   std::vector<std::byte> prefetch_staging_;  // prefetch I/O worker only
   std::thread prefetch_thread_;

@@ -1,0 +1,104 @@
+// TransferBuffer: a bounded FIFO between two pipeline stages of one controller (SGLang's
+// TransferBuffer). Unlike OpQueue, which the engine's main loop feeds and which pushes back on
+// it with a result when full (the main loop must never block), a producer thread here blocks
+// while the buffer is full: the stage before waits for the stage after instead of dropping
+// work. Both sides wake on work, on room and on stop, with no timed polling.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "transfer/errors.h"
+
+namespace hicache {
+
+template <typename T>
+class TransferBuffer {
+ public:
+  // Throws InvalidArgument for a capacity of 0.
+  explicit TransferBuffer(std::size_t capacity) : capacity_(capacity) {
+    if (capacity == 0) throw InvalidArgument("TransferBuffer: capacity must be >= 1");
+  }
+
+  // Blocks while the buffer is full; false once stopped (`item` is then not moved from).
+  bool put(T&& item) {
+    std::unique_lock lock(mu_);
+    room_.wait(lock, [&] { return items_.size() < capacity_ || stopped_; });
+    if (stopped_) return false;
+    items_.push_back(std::move(item));
+    lock.unlock();
+    work_.notify_one();
+    return true;
+  }
+
+  // Blocks until an item is there (returns it) or stop() is called (returns nothing; what is
+  // left stays for drain()).
+  std::optional<T> get() {
+    std::unique_lock lock(mu_);
+    work_.wait(lock, [&] { return !items_.empty() || stopped_; });
+    if (stopped_) return std::nullopt;
+    return take(lock);
+  }
+
+  // The first item without waiting, or nothing when empty or stopped.
+  std::optional<T> try_get() {
+    std::unique_lock lock(mu_);
+    if (stopped_ || items_.empty()) return std::nullopt;
+    return take(lock);
+  }
+
+  // Wakes every waiter; put() returns false and get() nothing until reset().
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopped_ = true;
+    }
+    work_.notify_all();
+    room_.notify_all();
+  }
+
+  // Removes and returns every item, oldest first.
+  std::vector<T> drain() {
+    std::lock_guard lock(mu_);
+    std::vector<T> out;
+    out.reserve(items_.size());
+    for (T& item : items_) out.push_back(std::move(item));
+    items_.clear();
+    room_.notify_all();
+    return out;
+  }
+
+  // Clears stop; the buffer must be empty (drain() first).
+  void reset() {
+    std::lock_guard lock(mu_);
+    if (!items_.empty()) throw StateError("TransferBuffer::reset: items left (drain first)");
+    stopped_ = false;
+  }
+
+  std::size_t size() const {
+    std::lock_guard lock(mu_);
+    return items_.size();
+  }
+  std::size_t capacity() const { return capacity_; }
+
+ private:
+  T take(std::unique_lock<std::mutex>& lock) {
+    T item = std::move(items_.front());
+    items_.pop_front();
+    lock.unlock();
+    room_.notify_one();
+    return item;
+  }
+
+  const std::size_t capacity_;
+  mutable std::mutex mu_;
+  std::condition_variable work_, room_;
+  std::deque<T> items_;  // GUARDED_BY mu_
+  bool stopped_ = false;  // GUARDED_BY mu_
+};
+
+}  // namespace hicache
