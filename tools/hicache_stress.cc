@@ -38,6 +38,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tools/bench/redis_launcher.h"
@@ -446,24 +447,32 @@ int run(const Settings& s) {
   const bool drained = engine.waiting() == 0 && engine.decoding() == 0;
 
   // L3 alive after everything: a fresh conversation is backed up, the cache is reset, and the
-  // same request finds it in L3.
+  // same request finds all of it in L3. Up to 10 attempts, 250 ms apart: a Redis connection
+  // may sit in its reconnect backoff after the last restart, and a prefetch on a loaded
+  // machine may reach its timeout before the last page (this is the end-of-run check, not the
+  // engine's loop).
   SimulatedRequest probe;
-  probe.id = "probe";
   for (int i = 0; i < 8 * page; ++i) probe.tokens.push_back(static_cast<std::int32_t>(rng() >> 33));
   probe.tokens.push_back(1);
   probe.output_tokens = 1;
-  engine.submit(probe);
-  engine.run_until_idle();
-  engine.flush();
-  engine.drain_finished();
-  engine.reset();
-  probe.id = "probe-again";
-  engine.submit(probe);
-  engine.run_until_idle();
-  std::int64_t probe_from_l3 = 0;
-  for (const FinishedRequest& f : engine.drain_finished()) probe_from_l3 += f.storage_hit_tokens;
-  const bool l3_alive = probe_from_l3 == 8 * page;
-  engine.flush();
+  bool l3_alive = false;
+  int probe_attempts = 0;
+  for (; probe_attempts < 10 && !l3_alive; ++probe_attempts) {
+    if (probe_attempts > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    probe.id = str_cat("probe-", probe_attempts);
+    engine.submit(probe);
+    engine.run_until_idle();
+    engine.flush();
+    engine.drain_finished();
+    engine.reset();
+    probe.id = str_cat("probe-", probe_attempts, "-again");
+    engine.submit(probe);
+    engine.run_until_idle();
+    std::int64_t from_l3 = 0;
+    for (const FinishedRequest& f : engine.drain_finished()) from_l3 += f.storage_hit_tokens;
+    l3_alive = from_l3 == 8 * page;
+    engine.flush();
+  }
 
   // Everything evicted: both pools must be entirely free.
   for (int i = 0; i < 8; ++i) {
@@ -520,6 +529,7 @@ int run(const Settings& s) {
       {"tree_consistent", invariants.empty()},
       {"drained", drained},
       {"l3_alive_after_faults", l3_alive},
+      {"l3_probe_attempts", probe_attempts},
       {"resets", cs.resets},
       {"pass", pass}};
   std::printf("\nhicache-stress, %s store, seed %llu, faults:", s.storage.c_str(),
