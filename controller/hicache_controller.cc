@@ -294,6 +294,12 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   } catch (const std::exception&) {
     ok = false;
     ++load_failures_;
+    // Copies and layer marks enqueued before the failure must be over before the slot and the
+    // pages are handed back (a late mark would land on the slot's next batch).
+    try {
+      load_stream_->synchronize();
+    } catch (const std::exception&) {
+    }
     counter_->fail(batch.slot);
     try {
       host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);

@@ -28,8 +28,15 @@ class SlotArena {
     return list;
   }
 
+  // Lists longer than kMaxKeptCapacity (a merged batch) are freed, so the arena does not keep
+  // max_lists batch-sized lists for one-page ops.
+  static constexpr std::size_t kMaxKeptCapacity = 4096;
+
   void give(std::vector<std::int64_t>&& list) {
-    if (list.capacity() == 0 || pooled_.load(std::memory_order_relaxed) >= max_lists_) return;
+    if (list.capacity() == 0 || list.capacity() > kMaxKeptCapacity ||
+        pooled_.load(std::memory_order_relaxed) >= max_lists_) {
+      return;
+    }
     ++pooled_;
     free_.enqueue(std::move(list));
   }

@@ -297,10 +297,10 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     op.stage_ = PrefetchStage::kLoading;
   }
   op.cv_.notify_all();
-  // Blocks while the I/O stage is backlogged (backpressure, not a dropped prefetch); false
-  // only once stopped.
-  if (!prefetch_io_queue_.put(PrefetchTask{0, handle})) {
-    finish(op);  // stopped: nothing is read, terminate frees the pages
+  // Never blocks: terminate_prefetch on the main loop may be waiting for this thread to reach
+  // an op queued behind this one, so a backlogged I/O stage ends this prefetch instead.
+  if (!prefetch_io_queue_.try_put(PrefetchTask{0, handle})) {
+    finish(op);  // stopped or full: nothing is read, terminate frees the pages
   }
 }
 

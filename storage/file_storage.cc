@@ -1,6 +1,7 @@
 #include "storage/file_storage.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -119,7 +120,11 @@ class FileStorage::Impl {
     root_fd_ = ::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (root_fd_ < 0) throw InvalidArgument(errno_text("file storage: open", root_, errno));
     // Crash debris: half-written temporaries and records evicted but not yet unlinked.
-    for (const auto& entry : fs::directory_iterator(tmp_, ec)) queue_trash_file(entry.path());
+    // (Shared: another live instance's temporaries are its writes in progress; only those of
+    // processes that are gone are debris.)
+    for (const auto& entry : fs::directory_iterator(tmp_, ec)) {
+      if (!config_.shared || !writer_alive(entry.path())) queue_trash_file(entry.path());
+    }
     for (const auto& entry : fs::directory_iterator(trash_, ec)) trash_queue_.push_back(entry.path());
     trash_pending_ = trash_queue_.size();
     rebuild_index();
@@ -412,6 +417,22 @@ class FileStorage::Impl {
     }
     if (seen != nullptr && (now.st_ino != seen->st_ino || now.st_dev != seen->st_dev)) return;
     drop_locked(it, false);
+  }
+
+  // A temporary is named <key>.<pid>.<seq>: true when that process still runs.
+  static bool writer_alive(const fs::path& tmp) {
+    const std::string name = tmp.filename().string();
+    const auto last = name.rfind('.');
+    if (last == std::string::npos || last == 0) return false;
+    const auto prev = name.rfind('.', last - 1);
+    if (prev == std::string::npos) return false;
+    const std::string digits = name.substr(prev + 1, last - prev - 1);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos ||
+        digits.size() > 9) {
+      return false;
+    }
+    const auto pid = static_cast<pid_t>(std::stol(digits));
+    return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM);
   }
 
   bool queue_trash_file(const fs::path& path) {

@@ -35,6 +35,17 @@ class TransferBuffer {
     return true;
   }
 
+  // Without waiting: false when full or stopped (`item` is then not moved from). For a
+  // producer that must not block (one a main loop may be waiting on).
+  bool try_put(T&& item) {
+    std::unique_lock lock(mu_);
+    if (stopped_ || items_.size() >= capacity_) return false;
+    items_.push_back(std::move(item));
+    lock.unlock();
+    work_.notify_one();
+    return true;
+  }
+
   // Blocks until an item is there (returns it) or stop() is called (returns nothing; what is
   // left stays for drain()).
   std::optional<T> get() {

@@ -767,6 +767,60 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
   EXPECT_GT(verified[0], 50);
 }
 
+// Reset under TP (no L3): both ranks reset at the same step, with ops in flight; their trees
+// are empty and identical, and stay identical as traffic goes on.
+TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::vector<std::string>> trees(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, nullptr, {}, tp[r].get());
+      std::mt19937 rng(7);
+      for (int step = 0; step < 120; ++step) {
+        std::vector<std::int32_t> tokens;
+        const int family = static_cast<int>(rng() % 4);
+        for (int i = 0; i < (1 + static_cast<int>(rng() % 6)) * kPage; ++i) tokens.push_back(family * 1000 + i);
+        e.run(tokens);
+        if (step % 40 == 39) {
+          e.cache.reset();
+          EXPECT_EQ(e.cache.stats().nodes, 0);
+          EXPECT_EQ(e.device_pool.allocator().free_tokens(), e.device_pool.capacity_tokens());
+          EXPECT_EQ(e.host_pool.free_tokens(), e.host_pool.capacity_tokens());
+        }
+        trees[r].push_back(e.cache.describe());
+      }
+      EXPECT_EQ(e.cache.stats().tp_failures, 0);
+      EXPECT_EQ(e.cache.stats().resets, 3);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(group->divergence(), "");
+  ASSERT_EQ(trees[0].size(), trees[1].size());
+  for (std::size_t i = 0; i < trees[0].size(); ++i) {
+    ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
+  }
+}
+
+// With L3 and TP the storage threads of the ranks could stop inside different collectives:
+// reset is refused, and nothing changes.
+TEST(HiRadixCacheTp, ResetWithL3AndTpIsRefusedAndChangesNothing) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  L3 l3("tp-reset");
+  Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, {}, tp[0].get());
+  const std::string before = e.cache.describe();
+  try {
+    e.cache.reset();
+    ADD_FAILURE() << "reset with L3 and TP 2 went through";
+  } catch (const StateError& err) {
+    EXPECT_NE(std::string(err.what()).find("TP size 2"), std::string::npos) << err.what();
+  }
+  EXPECT_EQ(e.cache.stats().resets, 0);
+  EXPECT_EQ(e.cache.describe(), before);
+}
+
 class RadixPolicies : public ::testing::TestWithParam<WritePolicy> {};
 
 // Seeded random requests over a few shared prefixes, with pools small enough to evict all the

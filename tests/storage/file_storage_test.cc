@@ -1,6 +1,7 @@
 #include "storage/file_storage.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -198,6 +199,21 @@ TEST_F(FileStorageTest, SharedRootFindsPagesAnotherProcessWrote) {
   const auto r = get(b, late, kPage);
   EXPECT_FALSE(r[0].is_ok());
   EXPECT_EQ(b.stats().bad_records, 1u);
+  // A new shared instance leaves the temporaries of live writers alone and clears the dead's.
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const fs::path live_tmp = root_ / ".tmp" / str_cat("k.", ::getpid(), ".1");
+  const fs::path dead_tmp = root_ / ".tmp" / str_cat("k.", dead, ".1");
+  std::ofstream(live_tmp) << "in progress";
+  std::ofstream(dead_tmp) << "debris";
+  {
+    FileStorage d(c);
+    d.flush_trash();
+  }
+  EXPECT_TRUE(fs::exists(live_tmp)) << "a live writer's temporary was removed";
+  EXPECT_FALSE(fs::exists(dead_tmp)) << "a dead writer's temporary was kept";
+  fs::remove(live_tmp);
   EXPECT_THROW(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": "yes"})"),
                InvalidArgument);
   EXPECT_TRUE(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": true})").shared);

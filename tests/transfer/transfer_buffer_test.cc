@@ -14,8 +14,15 @@ TEST(TransferBuffer, FifoWithinCapacity) {
   EXPECT_EQ(b.capacity(), 3u);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(b.put(int{i}));
   EXPECT_EQ(b.size(), 3u);
+  int extra = 9;
+  EXPECT_FALSE(b.try_put(std::move(extra))) << "try_put on a full buffer";
+  EXPECT_EQ(b.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(b.get(), i);
   EXPECT_FALSE(b.try_get());
+  EXPECT_TRUE(b.try_put(int{4}));
+  EXPECT_EQ(b.get(), 4);
+  b.stop();
+  EXPECT_FALSE(b.try_put(int{5}));
   EXPECT_THROW(TransferBuffer<int>(0), InvalidArgument);
 }
 
