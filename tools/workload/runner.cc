@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -159,9 +160,23 @@ void Runner::report_progress(bool final) {
   std::size_t finished = 0;
   for (const auto& r : records_) finished += r.rejected || r.aborted || !r.report.id.empty() ? 1 : 0;
   const double elapsed = now - started_;
-  const std::string note = progress_note ? progress_note() : "";
-  std::fprintf(stderr, "%s[%s] %s%zu/%zu requests, %.1f req/s, hit rate %.1f%%%s",
-               tty ? "\r" : "", options_.label.c_str(), note.c_str(), finished, mine_.size(),
+  // Rounds done: every request of the round (of this instance) finished.
+  std::map<int, std::pair<int, int>> rounds;  // round -> (requests, done)
+  for (int i : mine_) {
+    auto& [total, done] = rounds[plan_[static_cast<std::size_t>(i)].round];
+    ++total;
+    done += done_[static_cast<std::size_t>(i)] ? 1 : 0;
+  }
+  int rounds_done = 0;
+  for (const auto& [round, counts] : rounds) rounds_done += counts.first == counts.second ? 1 : 0;
+  std::string bar;  // on a terminal: [#######.............] of the requests
+  if (tty) {
+    const std::size_t filled = mine_.empty() ? 20 : finished * 20 / mine_.size();
+    bar = "[" + std::string(filled, '#') + std::string(20 - filled, '.') + "] ";
+  }
+  std::fprintf(stderr, "%s%s[%s] rounds %d/%zu, %zu/%zu requests, %.1f req/s, hit rate %.1f%%%s",
+               tty ? "\r" : "", bar.c_str(), options_.label.c_str(), rounds_done, rounds.size(), finished,
+               mine_.size(),
                elapsed > 0 ? static_cast<double>(finished) / elapsed : 0.0,
                prompt_tokens_ > 0 ? 100.0 * static_cast<double>(cached_tokens_) / static_cast<double>(prompt_tokens_) : 0.0,
                tty && !final ? "   " : "\n");

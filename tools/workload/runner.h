@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -59,8 +58,6 @@ class Runner {
   void run_all();
   // Waits until every write, load and backup is acknowledged (what the tree holds is in L2/L3).
   void flush();
-  // Called by the progress reporter for extra text ("round 3/5").
-  std::function<std::string()> progress_note;
 
   // Counters and maxima as of now (engine, radix cache, controller, storage controller).
   InstanceResult result() const;
