@@ -356,14 +356,19 @@ bool HiRadixCache::moving_pays(std::int64_t tokens, double bytes_moved, double s
   return all_ranks(pays, tag);
 }
 
-std::int64_t HiRadixCache::min_over_ranks(std::int64_t local, const char* tag) {
-  if (tp_ == nullptr || !tp_->failure().empty()) return local;
-  std::int64_t v = local;
-  if (!tp_->min_allreduce(std::span(&v, 1), tag).ok) {
+void HiRadixCache::min_over_ranks(std::span<std::int64_t> values, const char* tag) {
+  if (tp_ == nullptr || !tp_->failure().empty()) return;
+  std::vector<std::int64_t> agreed(values.begin(), values.end());
+  if (!tp_->min_allreduce(agreed, tag).ok) {
     ++counters_.tp_failures;
-    return local;  // the collective is failed for good: each rank goes on alone
+    return;  // the collective is failed for good: each rank goes on alone (its own values)
   }
-  return v;
+  std::copy(agreed.begin(), agreed.end(), values.begin());
+}
+
+std::int64_t HiRadixCache::min_over_ranks(std::int64_t local, const char* tag) {
+  min_over_ranks(std::span(&local, 1), tag);
+  return local;
 }
 
 bool HiRadixCache::all_ranks(bool local, const char* tag) {
@@ -741,6 +746,9 @@ void HiRadixCache::backup_node(Node* node) {
       node->stored_pages * page_size_ == static_cast<std::int64_t>(node->key.size())) {
     return;
   }
+  // Every rank gets here for the node (the tree is the same on all); they agree that the
+  // backup queue has room, so that none queues a backup the others do not.
+  if (!all_ranks(storage_->can_queue_backup(), "radix.backup_room")) return;
   std::vector<std::string> keys;
   keys.reserve(node->digests.size());
   for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
@@ -771,7 +779,15 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   // Room on the host for what it fetches, as SGLang makes it: without it a full host pool
   // revokes every prefetch. The free count may differ between TP ranks (their prefetch threads
   // reserve concurrently), so they evict by the smallest.
-  const std::int64_t free = min_over_ranks(host_pool_.free_tokens(), "radix.prefetch_room");
+  // In the same reduction: whether the prefetch queue has room on every rank (a queue full on
+  // one rank only would start the prefetch on the others alone).
+  std::int64_t room[2] = {host_pool_.free_tokens(), storage_->can_queue_prefetch() ? 1 : 0};
+  min_over_ranks(room, "radix.prefetch_room");
+  if (room[1] == 0) {
+    unlock(node);
+    return false;
+  }
+  const std::int64_t free = room[0];
   if (free < static_cast<std::int64_t>(usable)) evict_host(static_cast<std::int64_t>(usable) - free);
   auto op = storage_->prefetch(request_id, tokens.first(usable), prior);
   if (!op) {

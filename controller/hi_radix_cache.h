@@ -231,8 +231,10 @@ class HiRadixCache {
   // `local` when there is no TP collective (or it failed for good), else true only when it is
   // true on every rank (one min-reduction under `tag`).
   bool all_ranks(bool local, const char* tag);
-  // `local`, or its minimum over the TP ranks (one reduction under `tag`).
+  // `local`, or its minimum over the TP ranks (one reduction under `tag`); the span form
+  // reduces several values in place in one call.
   std::int64_t min_over_ranks(std::int64_t local, const char* tag);
+  void min_over_ranks(std::span<std::int64_t> values, const char* tag);
   // True when moving `tokens` at the bandwidth bytes_moved / seconds (unmeasured: true) takes no
   // longer than recomputing them; records the inputs; agreed over TP under `tag`.
   bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,

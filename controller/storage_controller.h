@@ -179,6 +179,13 @@ class StorageController {
   std::optional<std::int64_t> write_storage(std::span<const std::int64_t> host_slots,
                                             std::vector<std::string> keys);
 
+  // Whether write_storage() / prefetch() would find room in their queue now. Only the caller's
+  // thread pushes, and the threads only take, so the answer holds until the caller's next push:
+  // TP ranks agree on it first, so that a queue full on one rank only cannot make the ranks
+  // queue different ops (and then call different collectives).
+  bool can_queue_backup() const { return backup_queue_.size() < backup_queue_.capacity(); }
+  bool can_queue_prefetch() const { return prefetch_queue_.size() < prefetch_queue_.capacity(); }
+
   // Moves finished backups' acks into `out` (appends); never blocks.
   std::size_t drain_backup_acks(std::vector<BackupAck>& out);
 

@@ -803,6 +803,46 @@ TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) {
   }
 }
 
+// TP=2 with L3, where rank 0's storage queues hold one op and rank 1's a thousand: a backup
+// queue full on rank 0 only must not make rank 1 back up alone (its tree would show a backup
+// rank 0 has not, and the acks would never agree). The ranks agree on room first.
+TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::vector<std::string>> trees(2);
+  std::vector<std::int64_t> stored(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      L3 l3(str_cat("tp-room-", r));
+      StorageControllerConfig sc;
+      sc.queue_capacity = r == 0 ? 1 : 1000;
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, sc, tp[r].get());
+      std::mt19937 rng(5);
+      for (int step = 0; step < 150; ++step) {
+        std::vector<std::int32_t> tokens;
+        const int family = static_cast<int>(rng() % 5);
+        for (int i = 0; i < (1 + static_cast<int>(rng() % 7)) * kPage; ++i) tokens.push_back(family * 1000 + i);
+        e.run(tokens);
+        if (step % 9 == 0) e.cache.evict_host(static_cast<std::int64_t>(rng() % 8) * kPage);
+        trees[r].push_back(e.cache.describe());
+      }
+      e.settle();
+      trees[r].push_back(e.cache.describe());
+      stored[r] = e.cache.stats().stored_tokens;
+      EXPECT_EQ(e.cache.stats().tp_failures, 0);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(group->divergence(), "");
+  ASSERT_EQ(trees[0].size(), trees[1].size());
+  for (std::size_t i = 0; i < trees[0].size(); ++i) {
+    ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
+  }
+  EXPECT_EQ(stored[0], stored[1]);
+  EXPECT_GT(stored[0], 0) << "nothing was backed up at all";
+}
+
 // With L3 and TP the storage threads of the ranks could stop inside different collectives:
 // reset is refused, and nothing changes.
 TEST(HiRadixCacheTp, ResetWithL3AndTpIsRefusedAndChangesNothing) {
