@@ -134,16 +134,9 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
 HiRadixCache::~HiRadixCache() = default;
 
 void HiRadixCache::reset() {
-  if (storage_ != nullptr && tp_ != nullptr && tp_->size() > 1) {
-    // The storage threads of the ranks may be inside different collectives when they are
-    // stopped (one rank popped an op the other had not): stopping them would fail the storage
-    // collectives for good. Until the threads drain what every rank queued before stopping,
-    // this is refused rather than switching L3 off.
-    throw StateError(str_cat("HiRadixCache::reset: not supported with L3 and TP size ",
-                             tp_->size(), " (the storage threads would stop out of step)"));
-  }
   // The threads first: once they are stopped nothing reads or writes a page of either pool, and
-  // every ack, revoke and op they held is dropped (reset starts them again).
+  // every ack, revoke and op they held is dropped (reset starts them again). The storage
+  // controller runs what is queued before it stops, so that TP ranks stop in step.
   if (storage_ != nullptr) storage_->reset();
   controller_.reset();
   pending_ = std::make_unique<Pending>();  // prefetch ops go; their host pages go with the pool

@@ -187,8 +187,9 @@ class HiRadixCache {
   // stops the controllers' threads (nothing reads or writes a page afterwards), forgets every
   // pending ack, frees every device and host page, and starts the threads again. The caller
   // must hold nothing of the tree: no locks, no slots it got from it (the engine aborts its
-  // requests first). Every TP rank calls it at the same step. Counters stay. With L3 and a TP
-  // group of more than one rank it throws StateError and changes nothing (see the .cc).
+  // requests first). Every TP rank calls it at the same step. Counters stay. With L3 it first
+  // lets the storage threads run what they have queued (the same ops on every rank), so their
+  // collectives stay in step.
   void reset();
 
   RadixCacheStats stats() const;

@@ -112,6 +112,10 @@ void StorageController::start_threads() {
 StorageController::~StorageController() { stop(); }
 
 void StorageController::reset() {
+  // Every queued backup and prefetch agreement runs first: the TP ranks queued the same ops (the
+  // radix cache agrees on room before queuing), so their threads make the same collective calls
+  // and are all idle, between ops, when they are stopped.
+  wait_until_idle();
   stop();
   // Acks of what stop() ended: the caller drops its view of those ops with them.
   std::vector<BackupAck> backups;
@@ -121,6 +125,10 @@ void StorageController::reset() {
   backup_queue_.reset();
   prefetch_queue_.reset();
   prefetch_io_queue_.reset();
+  {
+    std::lock_guard lock(idle_mu_);
+    outstanding_ = 0;
+  }
   start_threads();
 }
 
@@ -155,7 +163,11 @@ std::optional<std::int64_t> StorageController::write_storage(
   op.keys = std::move(keys);
   op.id = next_id_.fetch_add(1);
   const std::int64_t id = op.id;
-  if (backup_queue_.push(std::move(op)) != PushResult::kOk) return std::nullopt;
+  op_queued();
+  if (backup_queue_.push(std::move(op)) != PushResult::kOk) {
+    op_done();
+    return std::nullopt;
+  }
   return id;
 }
 
@@ -164,7 +176,25 @@ std::size_t StorageController::drain_backup_acks(std::vector<BackupAck>& out) {
 }
 
 void StorageController::backup_loop() {
-  while (auto op = backup_queue_.pop()) backup_acks_.enqueue(run_backup(*op));
+  while (auto op = backup_queue_.pop()) {
+    backup_acks_.enqueue(run_backup(*op));
+    op_done();
+  }
+}
+
+void StorageController::op_queued() {
+  std::lock_guard lock(idle_mu_);
+  ++outstanding_;
+}
+
+void StorageController::op_done() {
+  std::lock_guard lock(idle_mu_);
+  if (--outstanding_ == 0) idle_cv_.notify_all();
+}
+
+void StorageController::wait_until_idle() {
+  std::unique_lock lock(idle_mu_);
+  idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
 }
 
 BackupAck StorageController::run_backup(const BackupOp& op) {
@@ -233,7 +263,11 @@ std::shared_ptr<PrefetchOperation> StorageController::prefetch(
   auto op = std::make_shared<PrefetchOperation>(
       std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
       page_size_);
-  if (prefetch_queue_.push(PrefetchTask{0, op}) != PushResult::kOk) return nullptr;
+  op_queued();
+  if (prefetch_queue_.push(PrefetchTask{0, op}) != PushResult::kOk) {
+    op_done();
+    return nullptr;
+  }
   return op;
 }
 
@@ -242,7 +276,10 @@ std::size_t StorageController::drain_revokes(std::vector<std::string>& out) {
 }
 
 void StorageController::prefetch_loop() {
-  while (auto task = prefetch_queue_.pop()) agree_and_reserve(task->op);
+  while (auto task = prefetch_queue_.pop()) {
+    agree_and_reserve(task->op);
+    op_done();
+  }
 }
 
 void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperation>& handle) {

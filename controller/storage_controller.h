@@ -220,9 +220,10 @@ class StorageController {
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
   // their pages). Idempotent.
   void stop();
-  // stop(), then drops every ack and revoke not yet drained and starts the threads again: for
-  // the owner's reset (HiRadixCache::reset), which forgets every op and frees every host page
-  // itself. Prefetch ops the caller still holds are finished or revoked (terminate_prefetch
+  // Waits until every queued backup and prefetch agreement has run (on a store that fails,
+  // each fails at once or at its timeout), then stop(), then drops every ack and revoke not yet
+  // drained and starts the threads again: for the owner's reset (HiRadixCache::reset), which
+  // forgets every op and frees every host page itself. Every TP rank calls it at the same step. Prefetch ops the caller still holds are finished or revoked (terminate_prefetch
   // returns their pages; after a host pool reset do not free them).
   void reset();
 
@@ -249,6 +250,11 @@ class StorageController {
   BackupAck run_backup(const BackupOp& op);
   // Writes the pages [begin, end) of op; returns how many leading pages are stored.
   void start_threads();
+  // Queued backups and prefetches not yet run by their thread (a thread decrements it after
+  // the op, collectives included).
+  void op_queued();
+  void op_done();
+  void wait_until_idle();
   std::int64_t write_batch(const BackupOp& op, std::size_t begin, std::size_t end,
                            std::string& error);
 
@@ -275,6 +281,9 @@ class StorageController {
   std::atomic<std::int64_t> next_id_{1};
   std::atomic<std::int64_t> failed_ops_{0};
   std::atomic<std::int64_t> read_bytes_{0}, read_ns_{0}, written_bytes_{0};
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  std::int64_t outstanding_ = 0;  // GUARDED_BY idle_mu_
   std::vector<std::byte> staging_;  // backup thread only
   std::thread backup_thread_;
 };

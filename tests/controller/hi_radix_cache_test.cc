@@ -41,6 +41,10 @@ struct L3 {
   std::filesystem::path root;
   FileStorage file;
   LocalCollective local;
+  // The storage controller's collectives (TP tests give each its group).
+  Collective* prefetch = &local;
+  Collective* backup = &local;
+  Collective* main = &local;
   explicit L3(const std::string& name)
       : root(std::filesystem::temp_directory_path() / str_cat("hicache-radix-", name, "-", ::getpid())),
         file(FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string())}) {}
@@ -67,8 +71,8 @@ struct Engine {
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy}),
         storage(l3 == nullptr ? nullptr
                               : std::make_unique<StorageController>(host_pool, l3->file, ns,
-                                                                    l3->local, l3->local,
-                                                                    l3->local, sc)),
+                                                                    *l3->prefetch, *l3->backup,
+                                                                    *l3->main, sc)),
         cache(controller, device_pool, host_pool, config, storage.get(),
               l3 == nullptr ? nullptr : &ns, tp) {}
 
@@ -728,6 +732,38 @@ TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
   EXPECT_GT(e.verified_pages, 100);
 }
 
+// The three two-rank groups of a TP engine with L3: the main loop's (the radix cache and the
+// storage controller's terminate), the prefetch thread's and the backup thread's.
+struct TpGroups {
+  std::shared_ptr<InProcessGroup> main_group, prefetch_group, backup_group;
+  std::vector<std::unique_ptr<Collective>> tp, pre, back;
+  TpGroups()
+      : tp(InProcessGroup::make_ranks(2, std::chrono::seconds(30), &main_group)),
+        pre(InProcessGroup::make_ranks(2, std::chrono::seconds(30), &prefetch_group)),
+        back(InProcessGroup::make_ranks(2, std::chrono::seconds(30), &backup_group)) {}
+  // Rank r's storage controller uses the groups.
+  void wire(L3& l3, int r) {
+    l3.prefetch = pre[static_cast<std::size_t>(r)].get();
+    l3.backup = back[static_cast<std::size_t>(r)].get();
+    l3.main = tp[static_cast<std::size_t>(r)].get();
+  }
+  void expect_in_step() const {
+    EXPECT_EQ(main_group->divergence(), "");
+    EXPECT_EQ(prefetch_group->divergence(), "");
+    EXPECT_EQ(backup_group->divergence(), "");
+  }
+};
+
+// 1..max_pages whole pages of family f's prompt (family * 1000 + i): requests over a few shared
+// prefixes, drawn from `rng`.
+std::vector<std::int32_t> family_prompt(std::mt19937& rng, int families, int max_pages) {
+  const int family = static_cast<int>(rng() % static_cast<unsigned>(families));
+  const int pages = 1 + static_cast<int>(rng() % static_cast<unsigned>(max_pages));
+  std::vector<std::int32_t> tokens;
+  for (int i = 0; i < pages * kPage; ++i) tokens.push_back(family * 1000 + i);
+  return tokens;
+}
+
 // TP=2 in process: each rank has its own pools, controller and tree, and both run the same
 // requests; their acks arrive at different times. With the agreement in check_events the two
 // trees are identical after every request (tiers, ops in flight, locks), and every served page
@@ -743,11 +779,7 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
       Engine e(WritePolicy::kWriteThrough, 24, 40, {}, nullptr, {}, tp[r].get());
       std::mt19937 rng(99);
       for (int step = 0; step < 300; ++step) {
-        std::vector<std::int32_t> tokens;
-        const int family = static_cast<int>(rng() % 5);
-        const int pages = 1 + static_cast<int>(rng() % 7);
-        for (int i = 0; i < pages * kPage; ++i) tokens.push_back(family * 1000 + i);
-        e.run(tokens);
+        e.run(family_prompt(rng, 5, 7));
         if (step % 9 == 0) e.cache.evict_host(static_cast<std::int64_t>(rng() % 8) * kPage);
         trees[r].push_back(e.cache.describe());
       }
@@ -767,23 +799,29 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
   EXPECT_GT(verified[0], 50);
 }
 
-// Reset under TP (no L3): both ranks reset at the same step, with ops in flight; their trees
-// are empty and identical, and stay identical as traffic goes on.
-TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) {
-  std::shared_ptr<InProcessGroup> group;
-  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+// Reset under TP: both ranks reset at the same step (every 37 requests) with ops in flight;
+// their trees are empty and identical, and stay identical as traffic goes on. With L3 every
+// collective is a real two-rank group (prefetch and backup threads, main loop): the storage
+// threads run what both ranks queued before they stop, so no collective fails, and L3 refills
+// the trees afterwards.
+void run_tp_resets(bool with_l3) {
+  TpGroups groups;
   std::vector<std::vector<std::string>> trees(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
-      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, nullptr, {}, tp[r].get());
-      std::mt19937 rng(7);
-      for (int step = 0; step < 120; ++step) {
-        std::vector<std::int32_t> tokens;
-        const int family = static_cast<int>(rng() % 4);
-        for (int i = 0; i < (1 + static_cast<int>(rng() % 6)) * kPage; ++i) tokens.push_back(family * 1000 + i);
-        e.run(tokens);
-        if (step % 40 == 39) {
+      std::unique_ptr<L3> l3;
+      if (with_l3) {
+        l3 = std::make_unique<L3>(str_cat("tp-reset-", r));
+        groups.wire(*l3, r);
+      }
+      // wait_complete: what a prefetch brings does not depend on timing.
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, l3.get(),
+               {.policy = PrefetchPolicy::kWaitComplete}, groups.tp[r].get());
+      std::mt19937 rng(21);
+      for (int step = 0; step < 150; ++step) {
+        e.run(family_prompt(rng, 5, 7));
+        if (step % 37 == 36) {
           e.cache.reset();
           EXPECT_EQ(e.cache.stats().nodes, 0);
           EXPECT_EQ(e.device_pool.allocator().free_tokens(), e.device_pool.capacity_tokens());
@@ -791,39 +829,49 @@ TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) {
         }
         trees[r].push_back(e.cache.describe());
       }
-      EXPECT_EQ(e.cache.stats().tp_failures, 0);
-      EXPECT_EQ(e.cache.stats().resets, 3);
+      e.settle();
+      trees[r].push_back(e.cache.describe());
+      const auto st = e.cache.stats();
+      EXPECT_EQ(st.tp_failures, 0);
+      EXPECT_EQ(st.resets, 4);
+      if (with_l3) {
+        EXPECT_GT(st.prefetched_tokens, 0) << "L3 never refilled the tree after a reset";
+        EXPECT_EQ(e.storage->failed_ops(), 0);
+      }
     });
   }
   for (auto& t : ranks) t.join();
-  EXPECT_EQ(group->divergence(), "");
+  groups.expect_in_step();
   ASSERT_EQ(trees[0].size(), trees[1].size());
   for (std::size_t i = 0; i < trees[0].size(); ++i) {
     ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
   }
 }
 
+TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) { run_tp_resets(false); }
+TEST(HiRadixCacheTp, ResetWithL3KeepsTheRanksInStep) { run_tp_resets(true); }
+
 // TP=2 with L3, where rank 0's storage queues hold one op and rank 1's a thousand: a backup
 // queue full on rank 0 only must not make rank 1 back up alone (its tree would show a backup
 // rank 0 has not, and the acks would never agree). The ranks agree on room first.
 TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
-  std::shared_ptr<InProcessGroup> group;
-  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  // Every collective is a two-rank group (the storage threads' too: with local ones the ranks'
+  // prefetches would agree on nothing and the trees split for that reason).
+  TpGroups groups;
   std::vector<std::vector<std::string>> trees(2);
   std::vector<std::int64_t> stored(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
       L3 l3(str_cat("tp-room-", r));
+      groups.wire(l3, r);
       StorageControllerConfig sc;
+      sc.policy = PrefetchPolicy::kWaitComplete;
       sc.queue_capacity = r == 0 ? 1 : 1000;
-      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, sc, tp[r].get());
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, sc, groups.tp[r].get());
       std::mt19937 rng(5);
       for (int step = 0; step < 150; ++step) {
-        std::vector<std::int32_t> tokens;
-        const int family = static_cast<int>(rng() % 5);
-        for (int i = 0; i < (1 + static_cast<int>(rng() % 7)) * kPage; ++i) tokens.push_back(family * 1000 + i);
-        e.run(tokens);
+        e.run(family_prompt(rng, 5, 7));
         if (step % 9 == 0) e.cache.evict_host(static_cast<std::int64_t>(rng() % 8) * kPage);
         trees[r].push_back(e.cache.describe());
       }
@@ -834,31 +882,13 @@ TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
     });
   }
   for (auto& t : ranks) t.join();
-  EXPECT_EQ(group->divergence(), "");
+  groups.expect_in_step();
   ASSERT_EQ(trees[0].size(), trees[1].size());
   for (std::size_t i = 0; i < trees[0].size(); ++i) {
     ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
   }
   EXPECT_EQ(stored[0], stored[1]);
   EXPECT_GT(stored[0], 0) << "nothing was backed up at all";
-}
-
-// With L3 and TP the storage threads of the ranks could stop inside different collectives:
-// reset is refused, and nothing changes.
-TEST(HiRadixCacheTp, ResetWithL3AndTpIsRefusedAndChangesNothing) {
-  std::shared_ptr<InProcessGroup> group;
-  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
-  L3 l3("tp-reset");
-  Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, {}, tp[0].get());
-  const std::string before = e.cache.describe();
-  try {
-    e.cache.reset();
-    ADD_FAILURE() << "reset with L3 and TP 2 went through";
-  } catch (const StateError& err) {
-    EXPECT_NE(std::string(err.what()).find("TP size 2"), std::string::npos) << err.what();
-  }
-  EXPECT_EQ(e.cache.stats().resets, 0);
-  EXPECT_EQ(e.cache.describe(), before);
 }
 
 class RadixPolicies : public ::testing::TestWithParam<WritePolicy> {};
