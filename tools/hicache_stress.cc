@@ -45,6 +45,7 @@
 #include "tools/stress/fault_storage.h"
 #include "tools/workload/engine_stack.h"
 #include "storage/file_storage.h"
+#include "storage/page_key.h"
 #include "transfer/errors.h"
 
 // After the headers above: it defines BLOCK_SIZE, a name moodycamel's queue uses.
@@ -368,8 +369,11 @@ int run(const Settings& s) {
   auto fire = [&](Periodic& p) {
     ++p.fired;
     if (p.name == "corrupt") {
-      corrupt_injected += corruptor->flip_byte(rng) ? 1 : 0;
-      if (corrupt_injected == 0) --p.fired;  // nothing stored yet: not a fault
+      if (corruptor->flip_byte(rng)) {
+        ++corrupt_injected;
+      } else {
+        --p.fired;  // nothing stored to flip: not a fault
+      }
     } else if (p.name == "truncate") {
       if (corruptor->truncate(rng)) {
         ++corrupt_injected;
@@ -409,7 +413,9 @@ int run(const Settings& s) {
   };
   auto keep_going = [&] { return s.steps > 0 ? steps < s.steps : since(t0) < s.seconds; };
   while (keep_going()) {
-    while (submitted - finished - aborted < 32) {
+    // Outstanding: not finished, aborted or rejected (the engine drops a request larger than
+    // its device pool with no report; none of these can be, and the pass condition says so).
+    while (submitted - finished - aborted - engine.stats().rejected < 32) {
       engine.submit(source.next());
       ++submitted;
     }
@@ -446,17 +452,34 @@ int run(const Settings& s) {
   drain();
   const bool drained = engine.waiting() == 0 && engine.decoding() == 0;
 
-  // L3 alive after everything: a fresh conversation is backed up, the cache is reset, and the
-  // same request finds all of it in L3. Up to 10 attempts, 250 ms apart: a Redis connection
-  // may sit in its reconnect backoff after the last restart, and a prefetch on a loaded
-  // machine may reach its timeout before the last page (this is the end-of-run check, not the
-  // engine's loop).
+  // Everything evicted: both pools must be entirely free, and the tree consistent (checked
+  // before the probe below, whose reset would free the pools wholesale).
+  auto evict_everything = [&] {
+    for (int i = 0; i < 8; ++i) {
+      stack.cache().check_events();
+      stack.cache().evict_device(stack.device_pool().capacity_tokens());
+      stack.cache().evict_host(stack.host_pool().capacity_tokens());
+    }
+  };
+  evict_everything();
+  const std::int64_t device_leak =
+      stack.device_pool().capacity_tokens() - stack.device_pool().allocator().free_tokens();
+  const std::int64_t host_leak = stack.host_pool().capacity_tokens() - stack.host_pool().free_tokens();
+  const std::string invariants = stack.cache().check_invariants();
+
+  // L3 alive after everything: a fresh conversation is backed up (all 8 pages must be in the
+  // store: asked directly), the cache is reset, and the same request finds its pages in L3.
+  // Up to 10 attempts, 250 ms apart: a Redis connection may sit in its reconnect backoff after
+  // the last restart (this is the end-of-run check, not the engine's loop).
   SimulatedRequest probe;
   for (int i = 0; i < 8 * page; ++i) probe.tokens.push_back(static_cast<std::int32_t>(rng() >> 33));
+  std::vector<std::string> probe_keys;
+  PageKeyer(stack.key_namespace()).keys(probe.tokens, nullptr, probe_keys);
   probe.tokens.push_back(1);
   probe.output_tokens = 1;
   bool l3_alive = false;
   int probe_attempts = 0;
+  std::size_t probe_stored = 0;
   for (; probe_attempts < 10 && !l3_alive; ++probe_attempts) {
     if (probe_attempts > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
     probe.id = str_cat("probe-", probe_attempts);
@@ -464,26 +487,20 @@ int run(const Settings& s) {
     engine.run_until_idle();
     engine.flush();
     engine.drain_finished();
+    probe_stored = inject->inner().batch_exists(probe_keys);
     engine.reset();
     probe.id = str_cat("probe-", probe_attempts, "-again");
     engine.submit(probe);
     engine.run_until_idle();
     std::int64_t from_l3 = 0;
     for (const FinishedRequest& f : engine.drain_finished()) from_l3 += f.storage_hit_tokens;
-    l3_alive = from_l3 == 8 * page;
+    l3_alive = probe_stored == probe_keys.size() && from_l3 > 0;
     engine.flush();
   }
-
-  // Everything evicted: both pools must be entirely free.
-  for (int i = 0; i < 8; ++i) {
-    stack.cache().check_events();
-    stack.cache().evict_device(stack.device_pool().capacity_tokens());
-    stack.cache().evict_host(stack.host_pool().capacity_tokens());
-  }
-  const std::int64_t device_leak =
-      stack.device_pool().capacity_tokens() - stack.device_pool().allocator().free_tokens();
-  const std::int64_t host_leak = stack.host_pool().capacity_tokens() - stack.host_pool().free_tokens();
-  const std::string invariants = stack.cache().check_invariants();
+  evict_everything();
+  const bool clean_after_probe =
+      stack.device_pool().allocator().free_tokens() == stack.device_pool().capacity_tokens() &&
+      stack.host_pool().free_tokens() == stack.host_pool().capacity_tokens();
 
   const auto& es = engine.stats();
   const auto cs = stack.cache().stats();
@@ -502,7 +519,8 @@ int run(const Settings& s) {
   const std::int64_t detected = static_cast<std::int64_t>(inner.bad_records);
   const std::int64_t wrong = es.mismatched_pages;
   const bool pass = wrong == 0 && device_leak == 0 && host_leak == 0 && invariants.empty() &&
-                    l3_alive && drained && restart_failures == 0;
+                    l3_alive && drained && restart_failures == 0 && es.rejected == 0 &&
+                    clean_after_probe;
 
   nlohmann::json table = {
       {"seconds", run_seconds},
@@ -522,6 +540,8 @@ int run(const Settings& s) {
       {"corruptions_injected", corrupt_injected},
       {"corruptions_detected", detected},
       {"corruptions_not_read", std::max<std::int64_t>(0, corrupt_injected - detected)},
+      // Every page served is verified, so a corruption that got past the store's checks shows
+      // as a wrong page: the two figures are one count.
       {"corruptions_undetected", wrong},
       {"wrong_pages_served", wrong},
       {"device_slots_leaked", device_leak},
@@ -530,6 +550,8 @@ int run(const Settings& s) {
       {"drained", drained},
       {"l3_alive_after_faults", l3_alive},
       {"l3_probe_attempts", probe_attempts},
+      {"pools_clean_after_probe", clean_after_probe},
+      {"requests_rejected", es.rejected},
       {"resets", cs.resets},
       {"pass", pass}};
   std::printf("\nhicache-stress, %s store, seed %llu, faults:", s.storage.c_str(),

@@ -170,6 +170,29 @@ TEST(HicacheBench, BadSettingsExitWithUsageAndNameTheValue) {
   r = run_bench("--config " + config.path.string());
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.output.find("unknown key 'colour'"), std::string::npos) << r.output;
+  // JSON values of the wrong type: named, not turned into text.
+  for (const std::string bad : {R"({"report": null})", R"({"clients": "8"})", R"({"barrier": 1})",
+                                R"({"request_rate": "fast"})", R"({"clients": 2.5})"}) {
+    {
+      std::ofstream(config.path) << bad;
+    }
+    r = run_bench("--config " + config.path.string());
+    EXPECT_EQ(r.status, 2) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("it must be"), std::string::npos) << bad << "\n" << r.output;
+  }
+}
+
+// Conversations that outgrow the device pool: the engine rejects the rounds that can never fit,
+// the report counts them, and the follow-up rounds still run (the runner once gave up instead).
+TEST(HicacheBench, RejectedRoundsAreReportedAndTheirFollowUpsStillRun) {
+  TempFile report("hicache-bench-rejected.json");
+  const BenchRun r = run_bench(kTiny + "--clients 2 --rounds 14 --device-tokens 256 --tiers host "
+                               "--report " + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  const json& c = j["configurations"][0];
+  EXPECT_GT(c["rejected_requests"].get<double>(), 0) << "the conversations never outgrew the pool";
+  check_adds_up(c, 28);
 }
 
 // Settings from a JSON file, with a flag overriding one of them.

@@ -23,6 +23,11 @@ struct ConfigRun {
 double percentile(std::vector<double> values, double q);
 
 // Summary of one configuration over every instance. Keys: see the README's hicache-bench section.
+// tokens.cross_instance_storage_hit counts the L3 hits of requests whose dependency (a
+// conversation's previous round, a tree node's parent) ran on another instance: an
+// approximation (it includes shared prefixes such as the system prompt, which either instance
+// may have written; longcontext requests have no dependency and report 0).
+
 nlohmann::json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan);
 
 // The configurations side by side, one column each.

@@ -20,7 +20,8 @@ double now_seconds() {
 Runner::Runner(EngineStack& stack, const std::vector<PlannedRequest>& plan, std::vector<int> mine,
                RunOptions options, int instance)
     : stack_(stack), plan_(plan), mine_(std::move(mine)), options_(std::move(options)),
-      instance_(instance), done_(plan.size(), 0), sent_(plan.size(), 0) {
+      instance_(instance), done_(plan.size(), 0), sent_(plan.size(), 0),
+      finished_at_(plan.size(), 0.0) {
   if (options_.request_rate < 0) {
     throw InvalidArgument(str_cat("request rate ", options_.request_rate, " < 0"));
   }
@@ -52,7 +53,12 @@ void Runner::run_rounds(int first_round, int last_round) {
   std::mt19937_64 rng(options_.seed * 7919 + static_cast<std::uint64_t>(first_round) * 104729 +
                       static_cast<std::uint64_t>(instance_));
   std::exponential_distribution<double> gap(options_.request_rate > 0 ? options_.request_rate : 1);
-  double next_arrival = now_seconds();
+  const double round_start = now_seconds();
+  double next_arrival = round_start;
+  // When a client could send: its previous request finished (or the rounds started), its
+  // Poisson arrival came, and the in-flight cap had room. TTFT counts from there, so a request
+  // that waits for the runner's loop (a prefill in progress) still counts that wait.
+  double cap_freed_at = round_start;
   std::size_t remaining = todo.size(), cursor = 0;
   int inflight = 0;
   SimulatedEngine& engine = stack_.engine();
@@ -68,8 +74,16 @@ void Runner::run_rounds(int first_round, int last_round) {
       any_ready = true;
       if (options_.max_inflight > 0 && inflight >= options_.max_inflight) break;
       if (options_.request_rate > 0 && now < next_arrival) break;
-      engine.submit(SimulatedRequest{p.id, p.tokens, p.output_tokens,
-                                     std::chrono::steady_clock::now()});
+      double arrival = p.depends_on >= 0 && finished_at_[static_cast<std::size_t>(p.depends_on)] > 0
+                           ? finished_at_[static_cast<std::size_t>(p.depends_on)]
+                           : round_start;
+      if (options_.request_rate > 0) arrival = std::max(arrival, next_arrival);
+      if (options_.max_inflight > 0) arrival = std::max(arrival, cap_freed_at);
+      arrival = std::min(arrival, now);
+      engine.submit(SimulatedRequest{
+          p.id, p.tokens, p.output_tokens,
+          std::chrono::steady_clock::time_point(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(arrival)))});
       sent_[static_cast<std::size_t>(idx)] = 1;
       ++inflight;
       records_.push_back(RequestRecord{.index = idx, .instance = instance_, .sent_s = now - started_});
@@ -81,6 +95,8 @@ void Runner::run_rounds(int first_round, int last_round) {
     for (FinishedRequest& f : engine.drain_finished()) {
       const int idx = by_id.at(f.id);
       done_[static_cast<std::size_t>(idx)] = 1;
+      finished_at_[static_cast<std::size_t>(idx)] = now_seconds();
+      if (options_.max_inflight > 0 && inflight == options_.max_inflight) cap_freed_at = now_seconds();
       --inflight;
       --remaining;
       if (f.aborted) {
@@ -107,6 +123,7 @@ void Runner::run_rounds(int first_round, int last_round) {
         if (!done_[static_cast<std::size_t>(r.index)] && by_id.count(plan_[static_cast<std::size_t>(r.index)].id)) {
           r.rejected = true;
           done_[static_cast<std::size_t>(r.index)] = 1;
+          finished_at_[static_cast<std::size_t>(r.index)] = now_seconds();
           --inflight;
           --remaining;
         }
@@ -114,6 +131,13 @@ void Runner::run_rounds(int first_round, int last_round) {
     }
     if ((++iteration & 15) == 0) sample();
     if (!busy && inflight == 0 && remaining > 0) {
+      // Readiness again: what finished (or was rejected) in this iteration frees its follow-ups.
+      any_ready = false;
+      for (std::size_t k = cursor; k < todo.size() && !any_ready; ++k) {
+        const PlannedRequest& p = plan_[static_cast<std::size_t>(todo[k])];
+        any_ready = !sent_[static_cast<std::size_t>(todo[k])] &&
+                    (p.depends_on < 0 || done_[static_cast<std::size_t>(p.depends_on)]);
+      }
       if (!any_ready) {
         throw StateError(str_cat("workload runner: ", remaining,
                                  " requests wait for requests outside rounds ", first_round, "..",

@@ -73,6 +73,7 @@ class Runner {
   int instance_;
   std::vector<char> done_;   // by plan index
   std::vector<char> sent_;
+  std::vector<double> finished_at_;  // by plan index; 0: not finished here
   std::vector<RequestRecord> records_;
   std::map<std::string, double> maxima_;
   double started_ = 0;
