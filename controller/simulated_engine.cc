@@ -67,10 +67,10 @@ void SimulatedEngine::submit(SimulatedRequest request) {
 
 bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   SimulatedRequest& request = w.request;
-  const std::size_t prompt = request.tokens.size() - static_cast<std::size_t>(request.output_tokens);
+  const std::size_t prompt = request.prompt().size();
   // Whole pages of prompt and answer go into the tree at the end; slots are taken for them now.
   const std::size_t cacheable = request.tokens.size() / page_size_ * page_size_;
-  auto m = cache_.match_prefix(std::span(request.tokens).first(prompt));
+  auto m = cache_.match_prefix(request.prompt());
   Running r;
   r.held = m.last_host_node;
   cache_.lock(r.held);
@@ -164,10 +164,8 @@ bool SimulatedEngine::step() {
     if (cache_.check_prefetch_progress(w.request.id)) {
       // What the prefetch added (another request may have added part of it meanwhile: it is
       // counted here too).
-      const std::size_t prompt = w.request.tokens.size() - static_cast<std::size_t>(w.request.output_tokens);
       w.storage_tokens = std::max<std::int64_t>(
-          0, cache_.cached_prefix_tokens(std::span(w.request.tokens).first(prompt)) -
-                 w.known_before_prefetch);
+          0, cache_.cached_prefix_tokens(w.request.prompt()) - w.known_before_prefetch);
       waiting_.push_front(std::move(w));
       prefetching_.erase(prefetching_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
@@ -189,10 +187,9 @@ bool SimulatedEngine::step() {
       // Ask L3 for what follows the tree: at the first admission, and again when the tree lost
       // part of the prefix since the last ask (host eviction while the request waited for
       // device memory), at most kMaxStorageAsks times per request.
-      const std::size_t prompt = w.request.tokens.size() - static_cast<std::size_t>(w.request.output_tokens);
-      const auto span = std::span(w.request.tokens).first(prompt);
+      const auto span = w.request.prompt();
       const std::int64_t known = cache_.cached_prefix_tokens(span);
-      if (known < static_cast<std::int64_t>(prompt) && (w.storage_asks == 0 || known < w.known_before_prefetch)) {
+      if (known < static_cast<std::int64_t>(span.size()) && (w.storage_asks == 0 || known < w.known_before_prefetch)) {
         if (static_cast<int>(prefetching_.size()) >= config_.max_prefetches) {
           deferred.push_back(std::move(w));  // waits for a prefetch slot
           continue;

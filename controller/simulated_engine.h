@@ -46,6 +46,11 @@ struct SimulatedRequest {
   std::int32_t output_tokens = 0;    // 0: prefill only
   // When the request arrived (TTFT counts from here); default: when submitted.
   std::chrono::steady_clock::time_point arrival{};
+
+  // The tokens before the answer.
+  std::span<const std::int32_t> prompt() const {
+    return std::span(tokens).first(tokens.size() - static_cast<std::size_t>(output_tokens));
+  }
 };
 
 // What a finished request reports. Tokens of the prompt by where they came from: the device

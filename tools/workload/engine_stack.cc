@@ -3,14 +3,8 @@
 #include "transfer/errors.h"
 
 namespace hicache::workload {
-namespace {
-
-std::unique_ptr<Device> make_device(const StackConfig& c) { return Device::create(c.cache.device); }
-
-}  // namespace
-
 EngineStack::EngineStack(const StackConfig& c, std::unique_ptr<StorageBackend> storage)
-    : device_(make_device(c)),
+    : device_(Device::create(c.cache.device)),
       device_pool_(*device_, c.cache.geometry, c.cache.device_tokens),
       host_pool_(*device_, c.cache.geometry, c.cache.host_layout,
                  c.radix.host_tier ? c.cache.host_tokens() : c.cache.geometry.page_size),

@@ -21,7 +21,7 @@ Runner::Runner(EngineStack& stack, const std::vector<PlannedRequest>& plan, std:
                RunOptions options, int instance)
     : stack_(stack), plan_(plan), mine_(std::move(mine)), options_(std::move(options)),
       instance_(instance), done_(plan.size(), 0), sent_(plan.size(), 0),
-      finished_at_(plan.size(), 0.0) {
+      finished_at_(plan.size(), 0.0), record_at_(plan.size(), 0) {
   if (options_.request_rate < 0) {
     throw InvalidArgument(str_cat("request rate ", options_.request_rate, " < 0"));
   }
@@ -86,6 +86,7 @@ void Runner::run_rounds(int first_round, int last_round) {
               std::chrono::duration<double>(arrival)))});
       sent_[static_cast<std::size_t>(idx)] = 1;
       ++inflight;
+      record_at_[static_cast<std::size_t>(idx)] = records_.size();
       records_.push_back(RequestRecord{.index = idx, .instance = instance_, .sent_s = now - started_});
       if (options_.request_rate > 0) next_arrival += gap(rng);
     }
@@ -99,23 +100,14 @@ void Runner::run_rounds(int first_round, int last_round) {
       if (options_.max_inflight > 0 && inflight == options_.max_inflight) cap_freed_at = now_seconds();
       --inflight;
       --remaining;
+      RequestRecord& record = records_[record_at_[static_cast<std::size_t>(idx)]];
       if (f.aborted) {
-        for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
-          if (it->index == idx) {
-            it->aborted = true;
-            break;
-          }
-        }
+        record.aborted = true;
         continue;
       }
       prompt_tokens_ += f.prompt_tokens;
       cached_tokens_ += f.prompt_tokens - f.computed_tokens;
-      for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
-        if (it->index == idx) {
-          it->report = std::move(f);
-          break;
-        }
-      }
+      record.report = std::move(f);
     }
     if (!busy && inflight > 0 && engine.waiting() == 0 && engine.decoding() == 0) {
       // The engine dropped them: larger than its device pool can ever hold.

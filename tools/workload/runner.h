@@ -74,6 +74,7 @@ class Runner {
   std::vector<char> done_;   // by plan index
   std::vector<char> sent_;
   std::vector<double> finished_at_;  // by plan index; 0: not finished here
+  std::vector<std::size_t> record_at_;  // by plan index: its place in records_, once sent
   std::vector<RequestRecord> records_;
   std::map<std::string, double> maxima_;
   double started_ = 0;
