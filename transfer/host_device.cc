@@ -1,5 +1,6 @@
 #include "transfer/host_device.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -22,12 +23,31 @@ struct StreamState {
   std::condition_variable done_cv;  // waiters: completed advanced
   std::uint64_t enqueued = 0;       // items enqueued so far (GUARDED_BY mu)
   std::uint64_t completed = 0;      // items finished so far (GUARDED_BY mu)
+  // The lowest sequence number a waiter on done_cv waits for (kNobody: no waiter). The worker
+  // notifies only when it reaches it, so a thread in synchronize() sleeps through the items
+  // before its own instead of waking for each (on 2 cores those wake-ups cost a load step
+  // 10-15%). A woken waiter that is not done yet registers again before it sleeps.
+  static constexpr std::uint64_t kNobody = ~std::uint64_t{0};
+  std::uint64_t wake_at = kNobody;  // GUARDED_BY mu
   bool stopping = false;            // GUARDED_BY mu
   std::exception_ptr error;         // first failure since the last synchronize (GUARDED_BY mu)
 
+  // Waits, with `lock` held on mu, until `completed` reaches seq.
+  void wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t seq) {
+    while (completed < seq) {
+      wake_at = std::min(wake_at, seq);
+      done_cv.wait(lock);
+    }
+  }
   void wait_until(std::uint64_t seq) {
     std::unique_lock lock(mu);
-    done_cv.wait(lock, [&] { return completed >= seq; });
+    wait_locked(lock, seq);
+  }
+  // Called by the worker with mu held after `completed` advanced: whether to notify done_cv.
+  bool reached_waiter() {
+    if (completed < wake_at) return false;
+    wake_at = kNobody;
+    return true;
   }
   bool reached(std::uint64_t seq) {
     std::lock_guard lock(mu);
@@ -137,8 +157,7 @@ class HostStream final : public Stream {
 
   void synchronize() override {
     std::unique_lock lock(state_->mu);
-    const std::uint64_t target = state_->enqueued;
-    state_->done_cv.wait(lock, [&] { return state_->completed >= target; });
+    state_->wait_locked(lock, state_->enqueued);
     if (state_->error) {
       std::exception_ptr error = std::exchange(state_->error, nullptr);
       lock.unlock();
@@ -199,12 +218,14 @@ class HostStream final : public Stream {
       } catch (...) {
         error = std::current_exception();
       }
+      bool notify;
       {
         std::lock_guard lock(state_->mu);
         ++state_->completed;
         if (error && !state_->error) state_->error = error;
+        notify = state_->reached_waiter();
       }
-      state_->done_cv.notify_all();
+      if (notify) state_->done_cv.notify_all();
     }
   }
 

@@ -1,5 +1,7 @@
 #include "transfer/layer_done_counter.h"
 
+#include <thread>
+
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -95,12 +97,25 @@ void LayerDoneCounter::fail(std::int32_t slot) {
   changed_.notify_all();
 }
 
+template <typename Ready>
+void LayerDoneCounter::spin_then_wait(std::unique_lock<std::mutex>& lock, Ready ready) {
+  if (ready()) return;
+  const auto give_up = std::chrono::steady_clock::now() + kSpinBeforeBlock;
+  do {
+    lock.unlock();
+    std::this_thread::yield();
+    lock.lock();
+    if (ready()) return;
+  } while (std::chrono::steady_clock::now() < give_up);
+  changed_.wait(lock, ready);
+}
+
 bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
   check_slot(slot, "wait_until");
   check_layer(layer, "wait_until");
   std::unique_lock lock(mu_);
   const Slot& s = slots_[slot];
-  changed_.wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
+  spin_then_wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
   return s.done > layer;
 }
 
@@ -111,7 +126,7 @@ bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Str
   {
     std::unique_lock lock(mu_);
     const Slot& s = slots_[slot];
-    changed_.wait(lock, [&] { return s.enqueued > layer || s.failed || stopped_; });
+    spin_then_wait(lock, [&] { return s.enqueued > layer || s.failed || stopped_; });
     if (s.enqueued <= layer) return false;
   }
   compute.wait(*events_[static_cast<std::size_t>(slot) * num_layers_ + layer]);

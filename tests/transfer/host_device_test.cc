@@ -71,6 +71,42 @@ TEST(HostDevice, EventCapturesExactlyTheWorkEnqueuedBeforeIt) {
   EXPECT_EQ(ran.load(), 2);
 }
 
+// The worker wakes waiters only when it reaches the lowest point one of them waits for; a
+// waiter for a later point sleeps on and must still be woken when its own point is reached,
+// whichever of them started waiting first. A lost wake-up hangs here (CTest's timeout fails it).
+TEST(HostDevice, WaitersForDifferentPointsEachWakeAtTheirOwn) {
+  for (bool far_first : {true, false}) {
+    HostDevice device;
+    auto stream = device.create_stream();
+    auto near = device.create_event();
+    auto far = device.create_event();
+    Gate g1, g2;
+    std::atomic<int> ran{0};
+    stream->launch_host_func(g1.blocker());
+    stream->launch_host_func([&] { ran = 1; });
+    stream->record(*near);
+    stream->launch_host_func(g2.blocker());
+    stream->launch_host_func([&] { ran = 2; });
+    stream->record(*far);
+    auto waiter = [&ran](Event& e) {
+      return std::async(std::launch::async, [&ran, &e] {
+        e.synchronize();
+        return ran.load();
+      });
+    };
+    std::future<int> far_done = far_first ? waiter(*far) : std::future<int>{};
+    std::future<int> near_done = waiter(*near);
+    std::future<void> sync_done = std::async(std::launch::async, [&] { stream->synchronize(); });
+    if (!far_first) far_done = waiter(*far);
+    g1.open();
+    EXPECT_EQ(near_done.get(), 1) << "far_first=" << far_first;
+    EXPECT_FALSE(far->query()) << "the far point passed before its gate opened";
+    g2.open();
+    EXPECT_EQ(far_done.get(), 2) << "far_first=" << far_first;
+    sync_done.get();
+  }
+}
+
 TEST(HostDevice, EventNeverRecordedIsComplete) {
   HostDevice device;
   auto e = device.create_event();
