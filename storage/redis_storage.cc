@@ -5,6 +5,7 @@
 #include <mutex>
 #include <set>
 #include <shared_mutex>
+#include <thread>
 
 #include "storage/json_fields.h"
 #include "storage/page_key.h"
@@ -58,7 +59,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
     c.nodes = {{host, static_cast<std::uint16_t>(port)}};
   }
   c.connections = static_cast<int>(json_fields::get_int(j, "connections", 4, 1, 256, what));
-  c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 2, 1, 64, what));
+  c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 0, 0, 64, what));
   c.timeout = std::chrono::milliseconds(
       json_fields::get_int(j, "timeout_ms", 2000, 1, 3'600'000, what));
   c.connect_timeout = std::chrono::milliseconds(
@@ -473,8 +474,30 @@ class RedisStorage::Impl {
   std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
 };
 
+namespace {
+
+// io_threads 0: one I/O thread per 4 CPUs, 1 to 4. On 2 CPUs a second thread competed with
+// redis-server for a core: 256 KiB GETs in batches of 16 ran at 0.5-0.65 of redis-benchmark with
+// two threads and 0.95-1.1 with one (hicache-redisbench, 2026-11-23).
+RedisConfig resolved(RedisConfig c) {
+  if (c.io_threads < 0) {
+    throw InvalidArgument(str_cat("RedisStorage: io_threads must be >= 0 (0: automatic), got ",
+                                  c.io_threads));
+  }
+  if (c.connections < 1) {
+    throw InvalidArgument(str_cat("RedisStorage: connections must be >= 1, got ", c.connections));
+  }
+  if (c.io_threads == 0) {
+    const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
+    c.io_threads = std::clamp(cpus / 4, 1, 4);
+  }
+  return c;
+}
+
+}  // namespace
+
 RedisStorage::RedisStorage(RedisConfig config)
-    : config_(std::move(config)), impl_(std::make_unique<Impl>(*this, config_)) {
+    : config_(resolved(std::move(config))), impl_(std::make_unique<Impl>(*this, config_)) {
   impl_->start();
 }
 

@@ -115,9 +115,14 @@ TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
   EXPECT_EQ(c.backoff_initial, 5ms);
   EXPECT_EQ(c.backoff_max, 50ms);
   EXPECT_EQ(c.max_value_bytes, 4096u);
+  EXPECT_EQ(c.io_threads, 1);
   const auto d = RedisConfig::from_json_text(R"({"backend": "redis"})");
   EXPECT_EQ(d.nodes[0].port, 6379);
   EXPECT_EQ(d.max_value_bytes, 512u << 20);
+  EXPECT_EQ(d.io_threads, 0);  // automatic: the store resolves it
+  const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(RedisStorage(d).config().io_threads, std::clamp(cpus / 4, 1, 4));
+  EXPECT_EQ(RedisStorage(c).config().io_threads, 1);
   const auto cl = RedisConfig::from_json_text(
       R"({"backend": "redis", "cluster": true, "nodes": ["127.0.0.1:7000", "[::1]:7001"]})");
   ASSERT_EQ(cl.nodes.size(), 2u);
@@ -140,6 +145,20 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
   EXPECT_NE(message(R"({"port": 70000})").find("'port'"), std::string::npos);
   EXPECT_NE(message(R"({"port": "6379"})").find("'port'"), std::string::npos);
   EXPECT_NE(message(R"({"connections": 0})").find("'connections'"), std::string::npos);
+  EXPECT_NE(message(R"({"io_threads": -1})").find("'io_threads'"), std::string::npos);
+  // The same checks when a config is built in code.
+  RedisConfig negative;
+  negative.io_threads = -2;
+  try {
+    RedisStorage store(negative);
+    ADD_FAILURE() << "io_threads -2 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("io_threads must be >= 0"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("-2"), std::string::npos) << e.what();
+  }
+  RedisConfig no_connections;
+  no_connections.connections = 0;
+  EXPECT_THROW(RedisStorage{no_connections}, InvalidArgument);
   EXPECT_NE(message(R"({"reconnect_backoff_ms": [10]})").find("reconnect_backoff_ms"),
             std::string::npos);
   EXPECT_NE(message(R"({"reconnect_backoff_ms": [50, 10]})").find("reconnect_backoff_ms"),

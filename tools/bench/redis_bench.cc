@@ -26,7 +26,7 @@
 //             ours reads); the hit rate is read from INFO stats and only hits count as bytes.
 // The ratio printed is the median of the per-round ratios (ours / redis-benchmark).
 //
-// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster]
+// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster] [--io-threads N]
 //                           [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
 #include <algorithm>
 #include <chrono>
@@ -62,6 +62,7 @@ struct Options {
   std::size_t run_mib = 256;  // payload per timed run: batches = run_mib / batch size (at least 1)
   bool single = true;
   bool cluster = true;
+  int io_threads = 0;  // RedisStorage's: 0 is its default (one per 4 CPUs)
   std::vector<Shape> shapes;
 };
 
@@ -245,7 +246,7 @@ class Baseline {
 // RedisStorage over a batch of pages: src pattern-filled, dst separate (verified).
 class Ours {
  public:
-  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches)
+  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches, int io_threads)
       : shape_(s),
         batches_(batches),
         src_(map_host_memory(s.pages * s.page_bytes)),
@@ -256,6 +257,7 @@ class Ours {
     cfg.cluster = cluster;
     cfg.connections = s.connections;
     cfg.timeout = std::chrono::milliseconds(20000);
+    cfg.io_threads = io_threads;
     store_ = std::make_unique<RedisStorage>(cfg);
     auto* sbase = static_cast<std::byte*>(src_.data());
     auto* dbase = static_cast<std::byte*>(dst_.data());
@@ -328,6 +330,7 @@ class Ours {
   }
 
   void clear() { store_->clear(); }
+  int io_threads() const { return store_->config().io_threads; }
 
  private:
   double bytes() const { return static_cast<double>(shape_.pages * shape_.page_bytes) * batches_; }
@@ -366,11 +369,11 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
     const int batches =
         static_cast<int>(std::max<std::size_t>(1, (opt.run_mib << 20) / (s.pages * s.page_bytes)));
     Baseline base(benchmark_bin, targets, cluster, s, batches, value_file);
-    Ours ours(ports, cluster, s, batches);
+    Ours ours(ports, cluster, s, batches, opt.io_threads);
     std::printf(
         "\n%s, %zu KiB pages, %zu per batch, %d batches per run, %d connections per node, "
-        "pipeline depth %zu per connection\n  %s\n  %s\n",
-        label, s.page_bytes >> 10, s.pages, batches, s.connections, base.depth(),
+        "pipeline depth %zu per connection, RedisStorage io_threads %d\n  %s\n  %s\n",
+        label, s.page_bytes >> 10, s.pages, batches, s.connections, base.depth(), ours.io_threads(),
         base.describe(true).c_str(), base.describe(false).c_str());
     std::fflush(stdout);
     flush_all(ports);
@@ -433,6 +436,10 @@ bool parse_args(int argc, char** argv, Options& opt) {
       } else {
         opt.run_mib = static_cast<std::size_t>(std::atoi(v));
       }
+    } else if (a == "--io-threads") {
+      const char* v = next();
+      if (v == nullptr || std::atoi(v) < 0 || std::atoi(v) > 64) return false;
+      opt.io_threads = std::atoi(v);
     } else if (a == "--single" || a == "--cluster") {
       if (!which) opt.single = opt.cluster = false;
       which = true;
@@ -463,6 +470,7 @@ int main(int argc, char** argv) {
   if (!parse_args(argc, argv, opt)) {
     std::fprintf(stderr,
                  "usage: %s [--rounds N (3)] [--mib MIB_PER_RUN (256)] [--single] [--cluster]\n"
+                 "          [--io-threads N (0: RedisStorage's default)]\n"
                  "          [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]... "
                  "(default 8192:16:4, 256:256:4 and 256:16:4)\n",
                  argv[0]);
@@ -485,8 +493,8 @@ int main(int argc, char** argv) {
   }
   const std::string tmpdir = tmpl;
   std::printf(
-      "hicache-redisbench: %d paired rounds, %zu MiB per timed run; ours = RedisStorage "
-      "(io_threads 2), payload MB/s (1 MB = 1e6 bytes)\n",
+      "hicache-redisbench: %d paired rounds, %zu MiB per timed run; ours = RedisStorage, "
+      "payload MB/s (1 MB = 1e6 bytes)\n",
       opt.rounds, opt.run_mib);
   int rc = 0;
   try {
