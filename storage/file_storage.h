@@ -12,8 +12,9 @@
 //   operation) and a background thread unlinks it (unlink costs 0.3-0.8 ms on these disks). A
 //   record that cannot be moved is dropped from the index, counted and skipped: the evictor never
 //   wedges. A record larger than the whole capacity is refused, not thrashed.
-// - Batches fan out over io_threads workers (Boost.Asio's thread_pool); a one-key batch runs in
-//   the caller. Disk full, permission denied or a removed directory are per-key errors, and the
+// - A batch is worked on by io_threads threads: the caller and io_threads - 1 workers of a
+//   Boost.Asio thread_pool (of io_threads threads, so concurrent batches find workers), each
+//   taking the next key; a one-key batch runs in the caller. Disk full, permission denied or a removed directory are per-key errors, and the
 //   store keeps serving what still works (the .tmp/ and .trash/ folders are recreated on demand).
 //
 // - shared: several processes (engine instances) use one root. Each keeps its own index; a key
