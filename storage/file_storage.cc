@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <filesystem>
 #include <latch>
 #include <list>
@@ -248,23 +249,40 @@ class FileStorage::Impl {
       for (std::size_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    // get_one/write_one report failures as results; what still escapes (std::bad_alloc, a
+    // throwing filesystem call) stops every thread taking keys and is rethrown here once no
+    // helper touches this frame any more (batch_get/batch_set turn it into per-key errors).
     std::atomic<std::size_t> next{0};
+    std::mutex error_mu;
+    std::exception_ptr error;  // GUARDED_BY error_mu
     auto work = [&] {
-      for (std::size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-        fn(i);  // get_one/write_one report failures as results, never raise
+      try {
+        for (std::size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
+      } catch (...) {
+        next.store(n, std::memory_order_relaxed);
+        std::lock_guard lock(error_mu);
+        if (!error) error = std::current_exception();
       }
     };
-    const std::size_t helpers =
-        std::min(n, static_cast<std::size_t>(config_.io_threads)) - 1;
+    const std::size_t helpers = std::min(n, static_cast<std::size_t>(config_.io_threads)) - 1;
     std::latch done(static_cast<std::ptrdiff_t>(helpers));
-    for (std::size_t h = 0; h < helpers; ++h) {
-      boost::asio::post(*pool_, [&] {
-        work();
-        done.count_down();
-      });
+    std::size_t posted = 0;
+    try {
+      for (; posted < helpers; ++posted) {
+        boost::asio::post(*pool_, [&] {
+          work();
+          done.count_down();
+        });
+      }
+    } catch (...) {
+      next.store(n, std::memory_order_relaxed);
+      done.count_down(static_cast<std::ptrdiff_t>(helpers - posted));
+      done.wait();
+      throw;
     }
     work();
     done.wait();
+    if (error) std::rethrow_exception(error);
   }
 
   IoResult get_one(const std::string& key, ByteSpan dst) {
