@@ -168,32 +168,11 @@ class RedisStorage::Impl {
   std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
     const std::size_t n = keys.size();
     std::vector<IoResult> results(n);
-    // "*3 SET key $<record>" + record head for every key, then the payload straight from the
-    // caller's span. The commands are laid out while the EXISTS round is on the wire; each
-    // record head, whose checksum is a pass over the payload (~200 us for 4 MiB here), is
-    // filled in just before its SET is handed to a connection, so the first SETs are on the
-    // wire while later heads are being computed.
-    std::string arena;
-    std::vector<std::pair<std::size_t, std::size_t>> spans(n);
-    auto build = [&] {
-      std::size_t bytes = 0;
-      for (std::size_t i = 0; i < n; ++i) bytes += keys[i].size() * 2 + 64 + kRecordHeaderBytes;
-      arena.reserve(bytes);
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::string& key = keys[i];
-        const std::size_t start = arena.size();
-        const std::size_t head = record_head_bytes(key);
-        arena += str_cat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$",
-                         head + src[i].size(), "\r\n");
-        arena.resize(arena.size() + head);
-        spans[i] = {start, arena.size() - start};
-      }
-    };
     std::vector<std::size_t> absent;
     {
-      std::string probe_arena;
-      std::vector<Request> probes = key_requests(keys, "EXISTS", probe_arena);
-      execute(probes, build);
+      std::string arena;
+      std::vector<Request> probes = key_requests(keys, "EXISTS", arena);
+      execute(probes);
       for (std::size_t i = 0; i < n; ++i) {
         const Request& r = probes[i];
         if (r.outcome != Outcome::kInteger) {
@@ -217,18 +196,35 @@ class RedisStorage::Impl {
     }
     if (absent.empty()) return results;
 
+    // "*3 SET key $<record>" + record head, then the payload straight from the caller's span.
+    // Each record head, whose checksum is a pass over the payload (~200 us for 4 MiB here), is
+    // filled in just before its SET is handed to a connection, so the first SETs are on the
+    // wire while later heads are being computed.
+    std::string arena;
+    std::vector<std::pair<std::size_t, std::size_t>> spans;
+    spans.reserve(absent.size());
+    for (std::size_t i : absent) {
+      const std::string& key = keys[i];
+      const std::size_t start = arena.size();
+      const std::size_t head = record_head_bytes(key);
+      arena += str_cat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$",
+                       head + src[i].size(), "\r\n");
+      arena.resize(arena.size() + head);
+      spans.emplace_back(start, arena.size() - start);
+    }
     std::vector<Request> reqs(absent.size());
     for (std::size_t a = 0; a < absent.size(); ++a) {
       const std::size_t i = absent[a];
-      reqs[a].command = std::string_view(arena).substr(spans[i].first, spans[i].second);
+      reqs[a].command = std::string_view(arena).substr(spans[a].first, spans[a].second);
       reqs[a].payload = src[i];
       reqs[a].bulk_bytes = record_head_bytes(keys[i]) + src[i].size();
       reqs[a].slot = slot_of(keys[i]);
     }
-    execute(reqs, {}, [&](const Request& r) {
-      const std::size_t i = absent[static_cast<std::size_t>(&r - reqs.data())];
+    execute(reqs, [&](const Request& r) {
+      const auto a = static_cast<std::size_t>(&r - reqs.data());
+      const std::size_t i = absent[a];
       const std::size_t head = record_head_bytes(keys[i]);
-      char* head_at = arena.data() + spans[i].first + spans[i].second - head;
+      char* head_at = arena.data() + spans[a].first + spans[a].second - head;
       encode_record_head(keys[i], src[i], std::span(reinterpret_cast<std::byte*>(head_at), head));
     });
     for (std::size_t a = 0; a < absent.size(); ++a) {
@@ -318,10 +314,9 @@ class RedisStorage::Impl {
   using Prepare = std::function<void(const Request&)>;
 
   // Runs the requests, routing each by slot (cluster) and following MOVED/ASK redirects, until
-  // each has its final outcome. `meanwhile`, when given, runs once on this thread while the
-  // first round is on the wire.
-  void execute(std::span<Request> reqs, const std::function<void()>& meanwhile = {},
-               const Prepare& prepare = {}) {
+  // each has its final outcome. `prepare` runs for each request before its first send
+  // (redirected requests are resent as prepared).
+  void execute(std::span<Request> reqs, const Prepare& prepare = {}) {
     std::vector<Request*> todo;
     todo.reserve(reqs.size());
     for (Request& r : reqs) todo.push_back(&r);
@@ -332,11 +327,7 @@ class RedisStorage::Impl {
           if (!r->asking) r->node = slots_[r->slot] >= 0 ? static_cast<std::size_t>(slots_[r->slot]) : 0;
         }
       }
-      if (round == 0) {
-        dispatch(todo, meanwhile, prepare);
-      } else {
-        dispatch(todo);
-      }
+      dispatch(todo, round == 0 ? prepare : Prepare{});
       if (!config_.cluster) return;
       std::vector<Request*> again;
       bool moved = false;
@@ -376,16 +367,12 @@ class RedisStorage::Impl {
   }
 
   // Sends each request to its node (r->node), splitting a node's share over its connections by
-  // bytes, runs `meanwhile` (when given), and waits for all of them. With `prepare`, the
+  // bytes, and waits for all of them. With `prepare`, the
   // connections' shares are handed over in chunks of about kStreamChunk bytes, the connections
   // in turn, each request prepared right before its chunk goes: every connection starts
   // writing after one chunk's preparation instead of the whole batch's.
-  void dispatch(const std::vector<Request*>& reqs, const std::function<void()>& meanwhile = {},
-                const Prepare& prepare = {}) {
-    if (reqs.empty()) {
-      if (meanwhile) meanwhile();
-      return;
-    }
+  void dispatch(const std::vector<Request*>& reqs, const Prepare& prepare = {}) {
+    if (reqs.empty()) return;
     redis::Completion done(reqs.size());
     std::vector<std::vector<Request*>> per_node;
     for (Request* r : reqs) {
@@ -420,7 +407,6 @@ class RedisStorage::Impl {
           left |= part.next < part.reqs.size();
         }
       }
-      if (meanwhile) meanwhile();
     } catch (...) {
       // The connections hold pointers to the submitted requests and to `done`: fail the rest
       // and wait for the submitted ones before the stack they live on goes.
