@@ -71,6 +71,7 @@ namespace {
 constexpr std::string_view kAsking = "*1\r\n$6\r\nASKING\r\n";
 constexpr std::string_view kCrlf = "\r\n";
 constexpr std::string_view kAskingReply = "+OK\r\n";
+constexpr std::string_view kProtocolErrorPrefix = "ERR Protocol error";
 constexpr std::size_t kReadChunk = 256 * 1024;
 // The reader compacts its buffer (a memmove of what is left) after each reply once 1 KiB is
 // consumed; feeding it about one reply at a time keeps that memmove short.
@@ -436,12 +437,25 @@ class Connection::Impl {
         p.req->outcome = Outcome::kArray;
         p.req->array = std::move(tree);
       }
+      // After a protocol error (a value over proto-max-bulk-len the client could not know of)
+      // the server closes the connection, and it may answer what follows with more protocol
+      // errors first: this request gets the error, everything behind it fails now, and the
+      // next batch reconnects instead of writing into a socket the server is closing.
+      std::string closing;
+      if (p.req->outcome == Outcome::kServerError &&
+          p.req->text.starts_with(kProtocolErrorPrefix)) {
+        closing = str_cat(name_, ": the server closes the connection after: ", p.req->text);
+      }
       if (p.write_seq > written_seq_ && p.req->completion != nullptr) {
         answered_.push_back(p.req);
-        continue;
+      } else {
+        finish(p.req);  // p.req may be gone after this
+        if (gen != gen_) return false;
       }
-      finish(p.req);
-      if (gen != gen_) return false;
+      if (!closing.empty()) {
+        fail(closing);
+        return false;
+      }
     }
   }
 
