@@ -12,8 +12,10 @@
 // each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
 // a conversation moves between instances and finds its earlier rounds only in L3. The rounds
 // are then run with a barrier: every instance finishes round r and lands its backups in L3
-// before any starts round r+1.
+// before any starts round r+1. An instance that does not answer a round within
+// --instance-timeout-s fails the run; the parent kills and reaps every instance.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,6 +84,7 @@ struct Settings {
   std::string prefetch_policy = "wait_complete";
   std::int64_t prefetch_threshold_tokens = 256, storage_batch_pages = 16;
   std::int64_t instances = 1;
+  double instance_timeout_s = 600;
   // output
   std::string report, plot;
   bool progress = true;
@@ -194,6 +197,8 @@ const std::vector<Option>& options() {
       INT_OPT(prefetch_threshold_tokens, 0, "smaller L3 hits are not prefetched (256)"),
       INT_OPT(storage_batch_pages, 1, "pages per storage call (16)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
+      DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
+                                     "within this many seconds fails the run; 0: no limit (600)"),
       STR_OPT(report, "write the JSON report here"),
       STR_OPT(plot, "write an SVG plot here (TTFT per round, hit rate per tier)"),
       BOOL_OPT(progress, "progress on stderr (true; --no-progress turns it off)"),
@@ -429,14 +434,24 @@ wl::InstanceResult run_single(const Settings& s, const wl::StackConfig& config,
 }
 
 // Line I/O over pipes between the parent and an instance.
-bool read_line(int fd, std::string& line) {
+enum class Read { kLine, kClosed, kTimedOut };
+
+// Reads one line; with a deadline (wl::now_seconds(), 0: none) gives up once it passes.
+Read read_line(int fd, std::string& line, double deadline = 0) {
   line.clear();
   char c;
   while (true) {
+    if (deadline > 0) {
+      const double left = deadline - wl::now_seconds();
+      pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+      const int ready = left > 0 ? ::poll(&p, 1, static_cast<int>(left * 1000) + 1) : 0;
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) return Read::kTimedOut;
+    }
     const ssize_t n = ::read(fd, &c, 1);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    if (c == '\n') return true;
+    if (n <= 0) return Read::kClosed;
+    if (c == '\n') return Read::kLine;
     line += c;
   }
 }
@@ -467,7 +482,7 @@ bool write_all(int fd, const std::string& text) {
     wl::Runner runner(stack, plan, mine, run_options(s, str_cat(label, " #", instance), instances),
                       instance);
     double busy = 0;
-    for (std::string line; read_line(in_fd, line);) {
+    for (std::string line; read_line(in_fd, line) == Read::kLine;) {
       if (line.rfind("R ", 0) == 0) {
         const int round = std::stoi(line.substr(2));
         const double t0 = wl::now_seconds();
@@ -528,15 +543,37 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
   std::string line;
   // The run's wall time: from round 0's start to the last instance's last round (barriers and
   // the flushes that hand rounds over through L3 included), as a client population sees it.
+  // A hung instance (a deadlock, a stopped process) must not hang the parent: past the deadline
+  // the run fails and every instance is killed below.
+  auto deadline = [&] {
+    return s.instance_timeout_s > 0 ? wl::now_seconds() + s.instance_timeout_s : 0.0;
+  };
+  auto answered = [&](std::size_t i, const std::string& what, double by, const char* expect) {
+    const Read got = read_line(children[i].from, line, by);
+    if (got == Read::kLine && (expect == nullptr || line == expect)) return true;
+    const std::string why = got == Read::kTimedOut
+                                ? str_cat("gave no answer within ", s.instance_timeout_s, " s to")
+                            : got == Read::kClosed ? std::string("ended (see its error above) during")
+                                                   : str_cat("answered '", line, "' to");
+    std::fprintf(stderr, "hicache-bench: %s: instance %zu %s %s\n", label.c_str(), i,
+                 why.c_str(), what.c_str());
+    return false;
+  };
   const double t0 = wl::now_seconds();
   for (int r = 0; r <= last_round && !failed; ++r) {
     for (const Child& c : children) failed |= !write_all(c.to, str_cat("R ", r, "\n"));
-    for (const Child& c : children) failed |= !(read_line(c.from, line) && line == "D");
+    const double by = deadline();
+    for (std::size_t i = 0; i < children.size() && !failed; ++i) {
+      failed |= !answered(i, str_cat("round ", r), by, "D");
+    }
   }
   const double wall = wl::now_seconds() - t0;
   std::vector<wl::InstanceResult> results;
-  for (const Child& c : children) {
-    if (!failed && write_all(c.to, "E\n") && read_line(c.from, line)) {
+  const double by = deadline();
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const Child& c = children[i];
+    if (!failed && write_all(c.to, "E\n") && answered(i, "the request for its result", by,
+                                                      nullptr)) {
       try {
         results.push_back(wl::instance_result_from_json(json::parse(line)));
         results.back().duration_s = wall;
