@@ -466,6 +466,18 @@ int run(const Settings& s) {
       stack.device_pool().capacity_tokens() - stack.device_pool().allocator().free_tokens();
   const std::int64_t host_leak = stack.host_pool().capacity_tokens() - stack.host_pool().free_tokens();
   const std::string invariants = stack.cache().check_invariants();
+  if (device_leak != 0 || host_leak != 0) {
+    // A leak explains itself: the host pages' states, and what of the tree eviction left.
+    std::string states;
+    for (int st = 0; st < kNumPageStates; ++st) {
+      const auto state = static_cast<PageState>(st);
+      states += str_cat(" ", to_string(state), "=", stack.host_pool().count_in_state(state));
+    }
+    std::fprintf(stderr, "hicache-stress: slots left after evicting everything (device %lld, "
+                         "host %lld); host pages by state:%s\ntree:\n%s\n",
+                 static_cast<long long>(device_leak), static_cast<long long>(host_leak),
+                 states.c_str(), stack.cache().describe().c_str());
+  }
 
   // L3 alive after everything: a fresh conversation is backed up (all 8 pages must be in the
   // store: asked directly), the cache is reset, and the same request finds its pages in L3.
