@@ -1,6 +1,11 @@
 #include "storage/record.h"
 
 #include <xxhash.h>
+#if defined(__x86_64__)
+// libxxhash's runtime dispatch: XXH3 on the widest vector unit the CPU has (AVX2 / AVX-512),
+// the same hash values as the portable build.
+#include <xxh_x86dispatch.h>
+#endif
 
 #include <bit>
 #include <cstring>
