@@ -118,7 +118,7 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
   s.timeout_cap = std::chrono::milliseconds(json_fields::get_int(
       root, "prefetch_timeout_cap_ms", s.timeout_cap.count(), 0, INT32_MAX, "config"));
   s.io_batch_pages =
-      json_fields::get_int(root, "storage_batch_pages", s.io_batch_pages, 1, 1 << 20, "config");
+      json_fields::get_int(root, "storage_batch_pages", s.io_batch_pages, 0, 1 << 20, "config");
   s.mla = c.geometry.attention == AttentionKind::kMLA;
   return c;
 }

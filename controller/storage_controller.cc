@@ -71,10 +71,14 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
       backup_collective_(backup_collective), main_collective_(main_collective), config_(config),
       page_size_(host.geometry().page_size), prefetch_queue_(config.queue_capacity),
       prefetch_io_queue_(config.queue_capacity), backup_queue_(config.queue_capacity) {
-  if (config_.io_batch_pages < 1) {
+  if (config_.io_batch_pages < 0) {
     throw InvalidArgument(str_cat("storage controller: io_batch_pages ", config_.io_batch_pages,
-                                  " < 1"));
+                                  " < 0 (0: automatic)"));
   }
+  batch_pages_ = config_.io_batch_pages > 0
+                     ? config_.io_batch_pages
+                     : std::max<std::int64_t>(1, StorageControllerConfig::kAutoBatchBytes /
+                                                     host.geometry().page_bytes());
   if (config_.queue_capacity < 1) throw InvalidArgument("storage controller: queue_capacity 0");
   if (keyer_.page_size() != page_size_) {
     throw InvalidArgument(str_cat("storage controller: key namespace page_size ",
@@ -93,12 +97,6 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
   if (config_.timeout_base.count() < 0 || config_.timeout_per_page.count() < 0 ||
       config_.timeout_cap.count() < 0) {
     throw InvalidArgument("storage controller: prefetch timeouts must be >= 0 ms");
-  }
-  if (!host_.has_contiguous_pages()) {
-    const auto bytes = static_cast<std::size_t>(host_.geometry().page_bytes() *
-                                                config_.io_batch_pages);
-    staging_.resize(bytes);
-    prefetch_staging_.resize(bytes);
   }
   start_threads();
 }
@@ -204,7 +202,7 @@ BackupAck StorageController::run_backup(const BackupOp& op) {
   if (!config_.mla || backup_collective_.rank() == 0) {
     stored = 0;
     try {
-      const auto batch = static_cast<std::size_t>(config_.io_batch_pages);
+      const auto batch = static_cast<std::size_t>(batch_pages_);
       for (std::size_t begin = 0; begin < op.pages.size(); begin += batch) {
         const std::size_t end = std::min(op.pages.size(), begin + batch);
         const std::int64_t ok = write_batch(op, begin, end, ack.error);
@@ -231,6 +229,9 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
   const std::size_t n = end - begin;
   const auto page_bytes = static_cast<std::size_t>(host_.geometry().page_bytes());
   std::vector<ConstByteSpan> spans(n);
+  if (!host_.has_contiguous_pages() && staging_.size() < n * page_bytes) {
+    staging_.resize(n * page_bytes);
+  }
   for (std::size_t i = 0; i < n; ++i) {
     const std::int64_t page = op.pages[begin + i];
     if (host_.has_contiguous_pages()) {
@@ -383,7 +384,7 @@ void StorageController::prefetch_io_loop() {
 
 void StorageController::read_pages(PrefetchOperation& op) {
   const auto pages = static_cast<std::size_t>(op.hit_pages_.load());
-  const auto batch = static_cast<std::size_t>(config_.io_batch_pages);
+  const auto batch = static_cast<std::size_t>(batch_pages_);
   const auto page_bytes = static_cast<std::size_t>(host_.geometry().page_bytes());
   const std::span<const std::int64_t> all_slots(op.slots_);
   std::vector<ByteSpan> spans;
@@ -395,6 +396,9 @@ void StorageController::read_pages(PrefetchOperation& op) {
     std::string error;
     try {
       spans.clear();
+      if (!host_.has_contiguous_pages() && prefetch_staging_.size() < n * page_bytes) {
+        prefetch_staging_.resize(n * page_bytes);
+      }
       for (std::size_t i = 0; i < n; ++i) {
         const std::int64_t page = slots[i * page_size_] / page_size_;
         spans.push_back(host_.has_contiguous_pages()

@@ -105,7 +105,7 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "storage": "file"})", "'storage'"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
-           "storage_batch_pages": 0})", "storage_batch_pages"},
+           "storage_batch_pages": -1})", "storage_batch_pages"},
       {R"([1, 2])", "object"},
       {R"({"model": )", "not valid JSON"},
       // Found by fuzzing: a number too large for any type escaped as nlohmann's out_of_range.

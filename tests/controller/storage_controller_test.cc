@@ -39,15 +39,18 @@ class FaultyStorage final : public StorageBackend {
   std::atomic<bool> throw_all{false};           // batch_set throws
   std::atomic<std::int64_t> get_fail_from{-1};  // batch_get: keys from this index on fail
   std::atomic<bool> throw_get{false};           // batch_get throws
+  std::atomic<int> set_calls{0}, get_calls{0};
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
                                      std::span<const ByteSpan> dst) override {
+    ++get_calls;
     if (throw_get) throw std::runtime_error("backend exploded on read");
     return inject(inner_.batch_get(keys, dst), get_seen_, get_fail_from, "injected read failure");
   }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
                                      std::span<const ConstByteSpan> src) override {
+    ++set_calls;
     if (throw_all) throw std::runtime_error("backend exploded");
     return inject(inner_.batch_set(keys, src), seen_, fail_from, "injected failure");
   }
@@ -230,7 +233,7 @@ TEST(StorageController, BadInputIsRefusedAndNothingIsQueued) {
                                              1000 * kPage + 3};
   EXPECT_THROW(c.write_storage(outside, keys_for("b", 1)), InvalidArgument);
   EXPECT_THROW(StorageController(r.host, r.storage, test_ns(), local, local, local,
-                                 {.io_batch_pages = 0}),
+                                 {.io_batch_pages = -1}),
                InvalidArgument);
   EXPECT_THROW(StorageController(r.host, r.storage, test_ns(), local, local, local,
                                  {.prefetch_budget_tokens = kPage - 1}),
@@ -331,6 +334,43 @@ TEST_P(PrefetchLayouts, ReadsTheLeadingHitIntoHostPagesByteForByte) {
 
 INSTANTIATE_TEST_SUITE_P(StorageController, PrefetchLayouts,
                          ::testing::Values(HostLayout::kLayerFirst, HostLayout::kPageFirst));
+
+// By default a storage call carries as many pages as make kAutoBatchBytes (these pages are
+// small: a 7-page backup and a 7-page prefetch are one call each); an explicit size is kept.
+// layer_first: both go through the staging buffers, grown on first use.
+TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKept) {
+  Rank r(HostLayout::kLayerFirst, "autobatch");
+  LocalCollective local;
+  const std::int64_t page_bytes = geometry().page_bytes();
+  for (const std::int64_t explicit_pages : {0, 3}) {
+    SCOPED_TRACE(explicit_pages);
+    StorageController c(r.host, r.storage, test_ns(), local, local, local,
+                        {.io_batch_pages = explicit_pages});
+    EXPECT_EQ(c.batch_pages(), explicit_pages > 0
+                                   ? explicit_pages
+                                   : StorageControllerConfig::kAutoBatchBytes / page_bytes);
+    const int calls_per_op = explicit_pages > 0 ? 3 : 1;  // 7 pages
+    const auto slots = r.filled_pages(7);
+    const int sets = r.storage.set_calls;
+    c.write_storage(slots, keys_for(str_cat("ab", explicit_pages), 7));
+    const auto acks = wait_acks(c, 1);
+    ASSERT_EQ(acks.size(), 1u);
+    EXPECT_EQ(acks[0].completed_tokens, 7 * kPage) << acks[0].error;
+    EXPECT_EQ(r.storage.set_calls - sets, calls_per_op);
+    r.host.free(slots);
+
+    const auto tokens = tokens_for(7, 60 + static_cast<int>(explicit_pages));
+    seed_storage(r.file, r.host, tokens, 7);
+    const int gets = r.storage.get_calls;
+    auto op = c.prefetch("auto", tokens);
+    ASSERT_TRUE(op);
+    const PrefetchResult res = wait_and_terminate(c, *op);
+    EXPECT_EQ(res.tokens, 7 * kPage) << op->error();
+    expect_pages_verify(r.host, res);
+    EXPECT_EQ(r.storage.get_calls - gets, calls_per_op);
+    r.host.free(res.host_slots);
+  }
+}
 
 TEST(StorageController, PrefetchBelowThresholdIsRevokedAndHoldsNothing) {
   Rank r(HostLayout::kPageFirst, "thr");

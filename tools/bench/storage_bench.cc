@@ -224,10 +224,8 @@ struct ControllerRig {
       if (store == nullptr) return;
       store->clear();
     }
-    ctl = std::make_unique<StorageController>(
-        host, *store, ns(), local, local, local,
-        StorageControllerConfig{
-            .io_batch_pages = static_cast<std::int64_t>(std::min<std::size_t>(pages, 64))});
+    // The controller's default batch (as many pages as make 64 MiB per storage call).
+    ctl = std::make_unique<StorageController>(host, *store, ns(), local, local, local);
   }
   KeyNamespace ns() const {
     KeyNamespace k = bench_ns();
