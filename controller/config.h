@@ -14,7 +14,7 @@
 // into every page key's namespace; "prefetch_policy" (best_effort | wait_complete | timeout),
 // "prefetch_threshold_tokens" (default one page), "prefetch_budget_tokens" (default unlimited,
 // at least one page), "prefetch_timeout_base_ms" / "_per_page_ms" / "_cap_ms" (100 / 2 / 5000),
-// "storage_batch_pages" (0: as many pages as make 64 MiB per storage call).
+// "storage_batch_pages" (0: the store's preferred batch, 64 MiB for files, ~4 MiB for Redis).
 #pragma once
 
 #include <cstdint>

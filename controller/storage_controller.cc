@@ -77,8 +77,8 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
   }
   batch_pages_ = config_.io_batch_pages > 0
                      ? config_.io_batch_pages
-                     : std::max<std::int64_t>(1, StorageControllerConfig::kAutoBatchBytes /
-                                                     host.geometry().page_bytes());
+                     : std::max<std::int64_t>(
+                           1, storage.preferred_batch_pages(host.geometry().page_bytes()));
   if (config_.queue_capacity < 1) throw InvalidArgument("storage controller: queue_capacity 0");
   if (keyer_.page_size() != page_size_) {
     throw InvalidArgument(str_cat("storage controller: key namespace page_size ",

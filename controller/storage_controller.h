@@ -67,12 +67,11 @@ enum class PrefetchPolicy {
 PrefetchPolicy parse_prefetch_policy(std::string_view name);
 
 struct StorageControllerConfig {
-  // Pages per storage call (batch_get / batch_set); 0 (the default): as many as make
-  // kAutoBatchBytes, at least one. A call costs the store a fixed ~0.1 ms here (waking its
-  // workers, the last key's tail), so a batch of 16 pages of 256 KiB lost a third of FileStorage's
-  // bandwidth; a batch is also what terminate_prefetch may wait for, so it stays bounded.
+  // Pages per storage call (batch_get / batch_set); 0 (the default): the store's
+  // preferred_batch_pages (FileStorage: 64 MiB, a call costing it a fixed ~0.1 ms, so batches
+  // of 16 pages of 256 KiB lost a third of its bandwidth; RedisStorage: about 4 MiB). A batch is
+  // also what terminate_prefetch may wait for, so it stays bounded.
   std::int64_t io_batch_pages = 0;
-  static constexpr std::int64_t kAutoBatchBytes = std::int64_t{64} << 20;
   bool mla = false;                  // KV identical on every rank: rank 0 alone writes
   std::size_t queue_capacity = 1024;
   // A hit below this many tokens is revoked (at least one page: smaller values mean one page).

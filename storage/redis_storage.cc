@@ -591,6 +591,11 @@ std::vector<IoResult> RedisStorage::do_batch_set(std::span<const std::string> ke
   return impl_->set(keys, src);
 }
 
+std::int64_t RedisStorage::preferred_batch_pages(std::int64_t page_bytes) const {
+  return std::max<std::int64_t>(config_.connections,
+                                (std::int64_t{4} << 20) / std::max<std::int64_t>(page_bytes, 1));
+}
+
 std::unique_ptr<StorageBackend> make_redis_storage(std::string_view json_text) {
   return std::make_unique<RedisStorage>(RedisConfig::from_json_text(json_text));
 }

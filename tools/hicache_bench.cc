@@ -195,7 +195,7 @@ const std::vector<Option>& options() {
                                  "'synthetic' with --keep-storage)"),
       STR_OPT(prefetch_policy, "best_effort | wait_complete | timeout (wait_complete)"),
       INT_OPT(prefetch_threshold_tokens, 0, "smaller L3 hits are not prefetched (256)"),
-      INT_OPT(storage_batch_pages, 0, "pages per storage call (0: as many as make 64 MiB)"),
+      INT_OPT(storage_batch_pages, 0, "pages per storage call (0: the store's preferred batch)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
       DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
                                      "within this many seconds fails the run; 0: no limit (600)"),

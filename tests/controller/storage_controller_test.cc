@@ -335,8 +335,9 @@ TEST_P(PrefetchLayouts, ReadsTheLeadingHitIntoHostPagesByteForByte) {
 INSTANTIATE_TEST_SUITE_P(StorageController, PrefetchLayouts,
                          ::testing::Values(HostLayout::kLayerFirst, HostLayout::kPageFirst));
 
-// By default a storage call carries as many pages as make kAutoBatchBytes (these pages are
-// small: a 7-page backup and a 7-page prefetch are one call each); an explicit size is kept.
+// By default a storage call carries the store's preferred_batch_pages (a file store's 64 MiB:
+// these pages are small, a 7-page backup and a 7-page prefetch are one call each); an explicit
+// size is kept.
 // layer_first: both go through the staging buffers, grown on first use.
 TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKept) {
   Rank r(HostLayout::kLayerFirst, "autobatch");
@@ -348,7 +349,7 @@ TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKep
                         {.io_batch_pages = explicit_pages});
     EXPECT_EQ(c.batch_pages(), explicit_pages > 0
                                    ? explicit_pages
-                                   : StorageControllerConfig::kAutoBatchBytes / page_bytes);
+                                   : (std::int64_t{64} << 20) / page_bytes);
     const int calls_per_op = explicit_pages > 0 ? 3 : 1;  // 7 pages
     const auto slots = r.filled_pages(7);
     const int sets = r.storage.set_calls;

@@ -2,10 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "pools/kv_pattern.h"
+#include "storage/file_storage.h"
 #include "storage/record.h"
 #include "storage/redis_cluster.h"
 #include "storage/redis_test_servers.h"
@@ -172,6 +176,22 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
 TEST(RedisStorageConfig, FactoryBuildsARedisBackend) {
   auto s = make_storage(R"({"backend": "redis", "port": 1, "connect_timeout_ms": 100})");
   EXPECT_EQ(s->name(), "redis");
+}
+
+// Batches of about 4 MiB, and at least one page per connection; a file store takes 64 MiB.
+TEST(RedisStorageConfig, PreferredBatchIsAboutFourMiBAndAPagePerConnection) {
+  auto redis = make_storage(
+      R"({"backend": "redis", "port": 1, "connections": 3, "connect_timeout_ms": 100})");
+  EXPECT_EQ(redis->preferred_batch_pages(256 << 10), 16);
+  EXPECT_EQ(redis->preferred_batch_pages(2 << 10), 2048);
+  EXPECT_EQ(redis->preferred_batch_pages(8 << 20), 3);
+  const auto root = std::filesystem::temp_directory_path() / str_cat("hicache-pref-", ::getpid());
+  {
+    FileStorage file(FileStorageConfig{.root = root.string()});
+    EXPECT_EQ(file.preferred_batch_pages(256 << 10), 256);
+    EXPECT_EQ(file.preferred_batch_pages(128 << 20), 1);
+  }
+  std::filesystem::remove_all(root);
 }
 
 TEST(RedisClusterRouting, Crc16AndKeySlotsFollowTheClusterSpec) {

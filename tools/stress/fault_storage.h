@@ -50,6 +50,9 @@ class FaultInjectingStorage final : public StorageBackend {
   std::size_t batch_exists(std::span<const std::string> keys) override;
   bool remove(const std::string& key) override { return inner_->remove(key); }
   void clear() override { inner_->clear(); }
+  std::int64_t preferred_batch_pages(std::int64_t page_bytes) const override {
+    return inner_->preferred_batch_pages(page_bytes);
+  }
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
