@@ -186,7 +186,7 @@ class Connection::Impl {
       write_bufs_.push_back(asio::buffer(r->command));
       if (!r->payload.empty()) {
         write_bufs_.push_back(asio::buffer(r->payload.data(), r->payload.size()));
-        write_bufs_.push_back(asio::buffer(kCrlf));
+        write_bufs_.push_back(asio::buffer(r->after_payload));
       }
       pending_.push_back({r, false, write_seq_ + 1});
     }

@@ -300,6 +300,69 @@ TEST_F(RedisStorageTest, SetSkipsKeysAlreadyStored) {
   expect_all(get(*other, {"x", "y", "z"}, 8192), IoStatus::kOk);
 }
 
+// Calls of a command the server counted since its last CONFIG RESETSTAT.
+std::uint64_t command_calls(int port, const std::string& command) {
+  const std::string info = redis_cli(port, {"info", "commandstats"});
+  const std::string field = str_cat("cmdstat_", command, ":calls=");
+  const auto at = info.find(field);
+  return at == std::string::npos ? 0 : std::stoull(info.substr(at + field.size()));
+}
+
+// New pages go straight out as SET NX; once batches find their keys stored, EXISTS is asked
+// first and stored pages' bytes are not sent; batches of new pages turn that off again.
+TEST_F(RedisStorageTest, SetProbesWithExistsOnlyWhileBatchesFindTheirKeysStored) {
+  auto s = open_redis(port());
+  ASSERT_EQ(redis_cli(port(), {"config", "resetstat"}), "OK\n");
+  const auto keys = make_keys("nx", 8);
+  put_ok(*s, keys, 4096);
+  EXPECT_EQ(command_calls(port(), "set"), 8u);
+  EXPECT_EQ(command_calls(port(), "exists"), 0u);
+  // Stored already: the server keeps the first record (NX) and the batch counts them deduplicated.
+  put_ok(*s, keys, 4096);
+  EXPECT_EQ(command_calls(port(), "set"), 16u);
+  EXPECT_EQ(s->stats().set_written, 8u);
+  EXPECT_EQ(s->stats().set_deduplicated, 8u);
+  // Now the keys are asked first, and no value goes.
+  put_ok(*s, keys, 4096);
+  EXPECT_EQ(command_calls(port(), "exists"), 8u);
+  EXPECT_EQ(command_calls(port(), "set"), 16u);
+  EXPECT_EQ(s->stats().set_deduplicated, 16u);
+  expect_all(get(*s, keys, 4096), IoStatus::kOk);
+  // Batches of new pages: probed while the estimate decays, then sent directly for good.
+  int probed = 0, direct_after_probing = 0;
+  for (int b = 0; b < 16; ++b) {
+    const auto before = command_calls(port(), "exists");
+    put_ok(*s, make_keys(str_cat("fresh", b), 8), 4096);
+    if (command_calls(port(), "exists") > before) {
+      EXPECT_EQ(direct_after_probing, 0) << "probing came back at batch " << b;
+      ++probed;
+    } else {
+      ++direct_after_probing;
+    }
+  }
+  EXPECT_GE(probed, 1);
+  EXPECT_LE(probed, 8);
+  EXPECT_EQ(s->stats().set_written, 8u + 16 * 8);
+  EXPECT_EQ(s->stats().set_deduplicated, 16u);
+}
+
+// Two engines backing up the same pages at once: each page is written exactly once in all
+// (SET NX is decided by the server, so no check-then-write race can write it twice).
+TEST_F(RedisStorageTest, ConcurrentEnginesWriteEachPageExactlyOnce) {
+  auto a = open_redis(port());
+  auto b = open_redis(port());
+  for (int round = 0; round < 4; ++round) {
+    const auto keys = make_keys(str_cat("race", round), 64);
+    std::thread ta([&] { put_ok(*a, keys, 4096); });
+    std::thread tb([&] { put_ok(*b, keys, 4096); });
+    ta.join();
+    tb.join();
+    expect_all(get(*a, keys, 4096), IoStatus::kOk);
+  }
+  EXPECT_EQ(a->stats().set_written + b->stats().set_written, 4u * 64);
+  EXPECT_EQ(a->stats().set_deduplicated + b->stats().set_deduplicated, 4u * 64);
+}
+
 TEST_F(RedisStorageTest, BadRecordsAreMissesCountedAndRemoved) {
   auto s = open_redis(port());
   const std::size_t bytes = 4096;

@@ -16,7 +16,10 @@
 //
 // Paired rounds (figures on these machines drift 2-4x within a minute): each round runs
 // redis-benchmark SET then GET, and RedisStorage batch_set then batch_get, alternating which pair
-// goes first; the servers are flushed between runs (untimed) so they hold about one batch.
+// goes first; the servers are flushed between runs (untimed) so they hold about one batch. The
+// flushes keep the servers' memory (FLUSHALL ASYNC), so values land on pages the server already
+// has, as in a full cache that evicts; --cold flushes with FLUSHALL (SYNC), which hands the pages
+// back to the kernel, and every run then pays the servers' page faults (see flush_all).
 //   ours SET: `batches` batches of fresh keys (nothing deduplicated), each batch timed, the
 //             server flushed (untimed) before it would hold more than 256 MiB;
 //   ours GET: the last batch read back `batches` times (every page verified once per round);
@@ -27,7 +30,7 @@
 // The ratio printed is the median of the per-round ratios (ours / redis-benchmark).
 //
 // Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster] [--io-threads N]
-//                           [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
+//                           [--cold] [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -63,6 +66,7 @@ struct Options {
   bool single = true;
   bool cluster = true;
   int io_threads = 0;  // RedisStorage's: 0 is its default (one per 4 CPUs)
+  bool cold = false;   // flush_all's mode
   std::vector<Shape> shapes;
 };
 
@@ -102,14 +106,25 @@ std::string owned_tag(int port) {
   return {};
 }
 
-void flush_all(const std::vector<int>& ports) {
-  for (int p : ports) RespClient(p).command({"FLUSHALL"});
-}
-
 std::uint64_t info_field(const std::string& info, const std::string& field) {
   const auto at = info.find(field + ":");
   return at == std::string::npos ? 0
                                  : std::strtoull(info.c_str() + at + field.size() + 1, nullptr, 10);
+}
+
+// Empties every server. Warm (the default): FLUSHALL ASYNC, then wait until the server's lazy-free
+// thread has freed it all, so the servers keep their memory and the next run reuses it, as a
+// full cache that evicts does. Cold: FLUSHALL (SYNC), after which redis-server has jemalloc hand
+// its pages back to the kernel; the next run's values then land on fresh pages, whose faults
+// (zeroing) took ~45% of the servers' CPU in a 256 KiB SET run and swung redis-benchmark's own
+// figure between 0.6 and 5.0 GB/s from round to round.
+void flush_all(const std::vector<int>& ports, bool cold) {
+  for (int p : ports) {
+    RespClient c(p);
+    c.command({"FLUSHALL", cold ? "SYNC" : "ASYNC"});
+    while (!cold && info_field(c.command({"INFO", "memory"}), "lazyfree_pending_objects") != 0) {
+    }
+  }
 }
 
 // redis-benchmark for one op against every target at once (one process per node).
@@ -246,8 +261,11 @@ class Baseline {
 // RedisStorage over a batch of pages: src pattern-filled, dst separate (verified).
 class Ours {
  public:
-  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches, int io_threads)
-      : shape_(s),
+  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches, int io_threads,
+       bool cold)
+      : ports_(ports),
+        cold_(cold),
+        shape_(s),
         batches_(batches),
         src_(map_host_memory(s.pages * s.page_bytes)),
         dst_(map_host_memory(s.pages * s.page_bytes)) {
@@ -277,7 +295,7 @@ class Ours {
     std::size_t held = 0;
     for (int b = 0; b < batches_; ++b) {
       if (held + batch_bytes > (std::size_t{256} << 20)) {
-        store_->clear();
+        flush_all(ports_, cold_);
         held = 0;
       }
       held += batch_bytes;
@@ -334,6 +352,8 @@ class Ours {
 
  private:
   double bytes() const { return static_cast<double>(shape_.pages * shape_.page_bytes) * batches_; }
+  std::vector<int> ports_;
+  bool cold_;
   Shape shape_;
   int batches_;
   Buffer src_, dst_;
@@ -369,14 +389,14 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
     const int batches =
         static_cast<int>(std::max<std::size_t>(1, (opt.run_mib << 20) / (s.pages * s.page_bytes)));
     Baseline base(benchmark_bin, targets, cluster, s, batches, value_file);
-    Ours ours(ports, cluster, s, batches, opt.io_threads);
+    Ours ours(ports, cluster, s, batches, opt.io_threads, opt.cold);
     std::printf(
         "\n%s, %zu KiB pages, %zu per batch, %d batches per run, %d connections per node, "
         "pipeline depth %zu per connection, RedisStorage io_threads %d\n  %s\n  %s\n",
         label, s.page_bytes >> 10, s.pages, batches, s.connections, base.depth(), ours.io_threads(),
         base.describe(true).c_str(), base.describe(false).c_str());
     std::fflush(stdout);
-    flush_all(ports);
+    flush_all(ports, opt.cold);
     std::map<std::string, std::vector<double>> ours_mb, base_mb, ratio;
     std::vector<double> hit_rates;
     for (int round = 0; round < opt.rounds; ++round) {
@@ -391,7 +411,7 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
           os = ours.set(round, &error);
           if (os) og = ours.get(&error);
         }
-        flush_all(ports);
+        flush_all(ports, opt.cold);
         if (!error.empty()) break;
       }
       if (!error.empty()) {
@@ -440,6 +460,8 @@ bool parse_args(int argc, char** argv, Options& opt) {
       const char* v = next();
       if (v == nullptr || std::atoi(v) < 0 || std::atoi(v) > 64) return false;
       opt.io_threads = std::atoi(v);
+    } else if (a == "--cold") {
+      opt.cold = true;
     } else if (a == "--single" || a == "--cluster") {
       if (!which) opt.single = opt.cluster = false;
       which = true;
@@ -470,7 +492,8 @@ int main(int argc, char** argv) {
   if (!parse_args(argc, argv, opt)) {
     std::fprintf(stderr,
                  "usage: %s [--rounds N (3)] [--mib MIB_PER_RUN (256)] [--single] [--cluster]\n"
-                 "          [--io-threads N (0: RedisStorage's default)]\n"
+                 "          [--io-threads N (0: RedisStorage's default)] [--cold (flush with "
+                 "FLUSHALL SYNC: every run on fresh server pages)]\n"
                  "          [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]... "
                  "(default 8192:16:4, 256:256:4 and 256:16:4)\n",
                  argv[0]);
@@ -493,9 +516,10 @@ int main(int argc, char** argv) {
   }
   const std::string tmpdir = tmpl;
   std::printf(
-      "hicache-redisbench: %d paired rounds, %zu MiB per timed run; ours = RedisStorage, "
-      "payload MB/s (1 MB = 1e6 bytes)\n",
-      opt.rounds, opt.run_mib);
+      "hicache-redisbench: %d paired rounds, %zu MiB per timed run, servers %s between runs; "
+      "ours = RedisStorage, payload MB/s (1 MB = 1e6 bytes)\n",
+      opt.rounds, opt.run_mib,
+      opt.cold ? "flushed cold (FLUSHALL SYNC)" : "flushed warm (FLUSHALL ASYNC)");
   int rc = 0;
   try {
     if (opt.single) {
