@@ -165,12 +165,15 @@ class RedisStorage::Impl {
     return results;
   }
 
-  // batch_set. Values go as SET key record NX: the server stores a key only when it is absent,
-  // so a page is never written twice, whichever engine sharing the store wrote it first (a nil
-  // reply: it was there, deduplicated). Sending a value that is already stored wastes its bytes,
-  // though; so while recent batches found their keys stored (a running estimate of that share
-  // at kProbeAbovePermille or more), the keys are first asked with EXISTS and only the absent
-  // ones' values go. The probe costs a round trip per batch (12-18% of a 256 KiB x 16 batch's
+  // batch_set. Values go as MSETNX key record (one key): the server stores a key only when it is
+  // absent, so a page is never written twice, whichever engine sharing the store wrote it first
+  // (a reply of 0: it was there, deduplicated). Not SET key record NX: an argument after the
+  // value puts more than the value in the server's buffer when it reads the command whole, and
+  // redis-server then copies the value instead of adopting its buffer (a 256 KiB memmove and a
+  // fresh allocation per SET: ~10% of the servers' CPU). Sending a value already stored wastes
+  // its bytes, though; so while recent batches found their keys stored (a running estimate of
+  // that share at kProbeAbovePermille or more), the keys are first asked with EXISTS and only
+  // the absent ones' values go. The probe costs a round trip per batch (12-18% of a 256 KiB x 16 batch's
   // time on the 3-node cluster here), so batches of new pages, the usual case, go without it.
   std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
     const std::size_t n = keys.size();
@@ -190,7 +193,7 @@ class RedisStorage::Impl {
     }
     if (candidates.empty()) return results;
 
-    std::size_t stored = 0;  // candidates found stored, by the probe or by a nil reply to NX
+    std::size_t stored = 0;  // candidates found stored, by the probe or by MSETNX's 0
     std::vector<std::size_t> to_send;
     if (stored_permille_.load(std::memory_order_relaxed) < kProbeAbovePermille) {
       to_send = candidates;
@@ -217,10 +220,10 @@ class RedisStorage::Impl {
     }
 
     if (!to_send.empty()) {
-      // "*4 SET key $<record>" + record head, then the payload straight from the caller's span,
-      // then "NX". Each record head, whose checksum is a pass over the payload (~8 us per
-      // 256 KiB here), is filled in just before its SET is handed to a connection, so the first
-      // SETs are on the wire while later heads are being computed.
+      // "*3 MSETNX key $<record>" + record head, then the payload straight from the caller's
+      // span. Each record head, whose checksum is a pass over the payload (~8 us per 256 KiB
+      // here), is filled in just before its request is handed to a connection, so the first
+      // values are on the wire while later heads are being computed.
       std::string arena;
       std::vector<std::pair<std::size_t, std::size_t>> spans;
       spans.reserve(to_send.size());
@@ -228,7 +231,7 @@ class RedisStorage::Impl {
         const std::string& key = keys[i];
         const std::size_t start = arena.size();
         const std::size_t head = record_head_bytes(key);
-        arena += str_cat("*4\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$",
+        arena += str_cat("*3\r\n$6\r\nMSETNX\r\n$", key.size(), "\r\n", key, "\r\n$",
                          head + src[i].size(), "\r\n");
         arena.resize(arena.size() + head);
         spans.emplace_back(start, arena.size() - start);
@@ -238,7 +241,6 @@ class RedisStorage::Impl {
         const std::size_t i = to_send[a];
         reqs[a].command = std::string_view(arena).substr(spans[a].first, spans[a].second);
         reqs[a].payload = src[i];
-        reqs[a].after_payload = kNxTail;
         reqs[a].bulk_bytes = record_head_bytes(keys[i]) + src[i].size();
         reqs[a].slot = slot_of(keys[i]);
       }
@@ -252,11 +254,11 @@ class RedisStorage::Impl {
       for (std::size_t a = 0; a < to_send.size(); ++a) {
         const std::size_t i = to_send[a];
         const Request& r = reqs[a];
-        if (r.outcome == Outcome::kStatus && r.text == "OK") {
+        if (r.outcome == Outcome::kInteger && r.integer == 1) {
           ++owner_.counters_.set_written;
           owner_.counters_.bytes_written += src[i].size();
           results[i] = IoResult::ok();
-        } else if (r.outcome == Outcome::kNil) {
+        } else if (r.outcome == Outcome::kInteger && r.integer == 0) {
           ++owner_.counters_.set_deduplicated;
           ++stored;
           results[i] = IoResult::ok();
@@ -569,7 +571,6 @@ class RedisStorage::Impl {
   // batch_set: the share of keys recent batches found already stored, in permille (see set()).
   // Concurrent batches may lose each other's updates; it is an estimate either way.
   static constexpr int kProbeAbovePermille = 62;  // about 1 key in 16
-  static constexpr std::string_view kNxTail = "\r\n$2\r\nNX\r\n";
   std::atomic<int> stored_permille_{0};
   std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
   std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown

@@ -308,24 +308,24 @@ std::uint64_t command_calls(int port, const std::string& command) {
   return at == std::string::npos ? 0 : std::stoull(info.substr(at + field.size()));
 }
 
-// New pages go straight out as SET NX; once batches find their keys stored, EXISTS is asked
+// New pages go straight out as MSETNX; once batches find their keys stored, EXISTS is asked
 // first and stored pages' bytes are not sent; batches of new pages turn that off again.
 TEST_F(RedisStorageTest, SetProbesWithExistsOnlyWhileBatchesFindTheirKeysStored) {
   auto s = open_redis(port());
   ASSERT_EQ(redis_cli(port(), {"config", "resetstat"}), "OK\n");
   const auto keys = make_keys("nx", 8);
   put_ok(*s, keys, 4096);
-  EXPECT_EQ(command_calls(port(), "set"), 8u);
+  EXPECT_EQ(command_calls(port(), "msetnx"), 8u);
   EXPECT_EQ(command_calls(port(), "exists"), 0u);
-  // Stored already: the server keeps the first record (NX) and the batch counts them deduplicated.
+  // Stored already: the server keeps the first record and the batch counts them deduplicated.
   put_ok(*s, keys, 4096);
-  EXPECT_EQ(command_calls(port(), "set"), 16u);
+  EXPECT_EQ(command_calls(port(), "msetnx"), 16u);
   EXPECT_EQ(s->stats().set_written, 8u);
   EXPECT_EQ(s->stats().set_deduplicated, 8u);
   // Now the keys are asked first, and no value goes.
   put_ok(*s, keys, 4096);
   EXPECT_EQ(command_calls(port(), "exists"), 8u);
-  EXPECT_EQ(command_calls(port(), "set"), 16u);
+  EXPECT_EQ(command_calls(port(), "msetnx"), 16u);
   EXPECT_EQ(s->stats().set_deduplicated, 16u);
   expect_all(get(*s, keys, 4096), IoStatus::kOk);
   // Batches of new pages: probed while the estimate decays, then sent directly for good.
@@ -347,7 +347,7 @@ TEST_F(RedisStorageTest, SetProbesWithExistsOnlyWhileBatchesFindTheirKeysStored)
 }
 
 // Two engines backing up the same pages at once: each page is written exactly once in all
-// (SET NX is decided by the server, so no check-then-write race can write it twice).
+// (MSETNX is decided by the server, so no check-then-write race can write it twice).
 TEST_F(RedisStorageTest, ConcurrentEnginesWriteEachPageExactlyOnce) {
   auto a = open_redis(port());
   auto b = open_redis(port());
