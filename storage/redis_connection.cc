@@ -11,6 +11,7 @@
 #include <boost/asio/write.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -46,21 +47,36 @@ std::size_t bulk_reply_bytes(std::size_t len) {
 
 class IoThreads::Impl {
  public:
-  asio::io_context io;
-  asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+  // One io_context per thread, each with its own reactor: asio performs a socket's reads and
+  // its continued writes in the thread running the reactor, so threads sharing one io_context
+  // would still do the I/O of every connection in one thread at a time.
+  struct Shard {
+    asio::io_context io{1};
+    asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+  };
+  std::vector<std::unique_ptr<Shard>> shards;
   std::vector<std::thread> threads;
+  std::atomic<std::size_t> next{0};
+
+  // The shard for a new connection: round robin.
+  asio::io_context& pick() {
+    return shards[next.fetch_add(1, std::memory_order_relaxed) % shards.size()]->io;
+  }
 };
 
 IoThreads::IoThreads(int threads) : impl_(std::make_unique<Impl>()) {
-  for (int i = 0; i < threads; ++i) {
-    impl_->threads.emplace_back([io = &impl_->io] { io->run(); });
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    impl_->shards.push_back(std::make_unique<Impl::Shard>());
+  }
+  for (auto& shard : impl_->shards) {
+    impl_->threads.emplace_back([io = &shard->io] { io->run(); });
   }
 }
 
 IoThreads::~IoThreads() { stop(); }
 
 void IoThreads::stop() {
-  impl_->work.reset();
+  for (auto& shard : impl_->shards) shard->work.reset();
   for (auto& t : impl_->threads) {
     if (t.joinable()) t.join();
   }
@@ -616,7 +632,7 @@ class Connection::Impl {
 thread_local Connection::Impl* Connection::Impl::t_current = nullptr;
 
 Connection::Connection(IoThreads& io, ConnectionOptions options)
-    : impl_(std::make_unique<Impl>(io.impl().io, std::move(options))) {}
+    : impl_(std::make_unique<Impl>(io.impl().pick(), std::move(options))) {}
 Connection::~Connection() = default;
 void Connection::submit(std::vector<Request*> requests) { impl_->submit(std::move(requests)); }
 void Connection::shut_down() { impl_->shut_down(); }

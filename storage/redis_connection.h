@@ -1,8 +1,8 @@
 // The connection layer under RedisStorage (private to storage/): pipelined Redis connections on
 // Boost.Asio, with hiredis's reader parsing the replies.
 //
-// - IoThreads owns one io_context and the threads that run it. Each Connection lives on a strand
-//   of it, so its state is touched by one handler at a time whatever the thread count.
+// - IoThreads owns its threads, each running its own io_context. Each Connection lives on a strand
+//   of one of them, so its state is touched by one handler at a time.
 // - A caller builds Requests (RESP bytes, plus for a GET the key and destination span), hands
 //   them to Connection::submit and waits on their Completion. Requests on one connection are
 //   pipelined: written in one scatter-gather write (a SET's payload is sent from the caller's
@@ -105,7 +105,8 @@ struct Request {
 // Bytes a bulk-string reply of `len` bytes takes on the wire.
 std::size_t bulk_reply_bytes(std::size_t len);
 
-// One io_context and `threads` threads running it, until stop() or destruction.
+// `threads` threads (at least 1), each running its own io_context, until stop() or destruction.
+// A connection is bound to one of them (round robin), for its life.
 class IoThreads {
  public:
   explicit IoThreads(int threads);

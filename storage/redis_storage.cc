@@ -578,9 +578,12 @@ class RedisStorage::Impl {
 
 namespace {
 
-// io_threads 0: one I/O thread per 4 CPUs, 1 to 4. On 2 CPUs a second thread competed with
-// redis-server for a core: 256 KiB GETs in batches of 16 ran at 0.5-0.65 of redis-benchmark with
-// two threads and 0.95-1.1 with one (hicache-redisbench, 2026-11-23).
+// io_threads 0: one I/O thread per 4 CPUs, 1 to 4, and at least 2 for a cluster. Each thread has
+// its own io_context (redis_connection.h). On 2 CPUs, next to a redis-server on the same machine,
+// one thread is best for one node (with the threads sharing one io_context, a second thread
+// took 256 KiB GETs in batches of 16 from 0.95-1.1 of redis-benchmark to 0.5-0.65), while on the
+// 3-node cluster two threads moved 256 KiB x 16 SETs from 3.9-4.0 to 4.4-4.5 GB/s and 8 MiB
+// GETs from 2.6-2.9 to 3.1 GB/s (hicache-redisbench, 2026-11-23); three were no better.
 RedisConfig resolved(RedisConfig c) {
   if (c.io_threads < 0) {
     throw InvalidArgument(str_cat("RedisStorage: io_threads must be >= 0 (0: automatic), got ",
@@ -591,7 +594,7 @@ RedisConfig resolved(RedisConfig c) {
   }
   if (c.io_threads == 0) {
     const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
-    c.io_threads = std::clamp(cpus / 4, 1, 4);
+    c.io_threads = std::clamp(cpus / 4, c.cluster ? 2 : 1, 4);
   }
   return c;
 }

@@ -8,9 +8,9 @@
 //   several sockets in parallel rather than down one deep pipeline (shared/MACHINE.md). SET
 //   payloads are sent from the caller's spans by scatter-gather writes, never copied; socket and
 //   parser buffers live as long as their connection.
-// - Threads: one io_context run by `io_threads` threads (0, the default: one per 4 CPUs, 1 to
-//   4, so that on a small machine the store does not take redis-server's core); each
-//   connection is a strand of it. A
+// - Threads: `io_threads` threads, each running its own io_context (0, the default: one per 4
+//   CPUs, 1 to 4, at least 2 for a cluster, so that on a small machine the store does not take
+//   redis-server's core); each connection is bound to one of them, round robin. A
 //   calling thread builds its requests, hands them to the connections and waits for them; calls
 //   from many threads run concurrently and share the connections' pipelines.
 // - Faults are per-key results, never exceptions: a connection that fails, is closed or makes no
@@ -52,7 +52,7 @@ struct RedisConfig {
   std::vector<RedisEndpoint> nodes{{"127.0.0.1", 6379}};  // one server, or the cluster's seeds
   bool cluster = false;
   int connections = 4;  // per node
-  int io_threads = 0;   // 0: one per 4 CPUs, at least 1, at most 4 (config() shows the number)
+  int io_threads = 0;   // 0: one per 4 CPUs, 1 (cluster: 2) to 4 (config() shows the number)
   std::chrono::milliseconds timeout{2000};
   std::chrono::milliseconds connect_timeout{1000};
   std::chrono::milliseconds backoff_initial{100};

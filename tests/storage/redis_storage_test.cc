@@ -679,6 +679,9 @@ TEST_F(RedisClusterTest, KeySlotsMatchTheServer) {
 
 TEST_F(RedisClusterTest, RoundTripSpreadsKeysOverTheNodes) {
   auto s = open_cluster(cluster_->ports());
+  // A cluster gets at least two I/O threads by default; the nodes' connections spread over them.
+  const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(s->config().io_threads, std::clamp(cpus / 4, 2, 4));
   const auto keys = make_keys("cl", 60);
   put_ok(*s, keys, 16384);
   expect_all(get(*s, keys, 16384), IoStatus::kOk);
