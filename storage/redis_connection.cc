@@ -202,7 +202,7 @@ class Connection::Impl {
       write_bufs_.push_back(asio::buffer(r->command));
       if (!r->payload.empty()) {
         write_bufs_.push_back(asio::buffer(r->payload.data(), r->payload.size()));
-        write_bufs_.push_back(asio::buffer(r->after_payload));
+        write_bufs_.push_back(asio::buffer(kCrlf));
       }
       pending_.push_back({r, false, write_seq_ + 1});
     }

@@ -73,11 +73,9 @@ enum class Outcome : std::uint8_t {
 // One command and, once finished, its outcome. The submitter owns it and keeps it (and the
 // memory its views point to) alive until its Completion is done.
 struct Request {
-  // What to send: `command`, then when not empty `payload` followed by `after_payload` (the end
-  // of the bulk string, and any arguments after it).
+  // What to send: `command`, then when not empty `payload` followed by "\r\n".
   std::string_view command;
   ConstByteSpan payload;
-  std::string_view after_payload = "\r\n";
   std::uint64_t bulk_bytes = 0;  // largest bulk string sent (checked against the server limit)
   bool asking = false;           // precede with ASKING (cluster ASK redirect)
   // For a GET: the key the record must hold, and where its payload goes.

@@ -173,8 +173,9 @@ class RedisStorage::Impl {
   // fresh allocation per SET: ~10% of the servers' CPU). Sending a value already stored wastes
   // its bytes, though; so while recent batches found their keys stored (a running estimate of
   // that share at kProbeAbovePermille or more), the keys are first asked with EXISTS and only
-  // the absent ones' values go. The probe costs a round trip per batch (12-18% of a 256 KiB x 16 batch's
-  // time on the 3-node cluster here), so batches of new pages, the usual case, go without it.
+  // the absent ones' values go. The probe costs a round trip per batch (12-18% of a 256 KiB x 16
+  // batch's time on the 3-node cluster here), so batches of new pages, the usual case, go
+  // without it.
   std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
     const std::size_t n = keys.size();
     std::vector<IoResult> results(n);
