@@ -21,6 +21,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "storage/json_fields.h"
 #include "storage/page_key.h"
@@ -131,7 +132,7 @@ class FileStorage::Impl {
     rebuild_index();
     {
       std::lock_guard lock(mu_);
-      evict_locked(nullptr);
+      evict_locked({});
     }
     if (config_.io_threads > 0) {
       pool_ = std::make_unique<boost::asio::thread_pool>(static_cast<std::size_t>(config_.io_threads));
@@ -153,12 +154,20 @@ class FileStorage::Impl {
   std::size_t exists(std::span<const std::string> keys) {
     std::lock_guard lock(mu_);
     std::size_t n = 0;
-    while (n < keys.size() && (index_.count(keys[n]) != 0 || adopt_locked(keys[n]))) ++n;
+    bool adopted = false;
+    for (; n < keys.size(); ++n) {
+      if (index_.count(keys[n]) != 0) continue;
+      if (!adopt_locked(keys[n])) break;
+      adopted = true;
+    }
+    // What was adopted counts against capacity_bytes; the keys just reported present stay.
+    if (adopted) evict_locked(keys.first(n));
     return n;
   }
 
   // Shared mode: a record another process wrote since the index was built is indexed when
-  // first asked for (one fstatat). Not counted against capacity_bytes eviction here.
+  // first asked for (one fstatat). The caller then evicts for it (evict_locked), keeping the
+  // keys it is answering for.
   bool adopt_locked(const std::string& key) {
     if (!config_.shared) return false;
     struct stat st {};
@@ -293,6 +302,7 @@ class FileStorage::Impl {
       auto it = index_.find(key);
       if (it == index_.end()) {
         if (!adopt_locked(key)) return IoResult::miss();
+        evict_locked(std::span(&key, 1));
         it = index_.find(key);
       }
       lru_.splice(lru_.end(), lru_, it->second.lru);
@@ -397,7 +407,7 @@ class FileStorage::Impl {
     insert_locked(key, bytes);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
-    evict_locked(&key);
+    evict_locked(std::span(&key, 1));
     return IoResult::ok();
   }
 
@@ -407,12 +417,17 @@ class FileStorage::Impl {
     total_bytes_ += bytes;
   }
 
-  // Evicts least recently used records until the total fits (never `keep`).
-  void evict_locked(const std::string* keep) {
-    if (config_.capacity_bytes == 0) return;
+  // Evicts least recently used records until the total fits (never one of `keep`).
+  void evict_locked(std::span<const std::string> keep) {
+    if (config_.capacity_bytes == 0 || total_bytes_ <= config_.capacity_bytes) return;
+    std::unordered_set<std::string_view> kept;
+    if (keep.size() > 1) kept.insert(keep.begin(), keep.end());
+    const auto is_kept = [&](const std::string& key) {
+      return keep.size() == 1 ? key == keep[0] : kept.count(key) != 0;
+    };
     auto victim = lru_.begin();
     while (total_bytes_ > config_.capacity_bytes && victim != lru_.end()) {
-      if (keep != nullptr && *victim == *keep) {
+      if (is_kept(*victim)) {
         ++victim;
         continue;
       }

@@ -298,6 +298,41 @@ TEST_F(FileStorageTest, SpanOfTheWrongSizeIsAMiss) {
   EXPECT_NE(r[0].reason.find("expected"), std::string::npos) << r[0].reason;
 }
 
+// Shared mode: records another instance wrote count against this one's capacity once it finds
+// them, and evict its least recently used records; never the keys the call is answering for.
+TEST_F(FileStorageTest, SharedRecordsFoundLaterCountAgainstCapacity) {
+  const std::size_t record = 4096 + record_head_bytes("them-0");  // every key here: 6 bytes
+  auto unbounded = config();
+  unbounded.shared = true;
+  auto bounded = config(3 * record);
+  bounded.shared = true;
+  auto tight = config(2 * record);
+  tight.shared = true;
+  FileStorage other(unbounded), mine(bounded), small(tight);  // all started on an empty root
+  const auto theirs = make_keys("them", 3);
+  const auto own = make_keys("mine", 2);
+  put(other, theirs, 4096);
+  for (const auto& k : own) put(mine, {k}, 4096);  // one batch each: a known order
+  EXPECT_EQ(mine.stats().stored_bytes, 2 * record);
+  // Two found by exists: 4 records, so the oldest of this instance's own goes.
+  EXPECT_EQ(exists(mine, {theirs[0], theirs[1]}), 2u);
+  StorageStats st = mine.stats();
+  EXPECT_EQ(st.evictions, 1u);
+  EXPECT_EQ(st.stored_bytes, 3 * record);
+  EXPECT_EQ(exists(mine, {own[0]}), 0u);
+  EXPECT_EQ(exists(mine, {own[1]}), 1u);
+  // One found by a read: the least recently used goes (own[1]), and the read is whole.
+  for (const auto& r : get(mine, {theirs[2]}, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  st = mine.stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.stored_bytes, 3 * record);
+  EXPECT_EQ(exists(mine, {own[1]}), 0u);
+  // The keys a query reports present are never the ones evicted for it, even over capacity.
+  EXPECT_EQ(exists(small, theirs), 3u);
+  EXPECT_EQ(small.stats().evictions, 0u);
+  for (const auto& r : get(small, theirs, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
 TEST_F(FileStorageTest, EvictsLeastRecentlyUsedFirst) {
   const std::size_t record = 4096 + record_head_bytes("lru-0");
   FileStorage s(config(4 * record));
