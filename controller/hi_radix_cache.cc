@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <queue>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -129,6 +130,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   }
   config_.load_back_min_tokens = std::max<std::int64_t>(config_.load_back_min_tokens, page_size_);
   root_->lock = 1;  // never evicted
+  if (storage_ != nullptr) storage_->set_event_signal(controller_.events());
 }
 
 HiRadixCache::~HiRadixCache() = default;
@@ -584,6 +586,24 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t
     pages = std::max<std::int64_t>(0, pages - own);
   }
   unlock(taken->holder);
+}
+
+std::uint64_t HiRadixCache::event_seq() const { return controller_.events()->seq(); }
+
+void HiRadixCache::wait_for_events(std::uint64_t seen,
+                                   std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (tp_ != nullptr && tp_->size() > 1 && tp_->failure().empty()) {
+    std::this_thread::yield();
+    return;
+  }
+  if (storage_ != nullptr) {
+    for (const auto& [id, p] : pending_->prefetches) {
+      if (const auto d = storage_->terminate_deadline(*p.op)) {
+        deadline = deadline ? std::min(*deadline, *d) : *d;
+      }
+    }
+  }
+  controller_.events()->wait(seen, deadline);
 }
 
 void HiRadixCache::check_events() {

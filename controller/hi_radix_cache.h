@@ -34,6 +34,7 @@
 // Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -169,6 +170,14 @@ class HiRadixCache {
   // min-reduction per step), so the trees of all ranks stay identical; check_prefetch_progress
   // agrees in the same way on whether to terminate.
   void check_events();
+  // Controller events (acks queued, prefetches changing stage) happened so far: read it before
+  // check_events(), and when the step then finds nothing it can do, wait_for_events() with it.
+  std::uint64_t event_seq() const;
+  // Sleeps until an event after `seen`, or `deadline`, or the timeout of a pending prefetch
+  // (the timeout policy), whichever comes first; no polling. With TP ranks it only yields: the
+  // ranks keep stepping, since each check_events() is a collective all of them must join.
+  void wait_for_events(std::uint64_t seen,
+                       std::optional<std::chrono::steady_clock::time_point> deadline = {});
 
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
   // right after it). When the host pool has less free than that, host-only pages are evicted

@@ -257,6 +257,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
     }
   }
   for (NodeId node : op.node_ids) acks_->write.enqueue(Ack{node, ok});
+  events_->notify();
   arena_.give(std::move(op));
 }
 
@@ -308,6 +309,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   }
   counter_->release(batch.slot);
   for (NodeId node : batch.op.node_ids) acks_->load.enqueue(Ack{node, ok});
+  events_->notify();
   arena_.give(std::move(batch.op));
 }
 

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/event_signal.h"
 #include "controller/slot_arena.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
@@ -110,6 +111,10 @@ class HiCacheController {
   // Append the acks that arrived since the last call; never block.
   std::size_t drain_write_acks(std::vector<Ack>& out);
   std::size_t drain_load_acks(std::vector<Ack>& out);
+  // Notified after every ack is queued (and by the storage controller the cache attaches): the
+  // main loop waits on it instead of polling the queues (see event_signal.h). Shared, so that a
+  // storage controller notifying it may outlive this controller.
+  const std::shared_ptr<EventSignal>& events() const { return events_; }
 
   // Frees the device copy of pages whose host copy is synced (they become backup). Throws
   // StateError naming the inconsistent page otherwise; nothing changes then.
@@ -169,6 +174,7 @@ class HiCacheController {
   std::vector<std::int64_t> check_pages_;
   std::vector<CacheOperation> load_ops_;
   SlotArena arena_;  // before the threads: they give lists back until joined
+  std::shared_ptr<EventSignal> events_ = std::make_shared<EventSignal>();  // before the threads
   std::thread write_thread_, load_thread_;
 };
 

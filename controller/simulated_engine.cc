@@ -157,6 +157,8 @@ void SimulatedEngine::verify(const Running& r) {
 
 bool SimulatedEngine::step() {
   const auto t0 = std::chrono::steady_clock::now();
+  stalled_ = false;
+  events_seen_ = cache_.event_seq();  // before the events are drained: none is missed
   cache_.check_events();
   // Prefetches that are over rejoin the queue's front.
   for (std::size_t i = 0; i < prefetching_.size();) {
@@ -225,7 +227,7 @@ bool SimulatedEngine::step() {
       ++stats_.rejected;
       return true;
     }
-    std::this_thread::yield();  // waiting on prefetches, or on memory that acks will free
+    stalled_ = true;  // waiting on prefetches, or on memory that acks will free
     return true;
   }
 
@@ -307,9 +309,12 @@ void SimulatedEngine::finish(Running& r) {
   }
 }
 
+void SimulatedEngine::wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (stalled_) cache_.wait_for_events(events_seen_, deadline);
+}
+
 void SimulatedEngine::run_until_idle(std::int64_t max_steps) {
-  for (std::int64_t i = 0; i < max_steps && step(); ++i) {
-  }
+  for (std::int64_t i = 0; i < max_steps && step(); ++i) wait_for_progress();
 }
 
 void SimulatedEngine::flush(std::int64_t max_steps) {
@@ -319,7 +324,11 @@ void SimulatedEngine::flush(std::int64_t max_steps) {
     if (!busy && s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0) {
       return;
     }
-    if (!busy) std::this_thread::yield();  // acks in flight: the threads are working
+    if (!busy) {
+      cache_.wait_for_events(events_seen_);  // acks in flight: the threads are working
+    } else {
+      wait_for_progress();
+    }
   }
 }
 

@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -110,9 +111,13 @@ class SimulatedEngine {
 
   void submit(SimulatedRequest request);
   // One scheduler step; false when nothing was waiting or running. A step that can run nothing
-  // (every request waits for a prefetch, or for memory that in-flight acks will free) yields
-  // the thread and returns true.
+  // (every request waits for a prefetch, or for memory that in-flight acks will free) returns
+  // true at once; wait_for_progress() then sleeps until that changes.
   bool step();
+  // After a step() that could run nothing: sleeps until an event it waits for (an ack, a
+  // prefetch changing stage, a prefetch timeout) or `deadline`, with no polling (with TP ranks,
+  // which must keep stepping together, it only yields). After any other step it returns at once.
+  void wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline = {});
   // Steps until every submitted request finished (or `max_steps`).
   void run_until_idle(std::int64_t max_steps = 1 << 30);
   std::size_t waiting() const { return waiting_.size() + prefetching_.size(); }
@@ -167,6 +172,8 @@ class SimulatedEngine {
   std::vector<FinishedRequest> finished_;
   SimulatedEngineStats stats_;
   std::string first_mismatch_;
+  std::uint64_t events_seen_ = 0;  // the cache's event_seq() when the last step began
+  bool stalled_ = false;           // the last step could run nothing
 };
 
 }  // namespace hicache

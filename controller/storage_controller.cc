@@ -143,6 +143,17 @@ void StorageController::stop() {
   }
   for (PrefetchTask& t : prefetch_queue_.drain()) revoke(*t.op);
   for (PrefetchTask& t : prefetch_io_queue_.drain()) finish(*t.op);
+  notify_events();
+}
+
+void StorageController::set_event_signal(std::shared_ptr<EventSignal> signal) {
+  std::lock_guard lock(signal_mu_);
+  signal_ = std::move(signal);
+}
+
+void StorageController::notify_events() {
+  std::lock_guard lock(signal_mu_);
+  if (signal_ != nullptr) signal_->notify();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -176,6 +187,7 @@ std::size_t StorageController::drain_backup_acks(std::vector<BackupAck>& out) {
 void StorageController::backup_loop() {
   while (auto op = backup_queue_.pop()) {
     backup_acks_.enqueue(run_backup(*op));
+    notify_events();
     op_done();
   }
 }
@@ -335,6 +347,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     op.stage_ = PrefetchStage::kLoading;
   }
   op.cv_.notify_all();
+  notify_events();
   // Never blocks: terminate_prefetch on the main loop may be waiting for this thread to reach
   // an op queued behind this one, so a backlogged I/O stage ends this prefetch instead.
   if (!prefetch_io_queue_.try_put(PrefetchTask{0, handle})) {
@@ -349,6 +362,7 @@ void StorageController::revoke(PrefetchOperation& op) {
     op.stage_ = PrefetchStage::kRevoked;
   }
   op.cv_.notify_all();
+  notify_events();
 }
 
 void StorageController::finish(PrefetchOperation& op) {
@@ -357,6 +371,7 @@ void StorageController::finish(PrefetchOperation& op) {
     if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
   }
   op.cv_.notify_all();
+  notify_events();
 }
 
 void StorageController::prefetch_io_loop() {
@@ -367,7 +382,7 @@ void StorageController::prefetch_io_loop() {
       if (op.terminate_) {  // terminated before it started: read nothing, touch nothing
         if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
         op.cv_.notify_all();
-        continue;
+        continue;  // terminate_prefetch, on the main loop, waits for this itself
       }
       op.worker_started_ = true;
     }
@@ -441,6 +456,23 @@ void StorageController::read_pages(PrefetchOperation& op) {
   }
 }
 
+std::chrono::steady_clock::duration StorageController::prefetch_timeout(
+    const PrefetchOperation& op) const {
+  return std::min(config_.timeout_cap,
+                  config_.timeout_base +
+                      config_.timeout_per_page * std::max<std::int64_t>(op.hit_pages_.load(), 1));
+}
+
+std::optional<std::chrono::steady_clock::time_point> StorageController::terminate_deadline(
+    const PrefetchOperation& op) const {
+  const PrefetchStage stage = op.stage();
+  if (config_.policy != PrefetchPolicy::kTimeout ||
+      (stage != PrefetchStage::kQueued && stage != PrefetchStage::kLoading)) {
+    return std::nullopt;
+  }
+  return op.queued_at_ + prefetch_timeout(op);
+}
+
 bool StorageController::can_terminate(const PrefetchOperation& op) const {
   const PrefetchStage stage = op.stage();
   const bool done = stage != PrefetchStage::kQueued && stage != PrefetchStage::kLoading;
@@ -449,11 +481,7 @@ bool StorageController::can_terminate(const PrefetchOperation& op) const {
     case PrefetchPolicy::kWaitComplete: return done;
     case PrefetchPolicy::kTimeout: {
       if (done) return true;
-      const auto limit = std::min(config_.timeout_cap,
-                                  config_.timeout_base + config_.timeout_per_page *
-                                                             std::max<std::int64_t>(
-                                                                 op.hit_pages_.load(), 1));
-      return std::chrono::steady_clock::now() - op.queued_at_ >= limit;
+      return std::chrono::steady_clock::now() - op.queued_at_ >= prefetch_timeout(op);
     }
   }
   return true;

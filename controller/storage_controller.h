@@ -49,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/event_signal.h"
 #include "pools/host_kv_pool.h"
 #include "storage/collective.h"
 #include "storage/page_key.h"
@@ -204,6 +205,13 @@ class StorageController {
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
   // agrees across ranks before acting on it).
   bool can_terminate(const PrefetchOperation& op) const;
+  // When time alone will make can_terminate(op) true (the timeout policy, while op still
+  // loads); nothing when only a stage change can.
+  std::optional<std::chrono::steady_clock::time_point> terminate_deadline(
+      const PrefetchOperation& op) const;
+  // A signal notified after every backup ack, revoke and prefetch stage change, so that the
+  // main loop can sleep until one happens (HiRadixCache attaches its controller's). Thread-safe.
+  void set_event_signal(std::shared_ptr<EventSignal> signal);
   // Stops `op` (waiting at most for the batch in flight and for the hit agreement), agrees on the
   // completed prefix with the other ranks (main_collective), frees the host pages past it, and
   // returns the prefix. Throws StateError when called twice for one op.
@@ -253,6 +261,9 @@ class StorageController {
   void read_pages(PrefetchOperation& op);
   void revoke(PrefetchOperation& op);
   void finish(PrefetchOperation& op);
+  void notify_events();
+  // The timeout policy's limit for `op`, from its queueing.
+  std::chrono::steady_clock::duration prefetch_timeout(const PrefetchOperation& op) const;
   BackupAck run_backup(const BackupOp& op);
   // Writes the pages [begin, end) of op; returns how many leading pages are stored.
   void start_threads();
@@ -274,6 +285,8 @@ class StorageController {
   std::int64_t page_size_;
   std::shared_ptr<std::atomic<std::int64_t>> budget_used_ =
       std::make_shared<std::atomic<std::int64_t>>(0);
+  std::mutex signal_mu_;                 // before the threads: they notify until joined
+  std::shared_ptr<EventSignal> signal_;  // GUARDED_BY signal_mu_
 
   OpQueue<PrefetchTask> prefetch_queue_;
   TransferBuffer<PrefetchTask> prefetch_io_queue_;  // hit agreement -> reads

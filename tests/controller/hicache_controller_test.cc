@@ -113,6 +113,26 @@ INSTANTIATE_TEST_SUITE_P(
                       Params{HostLayout::kPageFirst, IoBackend::kKernel, true},
                       Params{HostLayout::kPageFirstDirect, IoBackend::kDirect, true}));
 
+// The main loop's sleep: a wait returns once the sequence moved on (at once when it already
+// has: a notify between reading it and waiting is not lost), or false at the deadline.
+TEST(EventSignal, WaitReturnsOnANotifyAfterTheReadAndNotBefore) {
+  using namespace std::chrono_literals;
+  EventSignal s;
+  const std::uint64_t seen = s.seq();
+  EXPECT_FALSE(s.wait(seen, std::chrono::steady_clock::now() + 20ms));
+  s.notify();
+  EXPECT_TRUE(s.wait(seen));  // notified before the wait: no sleep
+  const std::uint64_t next = s.seq();
+  EXPECT_EQ(next, seen + 1);
+  std::thread late([&] {
+    std::this_thread::sleep_for(20ms);
+    s.notify();
+  });
+  EXPECT_TRUE(s.wait(next, std::chrono::steady_clock::now() + 60s));
+  late.join();
+  EXPECT_EQ(s.seq(), next + 1);
+}
+
 TEST(HiCacheController, HostFullAndDeviceFullLeakNothing) {
   HostDevice device;
   const auto g = KVGeometry::mha(2, 1, 8, DType::kFloat16, 4);

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "storage/file_storage.h"
 #include "transfer/errors.h"
@@ -23,6 +26,35 @@ KeyNamespace key_ns() {
           .page_size = kPage};
 }
 
+// The file store, with a gate a test may hold to keep prefetch reads waiting.
+class GatedStore final : public StorageBackend {
+ public:
+  explicit GatedStore(StorageBackend& inner) : inner_(inner) {}
+  std::string_view name() const override { return "gated"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return inner_.batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_.remove(key); }
+  void clear() override { inner_.clear(); }
+  std::mutex gate;
+  std::atomic<int> reads_at_gate{0};
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    ++reads_at_gate;
+    std::lock_guard pass(gate);
+    return inner_.batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    return inner_.batch_set(keys, src);
+  }
+
+ private:
+  StorageBackend& inner_;
+};
+
 // One engine: pools, controllers, tree, main loop; L3 is a file store under `root` (shared by
 // engines built on the same root).
 struct Stack {
@@ -31,6 +63,7 @@ struct Stack {
   HostKVPool host_pool;
   HiCacheController controller;
   FileStorage file;
+  GatedStore store{file};
   LocalCollective local;
   KeyNamespace ns = key_ns();
   StorageController storage;
@@ -43,7 +76,7 @@ struct Stack {
         controller(device, device_pool, host_pool,
                    ControllerConfig{.write_policy = WritePolicy::kWriteThrough}),
         file(FileStorageConfig{.root = root.string()}),
-        storage(host_pool, file, ns, local, local, local,
+        storage(host_pool, store, ns, local, local, local,
                 {.policy = PrefetchPolicy::kWaitComplete}),
         cache(controller, device_pool, host_pool, radix, radix.host_tier ? &storage : nullptr,
               radix.host_tier ? &ns : nullptr),
@@ -213,19 +246,23 @@ TEST(SimulatedEngine, DecodedAnswersAreCachedForTheNextRound) {
                InvalidArgument);
 }
 
+// A 6-page prompt an engine on `root` served and backed up to L3 (then went away).
+std::vector<std::int32_t> prompt_in_storage(const fs::path& root) {
+  std::vector<std::int32_t> prompt;
+  for (int t = 0; t < 6 * kPage; ++t) prompt.push_back(7 + 3 * t);
+  Stack first(root, 64, 128);
+  first.engine.submit({"a", prompt, 1});
+  first.engine.flush();
+  EXPECT_EQ(first.cache.stats().backups_in_flight, 0);
+  EXPECT_GT(first.cache.stats().stored_tokens, 0);
+  return prompt;
+}
+
 // A second engine on the same L3 finds a conversation's pages there: its report counts them as
 // storage hits, and they are byte-for-byte what the first engine computed.
 TEST(SimulatedEngine, StorageHitsAreAttributedToTheRequestThatFetchedThem) {
   const TempRoot root("attribution");
-  std::vector<std::int32_t> prompt;
-  for (int t = 0; t < 6 * kPage; ++t) prompt.push_back(7 + 3 * t);
-  {
-    Stack first(root, 64, 128);
-    first.engine.submit({"a", prompt, 1});
-    first.engine.flush();
-    EXPECT_EQ(first.cache.stats().backups_in_flight, 0);
-    EXPECT_GT(first.cache.stats().stored_tokens, 0);
-  }
+  const auto prompt = prompt_in_storage(root);
   Stack second(root, 64, 128);
   auto again = prompt;
   again.push_back(99);  // the prompt is the 6 pages; one token of answer
@@ -239,6 +276,29 @@ TEST(SimulatedEngine, StorageHitsAreAttributedToTheRequestThatFetchedThem) {
   EXPECT_EQ(done[0].computed_tokens, 0);
   EXPECT_EQ(second.engine.stats().verified_pages, 6);
   EXPECT_EQ(second.engine.stats().mismatched_pages, 0) << second.engine.first_mismatch();
+}
+
+// A step that can run nothing (its request waits for a prefetch) is followed by a sleep until
+// the prefetch moves on, not by spinning: with the read held up for 100 ms, the whole request
+// takes fewer than 50 calls of step() (a spinning loop used them up in microseconds and left
+// the request unfinished).
+TEST(SimulatedEngine, AStalledEngineSleepsUntilThePrefetchMovesOn) {
+  const TempRoot root("stalled");
+  const auto prompt = prompt_in_storage(root);
+  Stack second(root, 64, 128);
+  std::unique_lock gate(second.store.gate);
+  auto again = prompt;
+  again.push_back(99);
+  second.engine.submit({"b", again, 1});
+  std::thread loop([&] { second.engine.run_until_idle(50); });
+  while (second.store.reads_at_gate.load() == 0) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  gate.unlock();
+  loop.join();
+  const auto& st = second.engine.stats();
+  EXPECT_EQ(st.finished, 1) << "the engine polled while it waited for the prefetch";
+  EXPECT_EQ(st.mismatched_pages, 0) << second.engine.first_mismatch();
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
 }
 
 // The --compare baseline: no hierarchy. Nothing reaches the host, evicted pages are recomputed.

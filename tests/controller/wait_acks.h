@@ -1,9 +1,8 @@
-// Drains a controller's acks until `n` arrived or 60 s passed (tests only: an engine's main loop
-// never waits on acks, it drains what is there each step).
+// Drains a controller's acks until `n` arrived or 60 s passed, sleeping on the controller's
+// event signal between drains (as an engine's main loop does when a step can run nothing).
 #pragma once
 
 #include <chrono>
-#include <thread>
 #include <vector>
 
 #include "controller/hicache_controller.h"
@@ -13,9 +12,10 @@ namespace hicache {
 inline std::vector<Ack> wait_acks(HiCacheController& c, bool write, std::size_t n) {
   std::vector<Ack> acks;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (acks.size() < n && std::chrono::steady_clock::now() < deadline) {
+  while (true) {
+    const std::uint64_t seen = c.events()->seq();  // before draining: no ack is missed
     write ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
-    std::this_thread::yield();
+    if (acks.size() >= n || !c.events()->wait(seen, deadline)) break;
   }
   return acks;
 }

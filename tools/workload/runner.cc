@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -93,7 +94,9 @@ void Runner::run_rounds(int first_round, int last_round) {
     while (cursor < todo.size() && sent_[static_cast<std::size_t>(todo[cursor])]) ++cursor;
 
     const bool busy = engine.step();
+    bool finished_any = false;
     for (FinishedRequest& f : engine.drain_finished()) {
+      finished_any = true;
       const int idx = by_id.at(f.id);
       done_[static_cast<std::size_t>(idx)] = 1;
       finished_at_[static_cast<std::size_t>(idx)] = now_seconds();
@@ -122,6 +125,17 @@ void Runner::run_rounds(int first_round, int last_round) {
       }
     }
     if ((++iteration & 15) == 0) sample();
+    if (busy && !finished_any) {
+      // A step that could run nothing sleeps until an ack or a prefetch lets the next one, or
+      // until the next client sends (a finished request would free a follow-up at once).
+      std::optional<std::chrono::steady_clock::time_point> until;
+      if (options_.request_rate > 0 && cursor < todo.size()) {
+        until = std::chrono::steady_clock::time_point(
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                std::chrono::duration<double>(next_arrival)));
+      }
+      engine.wait_for_progress(until);
+    }
     if (!busy && inflight == 0 && remaining > 0) {
       // Readiness again: what finished (or was rejected) in this iteration frees its follow-ups.
       any_ready = false;
