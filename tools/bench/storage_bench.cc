@@ -209,6 +209,7 @@ struct ControllerRig {
   StorageBackend* store = nullptr;
   LocalCollective local;
   std::unique_ptr<StorageController> ctl;
+  std::shared_ptr<EventSignal> events = std::make_shared<EventSignal>();
   ControllerRig(std::size_t page_bytes, std::size_t pages, const char* name, std::uint64_t capacity,
                 int backend)
       : g(KVGeometry::mha(32, 8, 128, DType::kFloat16,
@@ -226,6 +227,7 @@ struct ControllerRig {
     }
     // The controller's default batch (as many pages as make 64 MiB per storage call).
     ctl = std::make_unique<StorageController>(host, *store, ns(), local, local, local);
+    ctl->set_event_signal(events);
   }
   KeyNamespace ns() const {
     KeyNamespace k = bench_ns();
@@ -246,10 +248,18 @@ struct ControllerRig {
 // reports both rates and their ratio.
 using Clock = std::chrono::steady_clock;
 
-// How the bench waits for the controller: an engine drains acks once per step, it does not
-// spin; spinning here would take one of the machine's two cores from the store's own threads
-// (and redis-server) and charge that to the controller.
-void idle_poll() { std::this_thread::sleep_for(std::chrono::microseconds(100)); }
+// How the bench waits for the controller, as an engine's main loop with nothing else to do:
+// asleep on the controller's event signal until `done()` (checked after reading the signal, so
+// no event is missed). Spinning here would take one of the machine's two cores from the store's
+// own threads (and redis-server) and charge that to the controller.
+template <typename Done>
+void wait_until(EventSignal& events, Done done) {
+  for (;;) {
+    const std::uint64_t seen = events.seq();
+    if (done()) return;
+    events.wait(seen);
+  }
+}
 
 void report_pair(benchmark::State& state, double bytes, double store_s, double ctl_s) {
   state.counters["store_GBps"] = bytes / store_s / 1e9;
@@ -289,7 +299,7 @@ void BM_BackupVsSet(benchmark::State& state) {
       } else {
         rig.ctl->write_storage(slots, backup_keys);
         acks.clear();
-        while (rig.ctl->drain_backup_acks(acks) == 0) idle_poll();
+        wait_until(*rig.events, [&] { return rig.ctl->drain_backup_acks(acks) > 0; });
         if (acks[0].completed_tokens != acks[0].total_tokens) {
           state.SkipWithError(acks[0].error.c_str());
         }
@@ -318,7 +328,7 @@ void BM_PrefetchVsGet(benchmark::State& state) {
   }
   rig.ctl->write_storage(slots, keys);
   std::vector<BackupAck> acks;
-  while (rig.ctl->drain_backup_acks(acks) == 0) std::this_thread::yield();
+  wait_until(*rig.events, [&] { return rig.ctl->drain_backup_acks(acks) > 0; });
   double store_s = 0, ctl_s = 0;
   std::uint64_t round = 0;
   for (auto _ : state) {
@@ -331,9 +341,9 @@ void BM_PrefetchVsGet(benchmark::State& state) {
         store_s += std::chrono::duration<double>(Clock::now() - t0).count();
       } else {
         auto op = rig.ctl->prefetch("bench", tokens);
-        while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
-          idle_poll();
-        }
+        wait_until(*rig.events, [&] {
+          return op->stage() != PrefetchStage::kQueued && op->stage() != PrefetchStage::kLoading;
+        });
         const PrefetchResult res = rig.ctl->terminate_prefetch(*op);
         if (res.tokens != static_cast<std::int64_t>(tokens.size())) {
           state.SkipWithError("short prefetch");
