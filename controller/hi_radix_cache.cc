@@ -590,20 +590,20 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t
 
 std::uint64_t HiRadixCache::event_seq() const { return controller_.events()->seq(); }
 
-void HiRadixCache::wait_for_events(std::uint64_t seen,
+bool HiRadixCache::wait_for_events(std::uint64_t seen,
                                    std::optional<std::chrono::steady_clock::time_point> deadline) {
   if (tp_ != nullptr && tp_->size() > 1 && tp_->failure().empty()) {
     std::this_thread::yield();
-    return;
+    return true;
   }
+  auto until = deadline;
   if (storage_ != nullptr) {
     for (const auto& [id, p] : pending_->prefetches) {
-      if (const auto d = storage_->terminate_deadline(*p.op)) {
-        deadline = deadline ? std::min(*deadline, *d) : *d;
-      }
+      if (const auto d = storage_->terminate_deadline(*p.op)) until = until ? std::min(*until, *d) : *d;
     }
   }
-  controller_.events()->wait(seen, deadline);
+  if (controller_.events()->wait(seen, until)) return true;
+  return !deadline || *until < *deadline;  // woken for a prefetch's timeout: that is progress
 }
 
 void HiRadixCache::check_events() {

@@ -174,9 +174,10 @@ class HiRadixCache {
   // check_events(), and when the step then finds nothing it can do, wait_for_events() with it.
   std::uint64_t event_seq() const;
   // Sleeps until an event after `seen`, or `deadline`, or the timeout of a pending prefetch
-  // (the timeout policy), whichever comes first; no polling. With TP ranks it only yields: the
-  // ranks keep stepping, since each check_events() is a collective all of them must join.
-  void wait_for_events(std::uint64_t seen,
+  // (the timeout policy), whichever comes first; no polling. False only when `deadline` passed
+  // with nothing happening. With TP ranks it only yields (and says true): the ranks keep
+  // stepping, since each check_events() is a collective all of them must join.
+  bool wait_for_events(std::uint64_t seen,
                        std::optional<std::chrono::steady_clock::time_point> deadline = {});
 
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts

@@ -63,6 +63,7 @@ void SimulatedEngine::submit(SimulatedRequest request) {
     request.arrival = std::chrono::steady_clock::now();
   }
   waiting_.push_back(Waiting{std::move(request)});
+  stalled_ = false;  // a new request may run at the next step: no waiting before it
 }
 
 bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
@@ -309,30 +310,47 @@ void SimulatedEngine::finish(Running& r) {
   }
 }
 
-void SimulatedEngine::wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline) {
-  if (stalled_) cache_.wait_for_events(events_seen_, deadline);
+bool SimulatedEngine::wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (!stalled_) return true;
+  return wait_quietly(deadline);
+}
+
+// Waits for an event after the last step's start, kQuietWait at most (the backstop that lets
+// the loops below give up on an op that never answers): false when it passed quietly.
+bool SimulatedEngine::wait_quietly(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  const auto backstop = std::chrono::steady_clock::now() + kQuietWait;
+  if (deadline && *deadline <= backstop) {
+    cache_.wait_for_events(events_seen_, deadline);
+    return true;
+  }
+  return cache_.wait_for_events(events_seen_, backstop);
 }
 
 void SimulatedEngine::run_until_idle(std::int64_t max_steps) {
-  for (std::int64_t i = 0; i < max_steps && step(); ++i) wait_for_progress();
+  int quiet = 0;
+  for (std::int64_t i = 0; i < max_steps && step(); ++i) {
+    quiet = wait_for_progress() ? 0 : quiet + 1;
+    if (quiet == kQuietWaits) return;  // stuck: the caller finds requests still waiting
+  }
 }
 
 void SimulatedEngine::flush(std::int64_t max_steps) {
+  int quiet = 0;
   for (std::int64_t i = 0; i < max_steps; ++i) {
     const bool busy = step();
     const auto s = cache_.stats();
     if (!busy && s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0) {
       return;
     }
-    if (!busy) {
-      cache_.wait_for_events(events_seen_);  // acks in flight: the threads are working
-    } else {
-      wait_for_progress();
-    }
+    // Acks in flight (the threads are working), or requests waiting for them.
+    const bool moved = busy ? wait_for_progress() : wait_quietly({});
+    quiet = moved ? 0 : quiet + 1;
+    if (quiet == kQuietWaits) return;  // stuck: the caller finds ops still in flight
   }
 }
 
 std::size_t SimulatedEngine::reset() {
+  stalled_ = false;  // nothing to wait for until the next step
   std::vector<const SimulatedRequest*> ended;
   for (const Waiting& w : waiting_) ended.push_back(&w.request);
   for (const Waiting& w : prefetching_) ended.push_back(&w.request);

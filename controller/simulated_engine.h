@@ -117,9 +117,13 @@ class SimulatedEngine {
   // After a step() that could run nothing: sleeps until an event it waits for (an ack, a
   // prefetch changing stage, a prefetch timeout) or `deadline`, with no polling (with TP ranks,
   // which must keep stepping together, it only yields). After any other step it returns at once.
-  void wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline = {});
-  // Steps until every submitted request finished (or `max_steps`).
+  // Sleeps kQuietWait at most: false when that long passed with nothing happening.
+  bool wait_for_progress(std::optional<std::chrono::steady_clock::time_point> deadline = {});
+  // Steps until every submitted request finished (or `max_steps`, or kQuietWaits quiet waits
+  // in a row: an op in flight that never answers, a bug, ends the loop instead of hanging it).
   void run_until_idle(std::int64_t max_steps = 1 << 30);
+  static constexpr std::chrono::seconds kQuietWait{1};
+  static constexpr int kQuietWaits = 30;
   std::size_t waiting() const { return waiting_.size() + prefetching_.size(); }
   std::size_t decoding() const { return decoding_.size(); }
   // Steps (without admitting anything new beyond what is queued) until no write, load or
@@ -158,6 +162,7 @@ class SimulatedEngine {
   void verify(const Running& r);
   void finish(Running& r);
   void decode_step();
+  bool wait_quietly(std::optional<std::chrono::steady_clock::time_point> deadline);
 
   HiRadixCache& cache_;
   HiCacheController& controller_;

@@ -178,7 +178,7 @@ class FileStorage::Impl {
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
     std::vector<IoResult> results(keys.size());
-    fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys[i], dst[i]); });
+    fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys, i, dst[i]); });
     return results;
   }
 
@@ -294,7 +294,10 @@ class FileStorage::Impl {
     if (error) std::rethrow_exception(error);
   }
 
-  IoResult get_one(const std::string& key, ByteSpan dst) {
+  // Reads keys[i]; the batch's other keys are never evicted for an adoption here (their reads
+  // may not have started).
+  IoResult get_one(std::span<const std::string> keys, std::size_t i, ByteSpan dst) {
+    const std::string& key = keys[i];
     const fs::path path = root_ / key;
     const std::uint64_t want = record_head_bytes(key) + dst.size();
     {
@@ -302,7 +305,7 @@ class FileStorage::Impl {
       auto it = index_.find(key);
       if (it == index_.end()) {
         if (!adopt_locked(key)) return IoResult::miss();
-        evict_locked(std::span(&key, 1));
+        evict_locked(keys);
         it = index_.find(key);
       }
       lru_.splice(lru_.end(), lru_, it->second.lru);

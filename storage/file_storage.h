@@ -20,8 +20,8 @@
 // - shared: several processes (engine instances) use one root. Each keeps its own index; a key
 //   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
 //   stored is found. Capacity eviction then counts only what this process wrote or adopted; an
-//   adoption evicts like a write does, but never a key the same call reports present (so one
-//   query may leave the store over capacity until the next write).
+//   adoption evicts like a write does, but never a key of the same call (so one query may leave
+//   the store over capacity until the next write).
 //
 // JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "durability": "none",
 //        "io_threads": 4, "shared": false}

@@ -301,6 +301,28 @@ TEST(SimulatedEngine, AStalledEngineSleepsUntilThePrefetchMovesOn) {
   EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
 }
 
+// The backstop: a wait with nothing at all happening (an op that never answers would be a bug)
+// ends after kQuietWait and says so, which is how run_until_idle() and flush() give up instead
+// of sleeping forever.
+TEST(SimulatedEngine, AWaitWithNothingHappeningEndsAfterTheQuietWait) {
+  const TempRoot root("quiet");
+  const auto prompt = prompt_in_storage(root);
+  Stack second(root, 64, 128);
+  std::unique_lock gate(second.store.gate);
+  second.engine.submit({"b", prompt, 1});
+  while (second.store.reads_at_gate.load() == 0) {
+    second.engine.step();
+    second.engine.wait_for_progress(std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  }
+  second.engine.step();  // stalled, and nothing can happen until the gate opens
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(second.engine.wait_for_progress());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, SimulatedEngine::kQuietWait);
+  gate.unlock();
+  second.engine.run_until_idle();
+  EXPECT_EQ(second.engine.stats().finished, 1);
+}
+
 // The --compare baseline: no hierarchy. Nothing reaches the host, evicted pages are recomputed.
 TEST(SimulatedEngine, DeviceOnlyCacheWritesNothingToTheHost) {
   const TempRoot root("device-only");

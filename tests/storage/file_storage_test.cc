@@ -308,7 +308,7 @@ TEST_F(FileStorageTest, SharedRecordsFoundLaterCountAgainstCapacity) {
   bounded.shared = true;
   auto tight = config(2 * record);
   tight.shared = true;
-  FileStorage other(unbounded), mine(bounded), small(tight);  // all started on an empty root
+  FileStorage other(unbounded), mine(bounded), small(tight), reader(tight);  // on an empty root
   const auto theirs = make_keys("them", 3);
   const auto own = make_keys("mine", 2);
   put(other, theirs, 4096);
@@ -331,6 +331,9 @@ TEST_F(FileStorageTest, SharedRecordsFoundLaterCountAgainstCapacity) {
   EXPECT_EQ(exists(small, theirs), 3u);
   EXPECT_EQ(small.stats().evictions, 0u);
   for (const auto& r : get(small, theirs, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  // Nor the keys of a read: adopting one never evicts another the batch has yet to read.
+  for (const auto& r : get(reader, theirs, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  EXPECT_EQ(reader.stats().evictions, 0u);
 }
 
 TEST_F(FileStorageTest, EvictsLeastRecentlyUsedFirst) {

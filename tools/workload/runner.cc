@@ -67,6 +67,7 @@ void Runner::run_rounds(int first_round, int last_round) {
   while (remaining > 0) {
     const double now = now_seconds();
     bool any_ready = false;
+    bool arrival_pending = false;  // a ready request waits for its Poisson arrival only
     for (std::size_t k = cursor; k < todo.size(); ++k) {
       const int idx = todo[k];
       if (sent_[static_cast<std::size_t>(idx)]) continue;
@@ -74,7 +75,10 @@ void Runner::run_rounds(int first_round, int last_round) {
       if (p.depends_on >= 0 && !done_[static_cast<std::size_t>(p.depends_on)]) continue;
       any_ready = true;
       if (options_.max_inflight > 0 && inflight >= options_.max_inflight) break;
-      if (options_.request_rate > 0 && now < next_arrival) break;
+      if (options_.request_rate > 0 && now < next_arrival) {
+        arrival_pending = true;
+        break;
+      }
       double arrival = p.depends_on >= 0 && finished_at_[static_cast<std::size_t>(p.depends_on)] > 0
                            ? finished_at_[static_cast<std::size_t>(p.depends_on)]
                            : round_start;
@@ -129,7 +133,7 @@ void Runner::run_rounds(int first_round, int last_round) {
       // A step that could run nothing sleeps until an ack or a prefetch lets the next one, or
       // until the next client sends (a finished request would free a follow-up at once).
       std::optional<std::chrono::steady_clock::time_point> until;
-      if (options_.request_rate > 0 && cursor < todo.size()) {
+      if (arrival_pending) {
         until = std::chrono::steady_clock::time_point(
             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                 std::chrono::duration<double>(next_arrival)));
