@@ -18,6 +18,13 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The steady clock's time point of a now_seconds() value.
+static std::chrono::steady_clock::time_point steady_time(double seconds) {
+  return std::chrono::steady_clock::time_point(
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(seconds)));
+}
+
 Runner::Runner(EngineStack& stack, const std::vector<PlannedRequest>& plan, std::vector<int> mine,
                RunOptions options, int instance)
     : stack_(stack), plan_(plan), mine_(std::move(mine)), options_(std::move(options)),
@@ -87,8 +94,7 @@ void Runner::run_rounds(int first_round, int last_round) {
       arrival = std::min(arrival, now);
       engine.submit(SimulatedRequest{
           p.id, p.tokens, p.output_tokens,
-          std::chrono::steady_clock::time_point(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-              std::chrono::duration<double>(arrival)))});
+          steady_time(arrival)});
       sent_[static_cast<std::size_t>(idx)] = 1;
       ++inflight;
       record_at_[static_cast<std::size_t>(idx)] = records_.size();
@@ -134,9 +140,7 @@ void Runner::run_rounds(int first_round, int last_round) {
       // until the next client sends (a finished request would free a follow-up at once).
       std::optional<std::chrono::steady_clock::time_point> until;
       if (arrival_pending) {
-        until = std::chrono::steady_clock::time_point(
-            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                std::chrono::duration<double>(next_arrival)));
+        until = steady_time(next_arrival);
       }
       engine.wait_for_progress(until);
     }
