@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -43,6 +44,28 @@ std::size_t bulk_reply_bytes(std::size_t len) {
   std::size_t digits = 1;
   for (std::size_t v = len; v >= 10; v /= 10) ++digits;
   return 1 + digits + 2 + len + 2;  // "$<len>\r\n<bytes>\r\n"
+}
+
+namespace {
+
+void append_count(std::string& out, char kind, std::size_t n) {
+  char buf[24];
+  buf[0] = kind;
+  char* end = std::to_chars(buf + 1, buf + sizeof(buf) - 2, n).ptr;
+  *end++ = '\r';
+  *end++ = '\n';
+  out.append(buf, end);
+}
+
+}  // namespace
+
+void append_array_head(std::string& out, std::size_t args) { append_count(out, '*', args); }
+void append_bulk_head(std::string& out, std::size_t len) { append_count(out, '$', len); }
+
+void append_bulk(std::string& out, std::string_view arg) {
+  append_count(out, '$', arg.size());
+  out += arg;
+  out += "\r\n";
 }
 
 class IoThreads::Impl {
@@ -94,12 +117,9 @@ constexpr std::size_t kReadChunk = 256 * 1024;
 constexpr std::size_t kMinFeed = 1024;
 
 std::string resp_command(std::initializer_list<std::string_view> args) {
-  std::string out = str_cat("*", args.size(), "\r\n");
-  for (std::string_view a : args) {
-    out += str_cat("$", a.size(), "\r\n");
-    out += a;
-    out += "\r\n";
-  }
+  std::string out;
+  append_array_head(out, args.size());
+  for (std::string_view a : args) append_bulk(out, a);
   return out;
 }
 

@@ -92,7 +92,9 @@ constexpr int kMaxRedirects = 5;
 std::pair<std::size_t, std::size_t> append_key_command(std::string& arena, std::string_view verb,
                                                        std::string_view key) {
   const std::size_t start = arena.size();
-  arena += str_cat("*2\r\n$", verb.size(), "\r\n", verb, "\r\n$", key.size(), "\r\n", key, "\r\n");
+  redis::append_array_head(arena, 2);
+  redis::append_bulk(arena, verb);
+  redis::append_bulk(arena, key);
   return {start, arena.size() - start};
 }
 
@@ -225,15 +227,22 @@ class RedisStorage::Impl {
       // span. Each record head, whose checksum is a pass over the payload (~8 us per 256 KiB
       // here), is filled in just before its request is handed to a connection, so the first
       // values are on the wire while later heads are being computed.
+      static constexpr std::string_view kMsetnxHead = "*3\r\n$6\r\nMSETNX\r\n";
       std::string arena;
+      std::size_t arena_bytes = 0;
+      for (std::size_t i : to_send) {
+        arena_bytes += kMsetnxHead.size() + 2 * keys[i].size() + kRecordHeaderBytes + 48;
+      }
+      arena.reserve(arena_bytes);
       std::vector<std::pair<std::size_t, std::size_t>> spans;
       spans.reserve(to_send.size());
       for (std::size_t i : to_send) {
         const std::string& key = keys[i];
         const std::size_t start = arena.size();
         const std::size_t head = record_head_bytes(key);
-        arena += str_cat("*3\r\n$6\r\nMSETNX\r\n$", key.size(), "\r\n", key, "\r\n$",
-                         head + src[i].size(), "\r\n");
+        arena += kMsetnxHead;
+        redis::append_bulk(arena, key);
+        redis::append_bulk_head(arena, head + src[i].size());
         arena.resize(arena.size() + head);
         spans.emplace_back(start, arena.size() - start);
       }

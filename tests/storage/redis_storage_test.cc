@@ -6,12 +6,15 @@
 
 #include <chrono>
 #include <filesystem>
+#include <limits>
+#include <string>
 #include <thread>
 
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
 #include "storage/record.h"
 #include "storage/redis_cluster.h"
+#include "storage/redis_connection.h"
 #include "storage/redis_test_servers.h"
 #include "transfer/errors.h"
 
@@ -217,6 +220,22 @@ TEST(RedisClusterRouting, ParsesRedirects) {
   EXPECT_FALSE(redis::parse_redirect("ERR wrong"));
   EXPECT_FALSE(redis::parse_redirect("MOVED 99999 a:1"));
   EXPECT_FALSE(redis::parse_redirect("MOVED 1 a:0"));
+}
+
+TEST(RespEncoding, CommandsAreExactlyTheBytesRedisExpects) {
+  std::string out;
+  redis::append_array_head(out, 3);
+  redis::append_bulk(out, "MSETNX");
+  redis::append_bulk(out, "");
+  redis::append_bulk_head(out, 262'176);
+  EXPECT_EQ(out, "*3\r\n$6\r\nMSETNX\r\n$0\r\n\r\n$262176\r\n");
+  out.clear();
+  redis::append_bulk_head(out, std::numeric_limits<std::size_t>::max());
+  EXPECT_EQ(out, "$18446744073709551615\r\n");
+  // A value's bulk string on the wire is what a reply of that length takes.
+  out.clear();
+  redis::append_bulk(out, std::string(1000, 'v'));
+  EXPECT_EQ(out.size(), redis::bulk_reply_bytes(1000));
 }
 
 // ---- one server ----
