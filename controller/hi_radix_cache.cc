@@ -43,6 +43,9 @@ struct HiRadixCache::Pending {
     std::vector<std::int32_t> tokens;
   };
   std::unordered_map<std::string, Prefetch> prefetches;
+  // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each
+  // added to the tree, until check_prefetch_progress or release_aborted_request takes them.
+  std::unordered_map<std::string, std::int64_t> inserted;
 
   // Removes and returns the op an ack names (nothing for an op this cache did not start).
   static std::optional<Op> take(std::unordered_map<NodeId, Op>& ops, NodeId id) {
@@ -813,9 +816,16 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   return true;
 }
 
-bool HiRadixCache::check_prefetch_progress(const std::string& request_id) {
+bool HiRadixCache::check_prefetch_progress(const std::string& request_id,
+                                           std::int64_t* inserted_tokens) {
+  if (inserted_tokens != nullptr) *inserted_tokens = 0;
   auto it = pending_->prefetches.find(request_id);
-  if (it == pending_->prefetches.end()) return true;
+  if (it == pending_->prefetches.end()) {
+    if (auto done = pending_->inserted.extract(request_id); !done.empty()) {
+      if (inserted_tokens != nullptr) *inserted_tokens = done.mapped();
+    }
+    return true;
+  }
   const PrefetchStage stage = it->second.op->stage();
   // Whether to terminate now depends on local timing: the ranks agree, or one rank would
   // enter the terminate collective alone (a deadlock of the reference).
@@ -824,11 +834,14 @@ bool HiRadixCache::check_prefetch_progress(const std::string& request_id) {
       "radix.prefetch_ready");
   if (!ready) return false;
   finish_prefetch(request_id, stage != PrefetchStage::kRevoked);
+  if (inserted_tokens != nullptr) *inserted_tokens = pending_->inserted[request_id];
+  pending_->inserted.erase(request_id);
   return true;
 }
 
 void HiRadixCache::release_aborted_request(const std::string& request_id) {
   if (pending_->prefetches.count(request_id) != 0) finish_prefetch(request_id, false);
+  pending_->inserted.erase(request_id);
 }
 
 std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefetches.size(); }
@@ -838,17 +851,20 @@ void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
   auto node_handle = pending_->prefetches.extract(request_id);
   Pending::Prefetch& p = node_handle.mapped();
   const PrefetchResult r = storage_->terminate_prefetch(*p.op);
+  std::int64_t inserted = 0;
   if (insert && r.tokens > 0) {
-    insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)), r.host_slots);
+    inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
+                           r.host_slots);
     counters_.prefetched_tokens += r.tokens;
   } else if (!r.host_slots.empty()) {
     host_pool_.free(r.host_slots);
   }
+  pending_->inserted[request_id] = inserted;
   unlock(p.node);
 }
 
-void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
-                               std::span<const std::int64_t> host_slots) {
+std::int64_t HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
+                                       std::span<const std::int64_t> host_slots) {
   std::size_t pos = 0;
   while (pos < tokens.size()) {
     Node* child = child_of(node, tokens.subspan(pos, page_size_));
@@ -856,7 +872,7 @@ void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
       Node* l = add_leaf(node, tokens.subspan(pos));
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
       l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
-      return;
+      return static_cast<std::int64_t>(tokens.size() - pos);
     }
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
     if (common < child->key.size()) child = split(child, common);
@@ -866,6 +882,7 @@ void HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
     pos += common;
     node = child;
   }
+  return 0;
 }
 
 std::string HiRadixCache::describe() const {

@@ -187,8 +187,11 @@ class HiRadixCache {
   bool prefetch_from_storage(const std::string& request_id, Node* node,
                              std::span<const std::int32_t> tokens);
   // True once the request's prefetch is over (its pages are in the tree, or it was revoked);
-  // terminates it first when the policy allows. False while it still loads.
-  bool check_prefetch_progress(const std::string& request_id);
+  // terminates it first when the policy allows. False while it still loads. With
+  // `inserted_tokens`, the first true also says how many tokens the prefetch added to the tree:
+  // what it read from L3 less what another request had cached meanwhile (0 when revoked).
+  bool check_prefetch_progress(const std::string& request_id,
+                               std::int64_t* inserted_tokens = nullptr);
   // Ends a request's prefetch and frees what it fetched.
   void release_aborted_request(const std::string& request_id);
   std::size_t prefetches_in_flight() const;
@@ -251,8 +254,10 @@ class HiRadixCache {
   bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,
                    double* estimate_s, const char* tag);
   static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
-  void insert_host(Node* node, std::span<const std::int32_t> tokens,
-                   std::span<const std::int64_t> host_slots);
+  // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
+  // copies are freed. Returns the tokens added.
+  std::int64_t insert_host(Node* node, std::span<const std::int32_t> tokens,
+                           std::span<const std::int64_t> host_slots);
 
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;

@@ -164,11 +164,9 @@ bool SimulatedEngine::step() {
   // Prefetches that are over rejoin the queue's front.
   for (std::size_t i = 0; i < prefetching_.size();) {
     Waiting& w = prefetching_[i];
-    if (cache_.check_prefetch_progress(w.request.id)) {
-      // What the prefetch added (another request may have added part of it meanwhile: it is
-      // counted here too).
-      w.storage_tokens = std::max<std::int64_t>(
-          0, cache_.cached_prefix_tokens(w.request.prompt()) - w.known_before_prefetch);
+    // What the prefetch itself added to the tree: pages another request cached meanwhile (the
+    // prefix grew while this one waited) are not L3 hits and are not counted as such.
+    if (cache_.check_prefetch_progress(w.request.id, &w.storage_tokens)) {
       waiting_.push_front(std::move(w));
       prefetching_.erase(prefetching_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {

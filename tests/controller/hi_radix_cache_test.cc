@@ -501,6 +501,61 @@ TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPre
   second.expect_accounting();
 }
 
+// A prefetch says how many tokens it added to the tree: what it read from L3 less what another
+// request computed and inserted while it was in flight (those pages keep the tree's copy, and
+// are not L3 hits). The engine's report counts L3 hits from this.
+TEST(HiRadixCacheStorage, APrefetchCountsOnlyThePagesItAddedToTheTree) {
+  L3 l3("inserted");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  {
+    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    first.run(a);
+    first.settle();
+  }
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  auto m = second.cache.match_prefix(a);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node, a));
+  // Meanwhile another request computes pages 0-2 and inserts them (the prefetch is applied only
+  // by check_events / check_prefetch_progress on this thread, so this comes first).
+  auto computed = second.device_pool.allocator().alloc(3 * kPage);
+  ASSERT_TRUE(computed);
+  for (std::size_t p = 0; p < 3; ++p) {
+    fill_page(second.device_pool.layout(), (*computed)[p * kPage] / kPage, page_seed(a, p));
+  }
+  EXPECT_EQ(second.cache.insert(std::span(a).first(3 * kPage), *computed), 0);
+  std::int64_t inserted = -1;
+  while (!second.cache.check_prefetch_progress("req", &inserted)) {
+    EXPECT_EQ(inserted, 0) << "nothing is added while the prefetch still loads";
+  }
+  EXPECT_EQ(inserted, 3 * kPage) << "6 pages read, 3 of them were in the tree already";
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
+  // Asked again, it is over and adds nothing more.
+  EXPECT_TRUE(second.cache.check_prefetch_progress("req", &inserted));
+  EXPECT_EQ(inserted, 0);
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 6);
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
+
+  // A prefetch the engine finds already applied by check_events reports the same way, and a
+  // revoked one adds nothing.
+  Engine third(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  m = third.cache.match_prefix(a);
+  ASSERT_TRUE(third.cache.prefetch_from_storage("req", m.last_host_node, a));
+  third.settle();  // check_events finishes and inserts it
+  EXPECT_EQ(third.cache.prefetches_in_flight(), 0u);
+  EXPECT_TRUE(third.cache.check_prefetch_progress("req", &inserted));
+  EXPECT_EQ(inserted, 6 * kPage);
+  const auto b = seq({7, 8});
+  m = third.cache.match_prefix(b);
+  ASSERT_TRUE(third.cache.prefetch_from_storage("never-stored", m.last_host_node, b));
+  while (!third.cache.check_prefetch_progress("never-stored", &inserted)) third.cache.check_events();
+  EXPECT_EQ(inserted, 0) << "L3 holds nothing of b: the prefetch is revoked";
+  third.expect_accounting();
+}
+
 // A record corrupted behind the store's back (a disk fault) and one that vanished: the
 // prefetch stops at the first bad page, the bad record is counted and removed, no wrong byte is
 // ever served, and the rest is recomputed.
