@@ -188,6 +188,16 @@ std::vector<std::int32_t> seq(std::initializer_list<std::int32_t> pages_of) {
   return t;
 }
 
+// Stores `tokens` in L3 as an engine does: a write-through engine runs them and settles.
+// Returns the tokens it backed up.
+std::int64_t store_in_l3(L3& l3, std::span<const std::int32_t> tokens) {
+  Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  first.run(tokens);
+  first.settle();
+  first.expect_accounting();
+  return first.cache.stats().stored_tokens;
+}
+
 TEST(HiRadixCache, MatchSplitsAtPageBoundariesAndReturnsTheDevicePrefix) {
   Engine e(WritePolicy::kWriteThroughSelective, 32, 64);
   const auto a = seq({1, 2, 3, 4});
@@ -450,13 +460,7 @@ TEST(HiRadixCache, AnInnerNodeWhoseWriteFoundTheHostFullIsWrittenWhenEvicted) {
 TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
   L3 l3("share");
   const auto a = seq({1, 2, 3, 4, 5, 6});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(a);
-    first.settle();
-    EXPECT_EQ(first.cache.stats().stored_tokens, 6 * kPage);
-    first.expect_accounting();
-  }
+  EXPECT_EQ(store_in_l3(l3, a), 6 * kPage);
   Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
   auto m = second.cache.match_prefix(a);
   EXPECT_EQ(m.host_hit_tokens, 0);
@@ -475,11 +479,7 @@ TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
 TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPrefix) {
   L3 l3("partial");
   const auto a = seq({1, 2, 3, 4, 5, 6});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(std::span(a).first(4 * kPage));  // L3 holds pages 0-3 only
-    first.settle();
-  }
+  store_in_l3(l3, std::span(a).first(4 * kPage));  // L3 holds pages 0-3 only
   // wait_complete: prefetches always run to the end, so the counts below are exact.
   Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
                 {.policy = PrefetchPolicy::kWaitComplete});
@@ -507,11 +507,7 @@ TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPre
 TEST(HiRadixCacheStorage, APrefetchCountsOnlyThePagesItAddedToTheTree) {
   L3 l3("inserted");
   const auto a = seq({1, 2, 3, 4, 5, 6});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(a);
-    first.settle();
-  }
+  store_in_l3(l3, a);
   Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
                 {.policy = PrefetchPolicy::kWaitComplete});
   auto m = second.cache.match_prefix(a);
@@ -562,12 +558,7 @@ TEST(HiRadixCacheStorage, APrefetchCountsOnlyThePagesItAddedToTheTree) {
 TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes) {
   L3 l3("corrupt");
   const auto a = seq({1, 2, 3, 4, 5, 6});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(a);
-    first.settle();
-    ASSERT_EQ(first.cache.stats().stored_tokens, 6 * kPage);
-  }
+  ASSERT_EQ(store_in_l3(l3, a), 6 * kPage);
   PageKeyer keyer(key_ns());
   std::vector<std::string> keys;
   keyer.keys(a, nullptr, keys);
@@ -607,11 +598,7 @@ TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes
 TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
   L3 l3("cost");
   const auto a = seq({1, 2, 3, 4});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(a);
-    first.settle();
-  }
+  store_in_l3(l3, a);
   for (double cost : {1e-15, 1.0}) {
     Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = cost}, &l3,
              {.policy = PrefetchPolicy::kWaitComplete});
@@ -641,11 +628,7 @@ TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
 TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   L3 l3("revoke");
   const auto a = seq({1, 2, 3});
-  {
-    Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-    first.run(a);
-    first.settle();
-  }
+  store_in_l3(l3, a);
   Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
                {.prefetch_threshold_tokens = 4 * kPage});
   auto m = picky.cache.match_prefix(a);
