@@ -329,8 +329,15 @@ void HiRadixCache::unlock(Node* node) {
 
 void HiRadixCache::write_node(Node* node) {
   if (!config_.host_tier) return;  // device only: the node stays device-only
-  auto host = controller_.write(node->device, 0, node->id);
-  if (!host) return;  // host full or queue full: the node stays device-only
+  // Reserved first, then agreed: the host pools of TP ranks differ while a prefetch thread's
+  // reservation or a failed write's release lands on one rank before another, so a rank could
+  // find the host full where the others do not. Only a write every rank can make is made.
+  auto host = controller_.reserve_write(static_cast<std::int64_t>(node->device.size()));
+  if (!all_ranks(host.has_value(), "radix.write")) {
+    if (host) controller_.release_write(*host);
+    return;  // host full or queue full (on some rank): the node stays device-only
+  }
+  if (!controller_.write_reserved(node->device, *host, 0, node->id)) return;  // stopped
   node->host = std::move(*host);
   node->write_op = node->id;
   lock(node);
@@ -493,6 +500,12 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
     if (candidate(parent)) heap.push(parent);
   }
   return freed;
+}
+
+std::int64_t HiRadixCache::evict_host_to_free(std::int64_t target) {
+  const std::int64_t need = std::max<std::int64_t>(0, target - host_pool_.free_tokens());
+  const std::int64_t most = -min_over_ranks(-need, "radix.host_free");
+  return most > 0 ? evict_host(most) : 0;
 }
 
 std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {

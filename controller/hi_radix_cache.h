@@ -162,6 +162,11 @@ class HiRadixCache {
   // Frees host tokens of nodes that are on the host only (LRU, unlocked, leaves); returns how
   // many. Such nodes leave the tree.
   std::int64_t evict_host(std::int64_t tokens);
+  // evict_host until `target` host tokens are free (as far as host-only leaves allow); returns
+  // the tokens freed. With TP ranks every rank evicts what the one with the least free needs
+  // (one min-reduction): their free counts differ while a prefetch thread's reservation lands
+  // on one rank before another, and evicting by the local count would split the trees.
+  std::int64_t evict_host_to_free(std::int64_t target);
 
   // Drains the controllers' acks and applies them: writes done (and backups started), loads
   // done, backups done, revoked prefetches, finished prefetches inserted. Call once per step.

@@ -103,28 +103,62 @@ void HiCacheController::start_threads() {
   load_thread_ = std::thread([this] { load_loop(); });
 }
 
-std::optional<std::vector<std::int64_t>> HiCacheController::write(
-    std::span<const std::int64_t> device_slots, std::int64_t priority,
-    std::optional<NodeId> ack_node, const Event* ready_after) {
+void HiCacheController::check_write_slots(std::span<const std::int64_t> device_slots) {
   check_pages_.clear();
   slots_to_pages(device_slots, device_pool_.geometry().page_size,
                  device_pool_.allocator().num_pages(), "HiCacheController::write", check_pages_);
   if (device_slots.empty()) throw InvalidArgument("HiCacheController::write: no slots");
-  auto host_slots = host_pool_.alloc(static_cast<std::int64_t>(device_slots.size()));
+}
+
+std::optional<std::vector<std::int64_t>> HiCacheController::write(
+    std::span<const std::int64_t> device_slots, std::int64_t priority,
+    std::optional<NodeId> ack_node, const Event* ready_after) {
+  check_write_slots(device_slots);  // before the reservation: bad input changes nothing
+  auto host_slots = reserve_write(static_cast<std::int64_t>(device_slots.size()));
   if (!host_slots) return std::nullopt;
-  host_pool_.protect_write(*host_slots);
-  auto op = make_op(*host_slots, device_slots, priority, ack_node);
+  if (!write_reserved(device_slots, *host_slots, priority, ack_node, ready_after)) {
+    return std::nullopt;
+  }
+  return host_slots;
+}
+
+std::optional<std::vector<std::int64_t>> HiCacheController::reserve_write(std::int64_t tokens) {
+  if (write_queue_.size() >= write_queue_.capacity()) return std::nullopt;
+  return host_pool_.alloc(tokens);
+}
+
+void HiCacheController::release_write(std::span<const std::int64_t> host_slots) {
+  host_pool_.free(host_slots);
+}
+
+bool HiCacheController::write_reserved(std::span<const std::int64_t> device_slots,
+                                       std::span<const std::int64_t> host_slots,
+                                       std::int64_t priority, std::optional<NodeId> ack_node,
+                                       const Event* ready_after) {
+  try {
+    check_write_slots(device_slots);
+    if (host_slots.size() != device_slots.size()) {
+      throw InvalidArgument(str_cat("HiCacheController::write: ", host_slots.size(),
+                                    " reserved host slots for ", device_slots.size(),
+                                    " device slots"));
+    }
+  } catch (...) {
+    host_pool_.free(host_slots);
+    throw;
+  }
+  host_pool_.protect_write(host_slots);
+  auto op = make_op(host_slots, device_slots, priority, ack_node);
   // Before the push, so the write thread cannot enqueue this op's copy ahead of the wait. It
   // orders every later copy of the write stream after the producer's work: exact for this op,
   // conservative for ops the priority queue runs before it (and harmless if the push fails).
   if (ready_after != nullptr) write_stream_->wait(*ready_after);
-  if (write_queue_.push(std::move(op)) != PushResult::kOk) {
+  if (write_queue_.push(std::move(op)) != PushResult::kOk) {  // stopped (reserve_write saw room)
     arena_.give(std::move(op));
-    host_pool_.abort_io(*host_slots);
-    host_pool_.free(*host_slots);
-    return std::nullopt;
+    host_pool_.abort_io(host_slots);
+    host_pool_.free(host_slots);
+    return false;
   }
-  return host_slots;
+  return true;
 }
 
 std::optional<std::vector<std::int64_t>> HiCacheController::load(

@@ -90,6 +90,19 @@ class HiCacheController {
                                                  std::int64_t priority,
                                                  std::optional<NodeId> ack_node,
                                                  const Event* ready_after = nullptr);
+  // write() in two steps, for callers that must agree on the outcome before acting on it (TP
+  // ranks: a host pool that a prefetch thread has just drawn from on one rank only must not
+  // make that rank skip a write the others do). reserve_write takes `tokens` host slots when the
+  // pool has them and the write queue has room (nothing otherwise); the room then holds until
+  // write_reserved, since only the main loop queues writes. write_reserved queues the copy into
+  // the reserved slots and consumes the reservation whatever happens: false (slots freed) only
+  // after stop(); bad device slots throw InvalidArgument, the slots freed first.
+  // release_write hands an unused reservation back.
+  std::optional<std::vector<std::int64_t>> reserve_write(std::int64_t tokens);
+  bool write_reserved(std::span<const std::int64_t> device_slots,
+                      std::span<const std::int64_t> host_slots, std::int64_t priority,
+                      std::optional<NodeId> ack_node, const Event* ready_after = nullptr);
+  void release_write(std::span<const std::int64_t> host_slots);
   // Loads host pages in backup state into newly allocated device slots; returns those slots, or
   // nothing (nothing changed) when the device pool or the load queue is full.
   std::optional<std::vector<std::int64_t>> load(std::span<const std::int64_t> host_slots,
@@ -150,6 +163,8 @@ class HiCacheController {
                     std::int32_t le);
   void run_write(CacheOperation& op, Scratch& scratch, int ops);
   // An op whose lists come from the arena.
+  // write()'s input check: whole pages of this device pool, at least one.
+  void check_write_slots(std::span<const std::int64_t> device_slots);
   CacheOperation make_op(std::span<const std::int64_t> host_slots,
                          std::span<const std::int64_t> device_slots, std::int64_t priority,
                          std::optional<NodeId> ack_node);

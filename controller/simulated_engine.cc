@@ -175,9 +175,7 @@ bool SimulatedEngine::step() {
   }
   const auto host_target = static_cast<std::int64_t>(
       config_.host_free_target * static_cast<double>(host_pool_.capacity_tokens()));
-  if (host_pool_.free_tokens() < host_target) {
-    cache_.evict_host(host_target - host_pool_.free_tokens());
-  }
+  cache_.evict_host_to_free(host_target);
   std::vector<Running> batch;
   std::deque<Waiting> deferred;
   while (!waiting_.empty() && static_cast<int>(batch.size()) < config_.max_batch &&

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -835,6 +836,49 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
   }
   EXPECT_EQ(verified[0], verified[1]);
   EXPECT_GT(verified[0], 50);
+}
+
+// TP=2 where rank 0's host pool holds 6 pages fewer free than rank 1's, as a prefetch thread's
+// reservation (or a failed write's release) leaves it for a while on one rank only. A write the
+// host cannot take on rank 0 must not be made on rank 1 alone (its tree would show a host copy
+// rank 0's has not, and every later agreement would name different ops); nor may host eviction
+// by each rank's own free count differ.
+TEST(HiRadixCacheTp, AHostPoolFullerOnOneRankDoesNotSplitTheTrees) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::vector<std::string>> trees(2);
+  std::vector<std::int64_t> device_only(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Engine e(WritePolicy::kWriteThrough, 24, 30, {}, nullptr, {}, tp[r].get());
+      std::optional<std::vector<std::int64_t>> held;
+      if (r == 0) held = e.host_pool.alloc(6 * kPage);
+      std::mt19937 rng(17);
+      for (int step = 0; step < 200; ++step) {
+        e.run(family_prompt(rng, 5, 7));
+        if (step % 11 == 0) e.cache.evict_host_to_free(static_cast<std::int64_t>(rng() % 12) * kPage);
+        const std::string tree = e.cache.describe();
+        // Device-only nodes: writes refused for want of host room.
+        for (std::size_t at = tree.find(" host 0 "); at != std::string::npos;
+             at = tree.find(" host 0 ", at + 1)) {
+          ++device_only[r];
+        }
+        trees[r].push_back(tree);
+      }
+      e.settle();
+      trees[r].push_back(e.cache.describe());
+      EXPECT_EQ(e.cache.stats().tp_failures, 0);
+      if (held) e.host_pool.free(*held);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(group->divergence(), "");
+  ASSERT_EQ(trees[0].size(), trees[1].size());
+  for (std::size_t i = 0; i < trees[0].size(); ++i) {
+    ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
+  }
+  EXPECT_GT(device_only[0], 0) << "the host was never full: the test shows nothing";
 }
 
 // Reset under TP: both ranks reset at the same step (every 37 requests) with ops in flight;
