@@ -137,11 +137,16 @@ void StorageController::stop() {
   if (backup_thread_.joinable()) backup_thread_.join();
   if (prefetch_thread_.joinable()) prefetch_thread_.join();
   if (prefetch_io_thread_.joinable()) prefetch_io_thread_.join();
+  // Ops that never ran are over too: a later reset() (or wait_until_idle) must not wait for them.
   for (BackupOp& op : backup_queue_.drain()) {
     backup_acks_.enqueue(BackupAck{op.id, 0, static_cast<std::int64_t>(op.pages.size()) * page_size_,
                                    "stopped before the backup ran"});
+    op_done();
   }
-  for (PrefetchTask& t : prefetch_queue_.drain()) revoke(*t.op);
+  for (PrefetchTask& t : prefetch_queue_.drain()) {
+    revoke(*t.op);
+    op_done();
+  }
   for (PrefetchTask& t : prefetch_io_queue_.drain()) finish(*t.op);
   notify_events();
 }

@@ -261,6 +261,33 @@ TEST(StorageController, StopAcksQueuedOpsWithZero) {
   EXPECT_FALSE(c.write_storage(r.filled_pages(1), keys_for("late", 1)).has_value());
 }
 
+// stop() and later reset(): ops that stop() took off the queues unrun count as over, so reset()
+// (which first waits for every queued op) returns, and the controller works again.
+TEST(StorageController, ResetAfterStopReturnsAndTheControllerWorksAgain) {
+  Rank r(HostLayout::kPageFirst, "stop-reset");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(4 * kPage));
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i);
+  std::unique_lock gate(r.storage.gate);  // the prefetch thread stops in the first hit query
+  auto first = c.prefetch("first", tokens);
+  auto second = c.prefetch("second", tokens);  // queued behind it
+  ASSERT_TRUE(first && second);
+  std::thread stopper([&] { c.stop(); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (c.prefetch("probe", tokens) != nullptr && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();  // until stop() has closed the queues
+  }
+  gate.unlock();
+  stopper.join();
+  EXPECT_EQ(second->stage(), PrefetchStage::kRevoked) << "taken off the queue, never run";
+  c.reset();
+  ASSERT_TRUE(c.write_storage(r.filled_pages(1), keys_for("after", 1)).has_value());
+  const auto acks = wait_acks(c, 1);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].completed_tokens, kPage) << acks[0].error;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefetch
 
