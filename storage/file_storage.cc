@@ -156,13 +156,26 @@ class FileStorage::Impl {
     std::size_t n = 0;
     bool adopted = false;
     for (; n < keys.size(); ++n) {
-      if (index_.count(keys[n]) != 0) continue;
+      if (indexed_locked(keys[n])) continue;
       if (!adopt_locked(keys[n])) break;
       adopted = true;
     }
     // What was adopted counts against capacity_bytes; the keys just reported present stay.
     if (adopted) evict_locked(keys.first(n));
     return n;
+  }
+
+  // Whether the index holds `key`. Shared mode also asks the disk (one fstatat): another
+  // process may have evicted the record since, and a stale entry would answer "stored" for a
+  // record that is gone (a prefetch planned for nothing, a backup deduplicated and never written).
+  bool indexed_locked(const std::string& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) return false;
+    if (!config_.shared) return true;
+    struct stat st {};
+    if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) return true;
+    unindex_locked(it);
+    return false;
   }
 
   // Shared mode: a record another process wrote since the index was built is indexed when
@@ -356,7 +369,7 @@ class FileStorage::Impl {
     const std::uint64_t bytes = record_head_bytes(key) + src.size();
     {
       std::lock_guard lock(mu_);
-      if (index_.count(key) != 0) {
+      if (indexed_locked(key)) {
         ++owner_.counters_.set_deduplicated;
         return IoResult::ok();
       }
@@ -439,19 +452,26 @@ class FileStorage::Impl {
     }
   }
 
+  // Takes a record out of the index only (its file is gone already).
+  void unindex_locked(Index::iterator it) {
+    total_bytes_ -= it->second.bytes;
+    lru_.erase(it->second.lru);
+    index_.erase(it);
+  }
+
   // Takes a record out of the index and moves its file to the trash. A file that cannot be moved
   // is skipped and counted: it stays on disk, out of the index, until the next start sees it.
   void drop_locked(Index::iterator it, bool count_eviction) {
     const fs::path path = root_ / it->first;
-    total_bytes_ -= it->second.bytes;
-    lru_.erase(it->second.lru);
-    index_.erase(it);
+    unindex_locked(it);
     if (count_eviction) ++owner_.counters_.evictions;
     if (!queue_trash_file(path) && count_eviction) ++owner_.counters_.eviction_failures;
   }
 
-  // A bad or vanished record: drop it from the index and the disk, unless a writer replaced the
-  // file since `seen` was read (then the new record stays).
+  // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from
+  // the index, and a bad one from the disk too, unless a writer replaced the file since (then the
+  // new record stays). A record that vanished and is there again was written anew meanwhile
+  // (evicted, then stored by another batch): it stays.
   void forget_if_same(const std::string& key, const struct stat* seen) {
     std::lock_guard lock(mu_);
     auto it = index_.find(key);
@@ -459,12 +479,10 @@ class FileStorage::Impl {
     struct stat now {};
     const fs::path path = root_ / key;
     if (::stat(path.c_str(), &now) != 0) {
-      total_bytes_ -= it->second.bytes;
-      lru_.erase(it->second.lru);
-      index_.erase(it);
+      unindex_locked(it);
       return;
     }
-    if (seen != nullptr && (now.st_ino != seen->st_ino || now.st_dev != seen->st_dev)) return;
+    if (seen == nullptr || now.st_ino != seen->st_ino || now.st_dev != seen->st_dev) return;
     drop_locked(it, false);
   }
 

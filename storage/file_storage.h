@@ -21,7 +21,9 @@
 //   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
 //   stored is found. Capacity eviction then counts only what this process wrote or adopted; an
 //   adoption evicts like a write does, but never a key of the same call (so one query may leave
-//   the store over capacity until the next write).
+//   the store over capacity until the next write). A key the index holds is confirmed on disk
+//   too (one fstatat) before exists or a put's deduplication trusts it: another process may have
+//   evicted it.
 //
 // JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "durability": "none",
 //        "io_threads": 4, "shared": false}

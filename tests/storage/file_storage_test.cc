@@ -298,6 +298,27 @@ TEST_F(FileStorageTest, SpanOfTheWrongSizeIsAMiss) {
   EXPECT_NE(r[0].reason.find("expected"), std::string::npos) << r[0].reason;
 }
 
+// Shared mode: a record another instance removed (evicted) is gone for this one too, though its
+// index still lists it: exists stops there, and a put writes it again instead of reporting a
+// stored record it would deduplicate against. Not shared, the index is the truth (no disk
+// query per key).
+TEST_F(FileStorageTest, SharedRecordsAnotherInstanceRemovedAreGoneHereToo) {
+  auto c = config();
+  c.shared = true;
+  FileStorage a(c), b(c);
+  const auto keys = make_keys("gone", 4);
+  put(a, keys, kPage);
+  ASSERT_EQ(exists(b, keys), keys.size());
+  ASSERT_TRUE(b.remove(keys[2]));  // b evicts one of a's records
+  b.flush_trash();
+  EXPECT_EQ(exists(a, keys), 2u) << "a's index still lists the removed record";
+  const auto before = a.stats().set_written;
+  put(a, keys, kPage);
+  EXPECT_EQ(a.stats().set_written, before + 1) << "the removed record was not written again";
+  EXPECT_EQ(exists(b, keys), keys.size());
+  for (const auto& r : get(b, keys, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
 // Shared mode: records another instance wrote count against this one's capacity once it finds
 // them, and evict its least recently used records; never the keys the call is answering for.
 TEST_F(FileStorageTest, SharedRecordsFoundLaterCountAgainstCapacity) {
