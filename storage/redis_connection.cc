@@ -80,6 +80,7 @@ class IoThreads::Impl {
   std::vector<std::unique_ptr<Shard>> shards;
   std::vector<std::thread> threads;
   std::atomic<std::size_t> next{0};
+  std::atomic<std::uint64_t> handler_failures{0};
 
   // The shard for a new connection: round robin.
   asio::io_context& pick() {
@@ -92,11 +93,27 @@ IoThreads::IoThreads(int threads) : impl_(std::make_unique<Impl>()) {
     impl_->shards.push_back(std::make_unique<Impl::Shard>());
   }
   for (auto& shard : impl_->shards) {
-    impl_->threads.emplace_back([io = &shard->io] { io->run(); });
+    impl_->threads.emplace_back([impl = impl_.get(), io = &shard->io] {
+      // A handler that throws (an allocation failing) must not end the thread, or the process:
+      // the run goes on, and the connection it was serving fails its requests at their
+      // timeout.
+      for (;;) {
+        try {
+          io->run();
+          return;
+        } catch (const std::exception&) {
+          impl->handler_failures.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    });
   }
 }
 
 IoThreads::~IoThreads() { stop(); }
+
+std::uint64_t IoThreads::handler_failures() const {
+  return impl_->handler_failures.load(std::memory_order_relaxed);
+}
 
 void IoThreads::stop() {
   for (auto& shard : impl_->shards) shard->work.reset();
@@ -453,10 +470,12 @@ class Connection::Impl {
     for (;;) {
       void* reply = nullptr;
       t_current = this;
+      callback_error_.clear();
       const int rc = redisReaderGetReply(reader_, &reply);
       t_current = nullptr;
       if (rc != REDIS_OK) {
-        fail(str_cat(name_, ": reply parser: ", reader_->errstr));
+        fail(str_cat(name_, ": reply parser: ",
+                     callback_error_.empty() ? std::string(reader_->errstr) : callback_error_));
         return false;
       }
       if (reply == nullptr) return true;
@@ -532,7 +551,38 @@ class Connection::Impl {
     return pending_.front().req;
   }
 
+  // The object functions are called from hiredis's C code, which an exception must not cross
+  // (it would end the process): each one catches, records why in callback_error_, and returns
+  // nullptr, which makes hiredis fail the read; drain() then fails the connection with the
+  // reason.
+  template <typename F>
+  static void* guarded(F&& f) noexcept {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      if (t_current != nullptr) t_current->callback_error_ = e.what();
+      return nullptr;
+    }
+  }
+
+  // Larger arrays are refused (a broken or hostile server could make the reader allocate
+  // gigabytes): CLUSTER SLOTS has one entry per slot range, at most 16384.
+  static constexpr int kMaxArrayElements = 1 << 20;
+
   static void* create_string(const redisReadTask* task, char* str, std::size_t len) {
+    return guarded([&] { return create_string_unguarded(task, str, len); });
+  }
+  static void* create_array(const redisReadTask* task, int elements) {
+    return guarded([&] { return create_array_unguarded(task, elements); });
+  }
+  static void* create_integer(const redisReadTask* task, long long value) {
+    return guarded([&] { return create_integer_unguarded(task, value); });
+  }
+  static void* create_nil(const redisReadTask* task) {
+    return guarded([&] { return create_nil_unguarded(task); });
+  }
+
+  static void* create_string_unguarded(const redisReadTask* task, char* str, std::size_t len) {
     if (task->parent != nullptr) {
       auto v = std::make_unique<RespValue>();
       v->type = task->type;
@@ -575,14 +625,18 @@ class Connection::Impl {
     r->outcome = Outcome::kValue;
   }
 
-  static void* create_array(const redisReadTask* task, int elements) {
+  static void* create_array_unguarded(const redisReadTask* task, int elements) {
+    if (elements > kMaxArrayElements) {
+      throw std::length_error(str_cat("array reply of ", elements, " elements (at most ",
+                                      kMaxArrayElements, " accepted)"));
+    }
     auto v = std::make_unique<RespValue>();
     v->type = REDIS_REPLY_ARRAY;
     v->elements.resize(static_cast<std::size_t>(std::max(elements, 0)));
     return attach(task, std::move(v));
   }
 
-  static void* create_integer(const redisReadTask* task, long long value) {
+  static void* create_integer_unguarded(const redisReadTask* task, long long value) {
     if (task->parent != nullptr) {
       auto v = std::make_unique<RespValue>();
       v->type = REDIS_REPLY_INTEGER;
@@ -596,7 +650,7 @@ class Connection::Impl {
     return kInPlace;
   }
 
-  static void* create_nil(const redisReadTask* task) {
+  static void* create_nil_unguarded(const redisReadTask* task) {
     if (task->parent != nullptr) {
       auto v = std::make_unique<RespValue>();
       v->type = REDIS_REPLY_NIL;
@@ -645,6 +699,7 @@ class Connection::Impl {
   std::chrono::milliseconds backoff_;
   std::string last_error_;
   std::uint64_t server_max_bulk_ = 0;  // 0: unknown
+  std::string callback_error_;         // why an object function refused (see guarded)
   std::string auth_command_, config_command_;
   Request auth_, config_;  // handshake requests (completion == nullptr)
 };

@@ -123,6 +123,9 @@ class IoThreads {
   // Lets the threads finish the work queued (connections must be shut down first) and joins
   // them. Idempotent.
   void stop();
+  // Handlers that threw (the thread carried on; the connection concerned fails its requests at
+  // their timeout).
+  std::uint64_t handler_failures() const;
 
   class Impl;
   Impl& impl() { return *impl_; }

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -498,6 +501,58 @@ class RedisStorageFaults : public ::testing::Test {
   }
   testing::RedisServer server_;
 };
+
+// A server (here a fake one on a socket of the test's) that answers a GET with an array header
+// of 2^31 - 1 elements: the client refuses to allocate for it, fails the request with the
+// reason, and neither crashes nor hangs; the reply parser's callbacks never let an exception
+// through hiredis's C code.
+TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  std::thread server([listener] {
+    const int c = ::accept(listener, nullptr, nullptr);
+    if (c < 0) return;
+    std::string seen;
+    char buf[4096];
+    bool configured = false;
+    for (;;) {
+      const ssize_t n = ::read(c, buf, sizeof buf);
+      if (n <= 0) break;
+      seen.append(buf, static_cast<std::size_t>(n));
+      if (!configured && seen.find("proto-max-bulk-len\r\n") != std::string::npos) {
+        configured = true;
+        seen.clear();
+        const std::string reply = "*2\r\n$18\r\nproto-max-bulk-len\r\n$9\r\n536870912\r\n";
+        if (::write(c, reply.data(), reply.size()) < 0) break;
+      } else if (configured && seen.find("GET") != std::string::npos) {
+        seen.clear();
+        const std::string reply = "*2147483647\r\n";
+        if (::write(c, reply.data(), reply.size()) < 0) break;
+      }
+    }
+    ::close(c);
+  });
+  {
+    auto s = open_redis(port, R"("connections": 1, "timeout_ms": 10000)");
+    const auto t0 = Clock::now();
+    const auto r = get(*s, {"k"}, 4096);
+    ASSERT_EQ(r.size(), 1u);
+    EXPECT_EQ(r[0].status, IoStatus::kError);
+    EXPECT_NE(r[0].reason.find("array reply of 2147483647 elements"), std::string::npos)
+        << r[0].reason;
+    EXPECT_LT(Clock::now() - t0, 5s) << "failed at once, not at the timeout";
+  }  // the store closes its connection: the fake server's read ends
+  server.join();
+  ::close(listener);
+}
 
 TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
   start();
