@@ -382,7 +382,9 @@ class FileStorage::Impl {
     std::array<std::byte, kRecordHeaderBytes + kMaxKeyBytes> head_buf;
     const std::size_t head_bytes = record_head_bytes(key);
     encode_record_head(key, src, std::span(head_buf).first(head_bytes));
-    fs::path path = tmp_ / str_cat(key, ".", ::getpid(), ".", seq_.fetch_add(1));
+    // Not named after the key: a key of kMaxKeyBytes plus ".<pid>.<seq>" would pass the file
+    // system's 255-byte name limit once seq_ grows.
+    fs::path path = tmp_ / str_cat("w.", ::getpid(), ".", seq_.fetch_add(1));
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0 && errno == ENOENT) {  // the directory was removed under us: recreate it
       ensure_dirs();

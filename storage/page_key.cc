@@ -109,7 +109,16 @@ PageDigest digest_from_hex(std::string_view hex) {
   return out;
 }
 
-PageKeyer::PageKeyer(const KeyNamespace& ns) : prefix_(ns.prefix()), page_size_(ns.page_size) {}
+PageKeyer::PageKeyer(const KeyNamespace& ns) : prefix_(ns.prefix()), page_size_(ns.page_size) {
+  // Checked here, at set-up: a namespace too long for its keys would otherwise make every
+  // storage call of the controller's threads fail.
+  const std::size_t key_bytes = prefix_.size() + 1 + 2 * std::tuple_size_v<PageDigest>;
+  if (key_bytes > kMaxKeyBytes) {
+    throw InvalidArgument(str_cat("key namespace: prefix '", prefix_, "' of ", prefix_.size(),
+                                  " bytes makes keys of ", key_bytes, " bytes, at most ",
+                                  kMaxKeyBytes, ": shorten the model or fingerprint"));
+  }
+}
 
 std::string PageKeyer::key(const PageDigest& digest) const {
   std::string out;

@@ -94,6 +94,25 @@ TEST(PageKey, BadNamespaceNamesTheField) {
   ns.tp_rank = 2;
   EXPECT_NE(message(ns).find("tp_rank 2"), std::string::npos);
   EXPECT_THROW(PageKeyer{ns}, InvalidArgument);
+  // A prefix that leaves no room for the digest within kMaxKeyBytes is refused at set-up, not
+  // at every later storage call; the longest that fits is accepted, and its keys are valid.
+  ns = test_ns();
+  ns.model = "m";  // one byte, encoded as itself
+  const std::size_t fixed = ns.prefix().size() - 1;
+  ns.model = std::string(kMaxKeyBytes - 65 - fixed + 1, 'm');
+  try {
+    PageKeyer too_long(ns);
+    ADD_FAILURE() << "a prefix of " << ns.prefix().size() << " bytes was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 240"), std::string::npos) << e.what();
+  }
+  ns.model.pop_back();
+  PageKeyer longest(ns);
+  std::vector<std::string> keys;
+  longest.keys(std::vector<std::int32_t>(static_cast<std::size_t>(ns.page_size), 7), nullptr, keys);
+  ASSERT_EQ(keys.size(), 1u);
+  EXPECT_EQ(keys[0].size(), kMaxKeyBytes);
+  EXPECT_NO_THROW(validate_key(keys[0]));
 }
 
 TEST(PageKey, ValidateKeyRejectsPathsAndEmpty) {
