@@ -200,7 +200,7 @@ class FileStorage::Impl {
     std::vector<IoResult> results(n);
     std::vector<fs::path> tmps(n);
     const bool group = config_.durability == Durability::kGroupCommit;
-    fan_out(n, [&](std::size_t i) { results[i] = write_one(keys[i], src[i], tmps[i], !group); });
+    fan_out(n, [&](std::size_t i) { results[i] = write_one(keys, i, src[i], tmps[i], !group); });
     if (group && std::any_of(tmps.begin(), tmps.end(), [](const fs::path& p) { return !p.empty(); })) {
       // Group commit: the payloads reach the disk before any rename makes them visible, and the
       // renames before the batch reports ok.
@@ -211,7 +211,7 @@ class FileStorage::Impl {
           ::unlink(tmps[i].c_str());
           results[i] = IoResult::error(sync_error);
         } else {
-          results[i] = publish(keys[i], tmps[i], record_head_bytes(keys[i]) + src[i].size());
+          results[i] = publish(keys, i, tmps[i], record_head_bytes(keys[i]) + src[i].size());
         }
       }
       if (sync_error.empty()) {
@@ -365,7 +365,9 @@ class FileStorage::Impl {
 
   // Writes the record to a temporary file; publishes it at once unless the caller batches the
   // publication (group commit), in which case `tmp` keeps the temporary's path.
-  IoResult write_one(const std::string& key, ConstByteSpan src, fs::path& tmp, bool publish_now) {
+  IoResult write_one(std::span<const std::string> keys, std::size_t i, ConstByteSpan src,
+                     fs::path& tmp, bool publish_now) {
+    const std::string& key = keys[i];
     const std::uint64_t bytes = record_head_bytes(key) + src.size();
     {
       std::lock_guard lock(mu_);
@@ -405,11 +407,16 @@ class FileStorage::Impl {
       tmp = std::move(path);
       return IoResult::ok();
     }
-    return publish(key, path, bytes);
+    return publish(keys, i, path, bytes);
   }
 
   // Renames a written temporary into place and indexes it, then evicts over capacity.
-  IoResult publish(const std::string& key, const fs::path& tmp, std::uint64_t bytes) {
+  // Eviction never takes a key of the same batch: a batch reports ok only for records that are
+  // stored when it returns (one larger than the capacity leaves the store over it until the next
+  // write).
+  IoResult publish(std::span<const std::string> keys, std::size_t i, const fs::path& tmp,
+                   std::uint64_t bytes) {
+    const std::string& key = keys[i];
     std::lock_guard lock(mu_);
     if (index_.count(key) != 0) {  // a concurrent writer of this process got there first
       ::unlink(tmp.c_str());
@@ -425,7 +432,7 @@ class FileStorage::Impl {
     insert_locked(key, bytes);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
-    evict_locked(std::span(&key, 1));
+    evict_locked(keys);
     return IoResult::ok();
   }
 

@@ -11,7 +11,9 @@
 //   recently used records. Eviction renames a record into <root>/.trash/ (a fast metadata
 //   operation) and a background thread unlinks it (unlink costs 0.3-0.8 ms on these disks). A
 //   record that cannot be moved is dropped from the index, counted and skipped: the evictor never
-//   wedges. A record larger than the whole capacity is refused, not thrashed.
+//   wedges. A record larger than the whole capacity is refused, not thrashed. Eviction never
+//   takes a key of the batch being written: what a batch reports stored is stored when it
+//   returns (a batch larger than the capacity leaves the store over it until the next write).
 // - A batch is worked on by io_threads threads: the caller and io_threads - 1 workers of a
 //   Boost.Asio thread_pool (of io_threads threads, so concurrent batches find workers), each
 //   taking the next key; a one-key batch runs in the caller. Disk full, permission denied or a removed directory are per-key errors, and the

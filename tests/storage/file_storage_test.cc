@@ -377,6 +377,29 @@ TEST_F(FileStorageTest, EvictsLeastRecentlyUsedFirst) {
   EXPECT_EQ(files_in(root_), 4u);
 }
 
+// A batch larger than the capacity: every record it reports stored is stored when it returns
+// (eviction takes older records, never one of the same batch), with both commit modes; the next
+// write brings the store back under its capacity.
+TEST_F(FileStorageTest, ABatchNeverEvictsItsOwnRecords) {
+  const std::size_t record = 4096 + record_head_bytes("own-0");
+  for (const auto durability : {Durability::kNone, Durability::kGroupCommit}) {
+    SCOPED_TRACE(static_cast<int>(durability));
+    fs::remove_all(root_);
+    auto c = config(3 * record);
+    c.durability = durability;
+    FileStorage s(c);
+    put(s, {"old"}, 4096);
+    const auto keys = make_keys("own", 5);
+    put(s, keys, 4096);  // asserts every result ok
+    EXPECT_EQ(exists(s, keys), keys.size()) << "the batch evicted records it reported stored";
+    EXPECT_EQ(exists(s, {"old"}), 0u) << "the older record goes first";
+    for (const auto& r : get(s, keys, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+    put(s, {"next"}, 4096);
+    EXPECT_LE(s.stats().stored_bytes, 3 * record);
+    EXPECT_EQ(exists(s, {"next"}), 1u);
+  }
+}
+
 TEST_F(FileStorageTest, RecordLargerThanCapacityIsRefusedNotThrashed) {
   FileStorage s(config(10000));
   put(s, {"small"}, 4096);
