@@ -167,6 +167,9 @@ class HiRadixCache {
   // (one min-reduction): their free counts differ while a prefetch thread's reservation lands
   // on one rank before another, and evicting by the local count would split the trees.
   std::int64_t evict_host_to_free(std::int64_t target);
+  // `local` with no TP ranks; with them, true only when it is true on every rank (one
+  // min-reduction under `tag`), for the engine's own decisions that must not differ by rank.
+  bool on_every_rank(bool local, const char* tag) { return all_ranks(local, tag); }
 
   // Drains the controllers' acks and applies them: writes done (and backups started), loads
   // done, backups done, revoked prefetches, finished prefetches inserted. Call once per step.

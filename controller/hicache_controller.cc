@@ -201,9 +201,8 @@ std::int32_t HiCacheController::start_loading(const Event* ready_after) {
   }
   const std::int32_t slot = batch.slot;
   LayerDoneCounter* counter = counter_.get();
-  device_pool_.set_layer_wait_hook([counter, slot](std::int32_t layer) {
-    counter->wait_until(slot, layer);
-  });
+  device_pool_.set_layer_wait_hook(
+      [counter, slot](std::int32_t layer) { return counter->wait_until(slot, layer); });
   // The load queue holds layer_slots batches; acquire() above already bounds batches in flight
   // by the same number, so this push cannot find the queue full.
   load_queue_.push(std::move(batch));

@@ -121,12 +121,10 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   const auto device_hit = static_cast<std::int64_t>(r.cached_tokens) - loaded;
   const std::int64_t from_storage = std::min(loaded, w.storage_tokens);
   const auto computed = static_cast<std::int64_t>(prompt - r.cached_tokens);
-  stats_.device_hit_tokens += device_hit;
-  stats_.loaded_back_tokens += loaded;
-  stats_.storage_hit_tokens += from_storage;
-  stats_.computed_tokens += computed;
-  stats_.prompt_tokens += static_cast<std::int64_t>(prompt);
-  stats_.output_tokens += request.output_tokens;
+  r.storage_asks = w.storage_asks;
+  r.known_before_prefetch = w.known_before_prefetch;
+  r.storage_tokens = w.storage_tokens;
+  r.load_failures = w.load_failures;
   r.report = FinishedRequest{.id = request.id,
                              .prompt_tokens = static_cast<std::int64_t>(prompt),
                              .output_tokens = request.output_tokens,
@@ -153,6 +151,46 @@ void SimulatedEngine::verify(const Running& r) {
       ++stats_.mismatched_pages;
       if (first_mismatch_.empty()) first_mismatch_ = str_cat("request ", r.request.id, " page ", p);
     }
+  }
+}
+
+// A prefilled request's tokens by where they came from (counted once its prefill ran: a request
+// whose loads failed is admitted again, and counted then).
+void SimulatedEngine::account(const Running& r) {
+  const FinishedRequest& f = r.report;
+  stats_.device_hit_tokens += f.device_hit_tokens;
+  stats_.loaded_back_tokens += f.host_hit_tokens + f.storage_hit_tokens;
+  stats_.storage_hit_tokens += f.storage_hit_tokens;
+  stats_.computed_tokens += f.computed_tokens;
+  stats_.prompt_tokens += f.prompt_tokens;
+  stats_.output_tokens += f.output_tokens;
+}
+
+// The step's loads failed: nothing of the batch may use what they copied. Each request gives
+// back its own slots and its lock and waits again at the queue's front (kMaxLoadFailures times
+// at most, then it is rejected). The failed loads' slots still look cached until their acks (not
+// ok) free them, so this waits for those acks to be applied before anything is admitted again.
+void SimulatedEngine::retry_after_failed_loads(std::vector<Running>& batch) {
+  for (auto it = batch.rbegin(); it != batch.rend(); ++it) {
+    Running& r = *it;
+    device_pool_.allocator().free(std::span(r.slots).subspan(r.cached_tokens));
+    cache_.unlock(r.held);
+    ++stats_.failed_prefills;
+    if (r.load_failures + 1 >= kMaxLoadFailures) {
+      ++stats_.rejected;
+      continue;
+    }
+    waiting_.push_front(Waiting{std::move(r.request), r.storage_asks, r.known_before_prefetch,
+                                r.storage_tokens, r.load_failures + 1});
+  }
+  batch.clear();
+  int quiet = 0;
+  while (cache_.stats().loads_in_flight > 0 && quiet < kQuietWaits) {
+    const std::uint64_t seen = cache_.event_seq();
+    cache_.check_events();
+    if (cache_.stats().loads_in_flight == 0) break;
+    quiet = cache_.wait_for_events(seen, std::chrono::steady_clock::now() + kQuietWait) ? 0
+                                                                                       : quiet + 1;
   }
 }
 
@@ -238,16 +276,24 @@ bool SimulatedEngine::step() {
     for (const Running& r : batch) computed += static_cast<std::int64_t>(r.prompt_tokens - r.cached_tokens);
     const auto per_layer = std::chrono::duration<double>(config_.cost_per_token_layer *
                                                          static_cast<double>(computed));
+    bool loaded = true;
     for (std::int32_t layer = 0; layer < device_pool_.geometry().num_layers; ++layer) {
-      device_pool_.wait_for_layer(layer);
-      if (per_layer.count() > 0) {
+      loaded = device_pool_.wait_for_layer(layer) && loaded;
+      if (loaded && per_layer.count() > 0) {
         std::this_thread::sleep_for(per_layer);  // the GPU computing layer `layer`
         stats_.compute_seconds += per_layer.count();
       }
     }
-    if (slot >= 0) controller_.layer_done_counter().release(slot);
+    if (slot >= 0) {
+      controller_.layer_done_counter().release(slot);
+      // TP: one rank's failed load spoils the batch on every rank (their forward passes
+      // combine), and the ranks must schedule alike.
+      loaded = cache_.on_every_rank(loaded, "engine.loads_ok");
+    }
+    if (!loaded) retry_after_failed_loads(batch);
     const auto now = std::chrono::steady_clock::now();
     for (Running& r : batch) {
+      account(r);
       verify(r);
       r.report.ttft_s = std::chrono::duration<double>(now - r.request.arrival).count();
       r.first_token = now;

@@ -93,7 +93,9 @@ struct SimulatedEngineStats {
   std::int64_t prefetches = 0;
   std::int64_t verified_pages = 0, mismatched_pages = 0, unverified_pages = 0;
   std::int64_t deferred = 0;  // admissions put back for lack of device memory
-  std::int64_t rejected = 0;  // requests larger than the device pool can ever hold
+  std::int64_t rejected = 0;  // requests larger than the device pool can ever hold, or whose
+                              // loads failed kMaxLoadFailures times
+  std::int64_t failed_prefills = 0;  // prefills dropped (and retried) because a load failed
   double step_seconds = 0;    // wall time inside step(), compute included
   double compute_seconds = 0; // simulated compute (prefill and decode)
   std::int64_t decode_steps = 0;
@@ -146,6 +148,7 @@ class SimulatedEngine {
     int storage_asks = 0;
     std::int64_t known_before_prefetch = 0;  // tree prefix at the last ask
     std::int64_t storage_tokens = 0;  // what its prefetch added to the tree
+    int load_failures = 0;            // prefills dropped because their loads failed
   };
   struct Running {
     SimulatedRequest request;
@@ -156,9 +159,16 @@ class SimulatedEngine {
     std::int32_t left = 0;               // output tokens still to decode
     std::chrono::steady_clock::time_point first_token{};
     FinishedRequest report;
+    // What it waited with (kept for a retry after failed loads).
+    int storage_asks = 0;
+    std::int64_t known_before_prefetch = 0, storage_tokens = 0;
+    int load_failures = 0;
   };
   static constexpr int kMaxStorageAsks = 3;
+  static constexpr int kMaxLoadFailures = 3;
   bool admit(Waiting& w, std::vector<Running>& batch);
+  void account(const Running& r);
+  void retry_after_failed_loads(std::vector<Running>& batch);
   void verify(const Running& r);
   void finish(Running& r);
   void decode_step();

@@ -26,16 +26,16 @@ std::byte* DeviceKVPool::buffer(std::int32_t layer, std::int32_t kv) const {
   return reinterpret_cast<std::byte*>(desc_.base + page_unit_offset(desc_, layer, kv, 0));
 }
 
-void DeviceKVPool::set_layer_wait_hook(std::function<void(std::int32_t)> hook) {
+void DeviceKVPool::set_layer_wait_hook(std::function<bool(std::int32_t)> hook) {
   layer_wait_hook_ = std::move(hook);
 }
 
-void DeviceKVPool::wait_for_layer(std::int32_t layer) const {
+bool DeviceKVPool::wait_for_layer(std::int32_t layer) const {
   if (layer < 0 || layer >= geometry_.num_layers) {
     throw InvalidArgument(str_cat("DeviceKVPool::wait_for_layer: layer ", layer,
                                   " is out of range [0, ", geometry_.num_layers, ")"));
   }
-  if (layer_wait_hook_) layer_wait_hook_(layer);
+  return layer_wait_hook_ ? layer_wait_hook_(layer) : true;
 }
 
 }  // namespace hicache

@@ -39,10 +39,12 @@ class DeviceKVPool {
   std::byte* v_buffer(std::int32_t layer) const { return buffer(layer, 1); }
 
   // Installs the function that wait_for_layer() calls; an empty one removes it.
-  void set_layer_wait_hook(std::function<void(std::int32_t layer)> hook);
+  void set_layer_wait_hook(std::function<bool(std::int32_t layer)> hook);
   // Called by attention before it reads `layer`: returns once the layer's loads are complete
-  // (at once when no hook is installed).
-  void wait_for_layer(std::int32_t layer) const;
+  // (at once when no hook is installed). False when they failed: the pages this step loaded
+  // hold no valid data for the layer, and whatever reads them must be dropped (and the load's
+  // ack, not ok, then frees those device slots).
+  [[nodiscard]] bool wait_for_layer(std::int32_t layer) const;
 
  private:
   Device* device_;
@@ -50,7 +52,7 @@ class DeviceKVPool {
   Buffer memory_;
   LayoutDesc desc_;
   PagedTokenAllocator allocator_;
-  std::function<void(std::int32_t)> layer_wait_hook_;
+  std::function<bool(std::int32_t)> layer_wait_hook_;
 };
 
 }  // namespace hicache

@@ -452,7 +452,7 @@ Measure run_loads(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, s
     if (slot < 0) throw hicache::Error("start_loading queued nothing");
     Clock::time_point first_layer;
     for (std::int32_t layer = 0; layer < layers; ++layer) {
-      rig.dev.wait_for_layer(layer);
+      if (!rig.dev.wait_for_layer(layer)) throw hicache::Error(str_cat("load of layer ", layer, " failed"));
       if (layer == 0) first_layer = Clock::now();
     }
     const auto all_layers = Clock::now();

@@ -54,7 +54,9 @@ TEST(CudaController, RoundTripEveryLayoutAndIoBackend) {
       auto back = c.load(*h, 0, NodeId{2});
       ASSERT_TRUE(back);
       const std::int32_t slot = c.start_loading();
-      for (std::int32_t layer = 0; layer < g.num_layers; ++layer) dev.wait_for_layer(layer);
+      for (std::int32_t layer = 0; layer < g.num_layers; ++layer) {
+        ASSERT_TRUE(dev.wait_for_layer(layer)) << "layer " << layer;
+      }
       c.layer_done_counter().release(slot);
       ASSERT_EQ(wait_acks(c, false, 1).size(), 1u);
       stream->copy_async(staging.data(), dev.layout().base, dev.size_bytes());

@@ -100,7 +100,9 @@ struct Engine {
         slots = std::move(*back);
         const std::int32_t slot = controller.start_loading();
         if (slot >= 0) {
-          for (std::int32_t l = 0; l < geometry().num_layers; ++l) device_pool.wait_for_layer(l);
+          for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
+            EXPECT_TRUE(device_pool.wait_for_layer(l)) << "a load failed: layer " << l;
+          }
           controller.layer_done_counter().release(slot);
         }
         ++loaded_requests;

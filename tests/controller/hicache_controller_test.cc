@@ -79,7 +79,7 @@ TEST_P(ControllerRoundTrip, DeviceHostDeviceByteForByte) {
   const std::int32_t slot = c.start_loading();
   ASSERT_GE(slot, 0);
   for (std::int32_t layer = 0; layer < g.num_layers; ++layer) {
-    dev.wait_for_layer(layer);
+    ASSERT_TRUE(dev.wait_for_layer(layer)) << "layer " << layer;
     for (std::size_t i = 0; i < bpages.size(); ++i) {
       ASSERT_TRUE(layer_matches(dev.layout(), bpages[i], layer, 1000 + dpages[i]))
           << "layer " << layer << " page " << i;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "storage/file_storage.h"
+#include "tests/controller/faulty_device.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
 
@@ -58,7 +59,7 @@ class GatedStore final : public StorageBackend {
 // One engine: pools, controllers, tree, main loop; L3 is a file store under `root` (shared by
 // engines built on the same root).
 struct Stack {
-  HostDevice device;
+  testing::FaultyDevice device;  // the host backend; its loads fail only when a test says so
   DeviceKVPool device_pool;
   HostKVPool host_pool;
   HiCacheController controller;
@@ -324,6 +325,45 @@ TEST(SimulatedEngine, AWaitWithNothingHappeningEndsAfterTheQuietWait) {
 }
 
 // The --compare baseline: no hierarchy. Nothing reaches the host, evicted pages are recomputed.
+// A load that fails (its copy could not be issued) while a prefill waits on it: the prefill is
+// dropped, not run on the bytes that never arrived; its requests give their slots back and are
+// admitted again, the failed load's device slots are freed by its ack first, and the second
+// admission loads the pages again and serves them with correct bytes. Nothing leaks.
+TEST(SimulatedEngine, AFailedLoadDropsThePrefillAndItsRequestsAreServedAgain) {
+  const TempRoot root("failed-load");
+  Stack s(root, 64, 128, {.use_storage = false});
+  std::vector<SimulatedRequest> requests = workload(6, 1, 9);  // one family: shared prefixes
+  for (const auto& r : requests) s.engine.submit(r);
+  s.engine.run_until_idle();
+  s.engine.flush();  // every page written to the host
+  s.cache.evict_device(s.device_pool.capacity_tokens());  // the tree is on the host only
+  ASSERT_EQ(s.cache.stats().device_tokens, 0);
+  const auto before = s.engine.stats();
+  s.device.fail_loads = 1;
+  for (auto& r : requests) {
+    r.id += "-again";
+    s.engine.submit(r);
+  }
+  s.engine.run_until_idle();
+  s.engine.flush();
+  const auto& st = s.engine.stats();
+  EXPECT_EQ(s.device.failed, 1) << "the injected failure never hit a load";
+  EXPECT_EQ(s.controller.stats().load_failures, 1u);
+  EXPECT_GE(st.failed_prefills, 1);
+  EXPECT_EQ(st.mismatched_pages, 0) << s.engine.first_mismatch();
+  EXPECT_EQ(st.finished - before.finished, static_cast<std::int64_t>(requests.size()));
+  EXPECT_GT(st.loaded_back_tokens, before.loaded_back_tokens) << "the retry loaded the pages";
+  EXPECT_GT(st.verified_pages, before.verified_pages);
+  EXPECT_EQ(st.rejected, 0);
+  // Every device slot is the tree's again, every host page too.
+  const auto cs = s.cache.stats();
+  EXPECT_EQ(s.device_pool.capacity_tokens() - s.device_pool.allocator().free_tokens(),
+            cs.device_tokens);
+  EXPECT_EQ(s.host_pool.capacity_tokens() - s.host_pool.free_tokens(), cs.host_tokens);
+  EXPECT_EQ(cs.loads_in_flight, 0);
+  EXPECT_EQ(s.cache.check_invariants(), "");
+}
+
 TEST(SimulatedEngine, DeviceOnlyCacheWritesNothingToTheHost) {
   const TempRoot root("device-only");
   Stack s(root, 16, 8, {.use_storage = false}, {.host_tier = false});

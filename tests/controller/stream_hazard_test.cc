@@ -147,7 +147,9 @@ TEST_P(StreamHazard, ALoadWaitsForComputeStillReadingTheSlotsItReuses) {
   EXPECT_FALSE(controller_->layer_done_counter().is_done(slot, 0))
       << "the load copied into slots the old request was still reading";
   gate_->open();
-  for (std::int32_t layer = 0; layer < geometry_.num_layers; ++layer) dev_->wait_for_layer(layer);
+  for (std::int32_t layer = 0; layer < geometry_.num_layers; ++layer) {
+    EXPECT_TRUE(dev_->wait_for_layer(layer)) << "layer " << layer;
+  }
   controller_->layer_done_counter().release(slot);
   ASSERT_EQ(wait_acks(*controller_, false, 1).size(), 1u);
   compute_->synchronize();

@@ -37,12 +37,17 @@ TEST(DeviceKVPool, MlaHasOnlyTheLatentBuffer) {
 TEST(DeviceKVPool, LayerWaitHookSeesEveryLayerInOrder) {
   HostDevice device;
   DeviceKVPool pool(device, KVGeometry::mha(4, 1, 8, DType::kFloat32, 2), 8);
-  pool.wait_for_layer(0);  // no hook: returns at once
+  EXPECT_TRUE(pool.wait_for_layer(0));  // no hook: returns at once
   std::vector<std::int32_t> seen;
-  pool.set_layer_wait_hook([&](std::int32_t layer) { seen.push_back(layer); });
-  for (std::int32_t layer = 0; layer < 4; ++layer) pool.wait_for_layer(layer);
+  pool.set_layer_wait_hook([&](std::int32_t layer) {
+    seen.push_back(layer);
+    return layer != 2;  // layer 2's loads failed
+  });
+  for (std::int32_t layer = 0; layer < 4; ++layer) {
+    EXPECT_EQ(pool.wait_for_layer(layer), layer != 2) << "layer " << layer;
+  }
   EXPECT_EQ(seen, (std::vector<std::int32_t>{0, 1, 2, 3}));
-  EXPECT_THROW(pool.wait_for_layer(4), InvalidArgument);
+  EXPECT_THROW((void)pool.wait_for_layer(4), InvalidArgument);
   EXPECT_EQ(seen.size(), 4u);
 }
 

@@ -67,8 +67,12 @@ void BM_ControllerLoad(benchmark::State& state) {
   for (auto _ : state) {
     auto back = rig.controller.load(h, 0, NodeId{2});
     const std::int32_t slot = rig.controller.start_loading();
-    rig.dev.wait_for_layer(rig.g.num_layers - 1);
+    const bool loaded = rig.dev.wait_for_layer(rig.g.num_layers - 1);
     rig.controller.layer_done_counter().release(slot);
+    if (!loaded) {
+      state.SkipWithError("a load failed");
+      break;
+    }
     wait_ack(rig.controller, false, acks);
     rig.controller.evict_device(*back, h);
   }

@@ -1,0 +1,99 @@
+// FaultyDevice (tests): the host backend with loads that fail on demand. It forwards everything
+// to a HostDevice; while `fail_loads` is above zero, each copy enqueued into device memory (a
+// host -> device load) throws DeviceError instead and takes one off the count, as a CUDA copy
+// that cannot be issued would. Copies out of device memory (writes) are never failed.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "transfer/errors.h"
+#include "transfer/host_device.h"
+
+namespace hicache::testing {
+
+class FaultyDevice final : public Device {
+ public:
+  std::atomic<int> fail_loads{0};
+  std::atomic<int> failed{0};  // copies failed so far
+
+  DeviceBackend backend() const override { return inner_.backend(); }
+  std::string name() const override { return "faulty " + inner_.name(); }
+  Buffer alloc_device(std::size_t bytes) override {
+    Buffer b = inner_.alloc_device(bytes);
+    std::lock_guard lock(mu_);
+    const auto at = reinterpret_cast<std::uintptr_t>(b.data());
+    device_ranges_.emplace_back(at, at + b.size());
+    return b;
+  }
+  Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options = {}) override {
+    return inner_.alloc_host(bytes, options);
+  }
+  bool device_memory_is_host_accessible() const override {
+    return inner_.device_memory_is_host_accessible();
+  }
+  std::unique_ptr<Stream> create_stream() override {
+    return std::make_unique<FaultyStream>(*this, inner_.create_stream());
+  }
+  std::unique_ptr<Stream> wrap_stream(void* native) override {
+    return std::make_unique<FaultyStream>(*this, inner_.wrap_stream(native));
+  }
+  std::unique_ptr<Event> create_event() override { return inner_.create_event(); }
+  void synchronize() override { inner_.synchronize(); }
+
+ private:
+  class FaultyStream final : public Stream {
+   public:
+    FaultyStream(FaultyDevice& device, std::unique_ptr<Stream> inner)
+        : device_(device), inner_(std::move(inner)) {}
+    void copy_async(void* dst, const void* src, std::size_t bytes) override {
+      device_.maybe_fail(dst);
+      inner_->copy_async(dst, src, bytes);
+    }
+    void copy_batch_async(std::span<const CopyRegion> regions) override {
+      if (!regions.empty()) device_.maybe_fail(regions.front().dst);
+      inner_->copy_batch_async(regions);
+    }
+    void transfer_pages_async(const PageTransfer& t, int max_blocks = 0) override {
+      device_.maybe_fail(reinterpret_cast<const void*>(t.dst.base));
+      inner_->transfer_pages_async(t, max_blocks);
+    }
+    void launch_host_func(std::function<void()> fn) override {
+      inner_->launch_host_func(std::move(fn));
+    }
+    void record(Event& event) override { inner_->record(event); }
+    void wait(const Event& event) override { inner_->wait(event); }
+    void synchronize() override { inner_->synchronize(); }
+
+   private:
+    FaultyDevice& device_;
+    std::unique_ptr<Stream> inner_;
+  };
+
+  void maybe_fail(const void* dst) {
+    const auto at = reinterpret_cast<std::uintptr_t>(dst);
+    {
+      std::lock_guard lock(mu_);
+      bool into_device = false;
+      for (const auto& [lo, hi] : device_ranges_) into_device = into_device || (at >= lo && at < hi);
+      if (!into_device) return;
+    }
+    for (int n = fail_loads.load(); n > 0;) {
+      if (fail_loads.compare_exchange_weak(n, n - 1)) {
+        ++failed;
+        throw DeviceError("injected load failure (FaultyDevice)");
+      }
+    }
+  }
+
+  HostDevice inner_;
+  std::mutex mu_;
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> device_ranges_;
+};
+
+}  // namespace hicache::testing
