@@ -410,6 +410,7 @@ void HiCacheController::stop() {
   if (!running_) return;
   running_ = false;
   write_queue_.stop();
+  pending_loads_.stop();  // a load() after stop is refused, not held for a batch never started
   load_queue_.stop();
   counter_->stop();
   write_thread_.join();

@@ -153,6 +153,30 @@ TEST(HiCacheController, HostFullAndDeviceFullLeakNothing) {
   EXPECT_TRUE(host.all_in_state(*h, PageState::kBackup)) << "a refused load changed page states";
 }
 
+// After stop(), write() and load() are refused and change nothing (a load held for a batch that
+// start_loading can no longer start would keep its slots, and the caller's node, for ever).
+TEST(HiCacheController, WritesAndLoadsAfterStopAreRefusedAndChangeNothing) {
+  HostDevice device;
+  const auto g = KVGeometry::mha(2, 1, 8, DType::kFloat16, 4);
+  DeviceKVPool dev(device, g, 4 * 4);
+  HostKVPool host(device, g, HostLayout::kPageFirst, 4 * 4);
+  HiCacheController c(device, dev, host);
+  auto d = *dev.allocator().alloc(2 * 4);
+  auto h = c.write(d, 0, NodeId{1});
+  ASSERT_TRUE(h);
+  ASSERT_EQ(wait_acks(c, true, 1).size(), 1u);
+  c.evict_device(d, *h);
+  c.stop();
+  const std::int64_t dev_free = dev.allocator().free_tokens(), host_free = host.free_tokens();
+  EXPECT_FALSE(c.load(*h, 0, NodeId{2}));
+  EXPECT_EQ(c.start_loading(), -1);
+  auto d2 = *dev.allocator().alloc(4);
+  EXPECT_FALSE(c.write(d2, 0, NodeId{3}));
+  EXPECT_EQ(dev.allocator().free_tokens(), dev_free - 4);
+  EXPECT_EQ(host.free_tokens(), host_free);
+  EXPECT_TRUE(host.all_in_state(*h, PageState::kBackup)) << "a refused load changed page states";
+}
+
 TEST(HiCacheController, IllegalEvictionsNameTheStateAndChangeNothing) {
   HostDevice device;
   const auto g = KVGeometry::mha(2, 1, 8, DType::kFloat16, 4);
