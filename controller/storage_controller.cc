@@ -102,6 +102,10 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
 }
 
 void StorageController::start_threads() {
+  // A cancel by an earlier stop() that interrupted no call is lifted (one that did leaves the
+  // collective failed, and L3 off, with the reason).
+  prefetch_collective_.resume();
+  backup_collective_.resume();
   backup_thread_ = std::thread([this] { backup_loop(); });
   prefetch_thread_ = std::thread([this] { prefetch_loop(); });
   prefetch_io_thread_ = std::thread([this] { prefetch_io_loop(); });
@@ -134,6 +138,11 @@ void StorageController::stop() {
   backup_queue_.stop();
   prefetch_queue_.stop();
   prefetch_io_queue_.stop();
+  // The ranks stop at the same step, but each takes its own queued ops off unrun: a thread that
+  // already entered the collective of such an op would wait for peers that never come until the
+  // timeout. Cancelling ends that call at once (the op is acked or finished with zero).
+  prefetch_collective_.cancel("the storage controller stopped");
+  backup_collective_.cancel("the storage controller stopped");
   if (backup_thread_.joinable()) backup_thread_.join();
   if (prefetch_thread_.joinable()) prefetch_thread_.join();
   if (prefetch_io_thread_.joinable()) prefetch_io_thread_.join();

@@ -232,7 +232,9 @@ class StorageController {
 
   // Stops the threads promptly: queued backups are acked with zero completed tokens, queued
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
-  // their pages). Idempotent.
+  // their pages). The prefetch and backup threads' collectives are cancelled
+  // (Collective::cancel), so a thread inside the collective of an op that the other ranks took
+  // off their queues unrun returns at once instead of at the timeout. Idempotent.
   void stop();
   // Waits until every queued backup and prefetch agreement has run (on a store that fails,
   // each fails at once or at its timeout), then stop(), then drops every ack and revoke not yet

@@ -28,13 +28,38 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   };
   if (!failure_.empty()) return fail(failure_);
   const std::uint64_t call = calls_++;
+  auto where = [&] {
+    return str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call, " '",
+                   tag, "': ");
+  };
+  {
+    std::lock_guard cancel_lock(cancel_mu_);
+    if (!cancelled_.empty()) {
+      // Refused before it began: nothing was sent, so the collective is not failed for good.
+      --calls_;
+      std::fill(values.begin(), values.end(), 0);
+      return CollectiveResult{false, str_cat(where(), "cancelled: ", cancelled_)};
+    }
+    in_call_ = true;
+  }
   const std::int64_t check = call_check(tag, call);
   buffer_.assign(values.begin(), values.end());
   buffer_.push_back(check);
   buffer_.push_back(-check);
-  if (std::string error = reduce_min(buffer_); !error.empty()) {
-    return fail(str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call,
-                        " '", tag, "': ", error));
+  std::string error = reduce_min(buffer_);
+  std::string interrupted;
+  {
+    std::lock_guard cancel_lock(cancel_mu_);
+    in_call_ = false;
+    if (interrupted_) interrupted = str_cat("cancelled during the call: ", cancelled_);
+  }
+  if (!error.empty()) {
+    return fail(str_cat(where(), interrupted.empty() ? error : interrupted));
+  }
+  if (!interrupted.empty()) {
+    // The reduction completed before the interrupt took effect: its values are the peers'
+    // values too, so they are returned; the transport may be closed now, so later calls fail.
+    failure_ = str_cat(where(), interrupted);
   }
   const std::size_t n = values.size();
   if (buffer_[n] != -buffer_[n + 1]) {
@@ -66,6 +91,22 @@ std::string Collective::failure() const {
   return failure_;
 }
 
+void Collective::cancel(std::string_view why) {
+  if (size() == 1) return;  // never waits for anyone: nothing to end
+  std::lock_guard lock(cancel_mu_);
+  if (!cancelled_.empty()) return;
+  cancelled_ = why.empty() ? std::string("cancelled") : std::string(why);
+  if (in_call_ && !interrupted_) {
+    interrupted_ = true;
+    interrupt(cancelled_);
+  }
+}
+
+void Collective::resume() {
+  std::lock_guard lock(cancel_mu_);
+  if (!interrupted_) cancelled_.clear();
+}
+
 // ---------------------------------------------------------------------------------------------
 // InProcessGroup
 
@@ -94,6 +135,7 @@ class InProcessRank final : public Collective {
   std::string reduce_min(std::span<std::int64_t> buffer) override {
     return group_->arrive(rank_, buffer);
   }
+  void interrupt(const std::string& why) override { group_->interrupt(rank_, why); }
 
  private:
   std::shared_ptr<InProcessGroup> group_;
@@ -124,6 +166,18 @@ std::vector<std::unique_ptr<Collective>> InProcessGroup::make_ranks(
 std::string InProcessGroup::divergence() const {
   std::lock_guard lock(state_->mu);
   return state_->divergence;
+}
+
+int InProcessGroup::waiting() const {
+  std::lock_guard lock(state_->mu);
+  return state_->arrived;
+}
+
+void InProcessGroup::interrupt(int rank, const std::string& why) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  if (s.broken.empty()) s.broken = str_cat("rank ", rank, " cancelled its call: ", why);
+  s.cv.notify_all();
 }
 
 std::string InProcessGroup::arrive(int rank, std::span<std::int64_t> buffer) {

@@ -49,16 +49,40 @@ class Collective {
   // The first failure, or empty.
   std::string failure() const;
 
+  // Ends the call in flight on this rank, if any, at once, and refuses every later call until
+  // resume(): they fail with "cancelled: <why>". Thread-safe: stop() calls it from the owner's
+  // thread while a storage thread may be inside min_allreduce. It exists for shutdown: when the
+  // ranks stop, one rank's thread may already have entered the collective of an op that its
+  // peers took off their queues unrun, and without a cancel it would wait out the timeout.
+  // A call it interrupted leaves the collective failed for good (the ranks no longer agree on
+  // where the stream of calls stands, and the transport may be closed); one that interrupted
+  // nothing does not. A collective of one rank never waits, so cancel() leaves it as it is
+  // (one LocalCollective may serve every role of a TP=1 engine, the caller's included).
+  void cancel(std::string_view why);
+  // Lifts a cancel() that interrupted no call (a reset after stop); calls run again. Has no
+  // effect on a collective that failed.
+  void resume();
+
  protected:
   Collective() = default;
   // Reduces `buffer` in place (element-wise minimum); returns an error text or empty.
   virtual std::string reduce_min(std::span<std::int64_t> buffer) = 0;
+  // Makes the reduce_min running on another thread return an error soon (cancel()); called at
+  // most once per call, only while a reduce_min runs or is about to start, never concurrently
+  // with itself. An implementation must also fail a reduce_min that starts after it.
+  virtual void interrupt(const std::string& why) = 0;
 
  private:
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // held through a call
   std::uint64_t calls_ = 0;
   std::string failure_;
   std::vector<std::int64_t> buffer_;
+
+  // cancel() state, apart from mu_ so that cancel() never waits for the call it ends.
+  std::mutex cancel_mu_;
+  bool in_call_ = false;      // GUARDED_BY cancel_mu_
+  bool interrupted_ = false;  // GUARDED_BY cancel_mu_: cancel() interrupted the call in flight
+  std::string cancelled_;     // GUARDED_BY cancel_mu_: the reason, while cancelled
 };
 
 // One rank: the reduction is the identity.
@@ -70,6 +94,7 @@ class LocalCollective final : public Collective {
 
  protected:
   std::string reduce_min(std::span<std::int64_t>) override { return {}; }
+  void interrupt(const std::string&) override {}
 };
 
 // N ranks as threads of one process (how the tests run TP=2 and TP=4): make_ranks() returns one
@@ -83,9 +108,13 @@ class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {
       std::shared_ptr<InProcessGroup>* group = nullptr);
 
   std::string divergence() const;
+  // Ranks inside the call now in progress (a test waits on it to cancel a call in flight).
+  int waiting() const;
 
-  // Implementation detail of the rank handles.
+  // Implementation detail of the rank handles. An interrupt breaks the group: the other ranks'
+  // calls fail too, as a peer's closed connection fails them over a network.
   std::string arrive(int rank, std::span<std::int64_t> buffer);
+  void interrupt(int rank, const std::string& why);
   explicit InProcessGroup(int size, std::chrono::milliseconds timeout);
 
  private:

@@ -1,13 +1,15 @@
-#include <gloo/allreduce.h>
-#include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
 
 #include <signal.h>
 
+#include <algorithm>
 #include <ctime>
+#include <mutex>
+#include <vector>
 
 #include "storage/collective.h"
 #include "transfer/errors.h"
@@ -47,8 +49,19 @@ class SigpipeGuard {
   bool was_pending_ = false;
 };
 
+// The reduction is an exchange rather than gloo::allreduce: each rank sends its vector to every
+// peer over Gloo's unbound buffers, receives theirs and takes the minimum itself. For the few
+// int64 a call carries this is one message hop, and it is what makes a call cancellable:
+// gloo::allreduce keeps its buffers to itself, so nothing can wake a thread waiting inside it
+// before its timeout, while UnboundBuffer::abortWaitRecv/abortWaitSend wake ours. After an
+// interrupted call the connections are closed, so that no message for a buffer that is gone
+// keeps Gloo's event loop busy.
 class GlooCollective final : public Collective {
  public:
+  // Longest vector one call carries (values plus the two call-check elements of
+  // Collective::min_allreduce); every rank's receive slots are this long.
+  static constexpr std::size_t kMaxElements = 64;
+
   explicit GlooCollective(const GlooConfig& c) : config_(c) {
     SigpipeGuard guard;
     gloo::transport::tcp::attr attr;
@@ -59,6 +72,15 @@ class GlooCollective final : public Collective {
     context_ = std::make_shared<gloo::rendezvous::Context>(c.rank, c.size);
     context_->setTimeout(c.timeout);
     context_->connectFullMesh(store, device);
+    const std::size_t stride = kMaxElements + 1;
+    send_words_.resize(stride);
+    recv_words_.resize(stride * static_cast<std::size_t>(c.size));
+    // Made once and reused by every call (slots tell the calls apart): nothing is allocated per
+    // call, and a buffer is never destroyed while a failed call's message may still arrive.
+    send_ = context_->createUnboundBuffer(send_words_.data(),
+                                          send_words_.size() * sizeof(std::int64_t));
+    recv_ = context_->createUnboundBuffer(recv_words_.data(),
+                                          recv_words_.size() * sizeof(std::int64_t));
   }
 
   int rank() const override { return config_.rank; }
@@ -67,26 +89,86 @@ class GlooCollective final : public Collective {
 
  protected:
   std::string reduce_min(std::span<std::int64_t> buffer) override {
+    if (buffer.size() > kMaxElements) {
+      return str_cat("a call carries at most ", kMaxElements - 2, " values, not ",
+                     buffer.size() - 2);
+    }
+    if (config_.size == 1) return {};
     SigpipeGuard guard;
+    const std::size_t stride = kMaxElements + 1;
+    const std::uint64_t slot = slot_++;
+    send_words_[0] = static_cast<std::int64_t>(buffer.size());
+    std::copy(buffer.begin(), buffer.end(), send_words_.begin() + 1);
+    std::string error;
+    bool cancelled = false;
     try {
-      gloo::AllreduceOptions opts(context_);
-      opts.setOutput(buffer.data(), buffer.size());
-      opts.setReduceFunction(
-          static_cast<void (*)(void*, const void*, const void*, std::size_t)>(
-              &gloo::min<std::int64_t>));
-      opts.setTag(tag_++);
-      opts.setTimeout(config_.timeout);
-      gloo::allreduce(opts);
+      {
+        std::lock_guard lock(wait_mu_);
+        if (interrupted_) return "cancelled before the call began";
+        in_flight_ = true;
+      }
+      const auto deadline = std::chrono::steady_clock::now() + config_.timeout;
+      for (int peer = 0; peer < config_.size; ++peer) {
+        if (peer == config_.rank) continue;
+        recv_->recv(peer, slot, static_cast<std::size_t>(peer) * stride * sizeof(std::int64_t),
+                    stride * sizeof(std::int64_t));
+      }
+      for (int peer = 0; peer < config_.size; ++peer) {
+        if (peer != config_.rank) {
+          send_->send(peer, slot, 0, (buffer.size() + 1) * sizeof(std::int64_t));
+        }
+      }
+      for (int i = 1; i < config_.size && !cancelled; ++i) cancelled = !recv_->waitRecv(deadline);
+      for (int i = 1; i < config_.size && !cancelled; ++i) cancelled = !send_->waitSend(deadline);
     } catch (const std::exception& e) {
-      return str_cat("gloo: ", e.what());
+      error = str_cat("gloo: ", e.what());
+    }
+    {
+      std::lock_guard lock(wait_mu_);
+      in_flight_ = false;
+    }
+    if (cancelled) {
+      context_->closeConnections();
+      return "cancelled during the call";
+    }
+    if (!error.empty()) return error;
+    for (int peer = 0; peer < config_.size; ++peer) {
+      if (peer == config_.rank) continue;
+      const std::int64_t* words = recv_words_.data() + static_cast<std::size_t>(peer) * stride;
+      if (words[0] != static_cast<std::int64_t>(buffer.size())) {
+        return str_cat("rank ", peer, " reduces ", words[0] - 2, " values while this rank reduces ",
+                       buffer.size() - 2, " (divergence)");
+      }
+      for (std::size_t i = 0; i < buffer.size(); ++i) {
+        buffer[i] = std::min(buffer[i], words[i + 1]);
+      }
     }
     return {};
+  }
+
+  void interrupt(const std::string&) override {
+    std::lock_guard lock(wait_mu_);
+    interrupted_ = true;
+    if (in_flight_) {
+      send_->abortWaitSend();
+      recv_->abortWaitRecv();
+    }
   }
 
  private:
   GlooConfig config_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
-  std::uint32_t tag_ = 0;
+  std::uint64_t slot_ = 0;
+  std::vector<std::int64_t> send_words_;  // [length, values...]
+  std::vector<std::int64_t> recv_words_;  // one [length, values...] slot of kMaxElements + 1 per rank
+
+  // Declared after context_: destroyed first (a buffer's destructor waits until Gloo's event loop
+  // holds no reference to it).
+  std::unique_ptr<gloo::transport::UnboundBuffer> send_, recv_;
+
+  std::mutex wait_mu_;  // interrupt() against the call in flight
+  bool interrupted_ = false;  // GUARDED_BY wait_mu_
+  bool in_flight_ = false;    // GUARDED_BY wait_mu_
 };
 
 }  // namespace

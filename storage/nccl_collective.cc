@@ -94,6 +94,7 @@ class NcclCollective final : public Collective {
         err != cudaSuccess) {
       return cuda_error(err, "cudaMemcpyAsync to the device");
     }
+    if (cancelled()) return "cancelled before the call began";
     const Clock::time_point deadline = Clock::now() + config_.timeout;
     ncclResult_t r = ncclAllReduce(device_, device_, buffer.size(), ncclInt64, ncclMin, comm_,
                                    stream_);
@@ -108,6 +109,7 @@ class NcclCollective final : public Collective {
     const cudaError_t err = cudaStreamSynchronize(stream_);
     const bool timed_out = disarm();
     if (timed_out) {
+      if (cancelled()) return "cancelled during the call; communicator aborted";
       return str_cat("no reply within ", config_.timeout.count(),
                      " ms (a peer is gone or called another collective); communicator aborted");
     }
@@ -182,6 +184,7 @@ class NcclCollective final : public Collective {
   std::string settle(ncclResult_t r, const char* what, Clock::time_point deadline) {
     while (r == ncclInProgress) {
       if (Clock::now() >= deadline) return str_cat(what, ": still in progress at the timeout");
+      if (cancelled()) return str_cat(what, ": cancelled while in progress");
       std::this_thread::yield();
       if (ncclResult_t q = ncclCommGetAsyncError(comm_, &r); q != ncclSuccess) r = q;
     }
@@ -210,6 +213,20 @@ class NcclCollective final : public Collective {
     device_ = nullptr;
     host_ = nullptr;
     capacity_ = 0;
+  }
+
+  // cancel(): the watchdog aborts the communicator now if a call is armed, or as soon as one is.
+  void interrupt(const std::string&) override {
+    {
+      std::lock_guard lock(mu_);
+      cancelled_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  bool cancelled() {
+    std::lock_guard lock(mu_);
+    return cancelled_;
   }
 
   void arm(Clock::time_point deadline) {
@@ -241,7 +258,9 @@ class NcclCollective final : public Collective {
         continue;
       }
       const Clock::time_point deadline = deadline_;
-      if (cv_.wait_until(lock, deadline, [&] { return !armed_ || stopping_; })) continue;
+      cv_.wait_until(lock, deadline, [&] { return !armed_ || stopping_ || cancelled_; });
+      if (!armed_ || stopping_) continue;
+      // Armed past the deadline, or cancelled.
       ncclCommAbort(comm_);  // makes the stuck kernel exit; the caller's sync then returns
       aborted_ = true;
       armed_ = false;
@@ -262,6 +281,7 @@ class NcclCollective final : public Collective {
   bool stopping_ = false;       // GUARDED_BY mu_
   Clock::time_point deadline_;  // GUARDED_BY mu_
   bool aborted_ = false;        // GUARDED_BY mu_ (read without it once the watchdog ended)
+  bool cancelled_ = false;      // GUARDED_BY mu_: interrupt() was called
   std::thread watchdog_;
 };
 

@@ -288,6 +288,34 @@ TEST(StorageController, ResetAfterStopReturnsAndTheControllerWorksAgain) {
   EXPECT_EQ(acks[0].completed_tokens, kPage) << acks[0].error;
 }
 
+// TP shutdown: rank 1's backup thread took an op and entered its collective; rank 0 took the
+// same op off its queue unrun when it stopped (here: never queued it). Rank 1's stop() cancels
+// the collective, so it returns at once (the collective's timeout is 30 s) and the op is acked
+// with zero and the reason.
+TEST(StorageController, StopEndsACollectiveThePeersWillNeverJoin) {
+  Rank r0(HostLayout::kPageFirst, "tpstop0"), r1(HostLayout::kPageFirst, "tpstop1");
+  Comms comms(2);
+  StorageController c0(r0.host, r0.storage, test_ns(), *comms.prefetch[0], *comms.backup[0],
+                       *comms.main[0]);
+  StorageController c1(r1.host, r1.storage, test_ns(), *comms.prefetch[1], *comms.backup[1],
+                       *comms.main[1]);
+  ASSERT_TRUE(c1.write_storage(r1.filled_pages(2), keys_for("tpstop", 2)).has_value());
+  while (comms.group_backup->waiting() == 0) std::this_thread::yield();  // rank 1 waits for rank 0
+  const auto t0 = std::chrono::steady_clock::now();
+  c1.stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  std::vector<BackupAck> acks;
+  c1.drain_backup_acks(acks);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].completed_tokens, 0);
+  EXPECT_NE(acks[0].error.find("cancelled during the call: the storage controller stopped"),
+            std::string::npos)
+      << acks[0].error;
+  c0.stop();
+  acks.clear();
+  EXPECT_EQ(c0.drain_backup_acks(acks), 0u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefetch
 

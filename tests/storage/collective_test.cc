@@ -117,6 +117,66 @@ TEST(Collective, AMissingRankTimesOutInsteadOfHanging) {
   EXPECT_EQ(w[0], 0);
 }
 
+// stop(): a rank inside a call its peers will never make returns at once, not at the timeout;
+// the interrupted collective stays failed (a resume() cannot make the ranks agree again).
+TEST(Collective, CancelEndsACallInFlightAndTheCollectiveStaysFailed) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::int64_t> v = {8, 9};
+  CollectiveResult r;
+  std::thread waiter([&] { r = ranks[1]->min_allreduce(v, "backup.done"); });
+  while (group->waiting() == 0) std::this_thread::yield();  // rank 1 is inside the call
+  ranks[1]->cancel("the storage controller stopped");
+  waiter.join();
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("cancelled during the call: the storage controller stopped"),
+            std::string::npos)
+      << r.error;
+  EXPECT_EQ(v, (std::vector<std::int64_t>{0, 0}));
+  ranks[1]->resume();
+  std::vector<std::int64_t> w = {8};
+  EXPECT_FALSE(ranks[1]->min_allreduce(w, "next").ok) << "an interrupted collective stays failed";
+  EXPECT_EQ(w[0], 0);
+  // The peer's next call fails at once too: the group is broken, as a closed connection would
+  // break it over a network.
+  std::vector<std::int64_t> x = {8};
+  const auto peer = ranks[0]->min_allreduce(x, "backup.done");
+  EXPECT_FALSE(peer.ok);
+  EXPECT_NE(peer.error.find("rank 1 cancelled its call"), std::string::npos) << peer.error;
+}
+
+// A cancel that interrupted nothing refuses calls (without counting them) until resume(), after
+// which the ranks agree again: a reset after stop keeps L3 on.
+TEST(Collective, CancelWithNoCallInFlightRefusesCallsUntilResume) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  for (auto& c : ranks) c->cancel("stopping");
+  for (auto& c : ranks) {
+    std::vector<std::int64_t> v = {3};
+    const auto r = c->min_allreduce(v, "hits");
+    EXPECT_FALSE(r.ok);
+    EXPECT_NE(r.error.find("cancelled: stopping"), std::string::npos) << r.error;
+    EXPECT_EQ(v[0], 0);
+    EXPECT_EQ(c->failure(), "") << "a refused call does not fail the collective";
+  }
+  EXPECT_EQ(group->waiting(), 0) << "a refused call never reached the group";
+  for (auto& c : ranks) c->resume();
+  run_ranks(ranks, [](int rank, Collective& c) {
+    std::vector<std::int64_t> v = {10 + rank, 20 - rank};
+    const auto r = c.min_allreduce(v, "hits");
+    ASSERT_TRUE(r.ok) << r.error;
+    EXPECT_EQ(v, (std::vector<std::int64_t>{10, 19}));
+  });
+  EXPECT_EQ(group->divergence(), "");
+  // One rank never waits: cancel leaves it working (a TP=1 engine's one collective serves the
+  // caller's thread too).
+  LocalCollective local;
+  local.cancel("stopping");
+  std::vector<std::int64_t> v = {4};
+  EXPECT_TRUE(local.min_allreduce(v, "hits").ok);
+  EXPECT_EQ(v[0], 4);
+}
+
 TEST(Collective, BadArgumentsAreNamed) {
   EXPECT_THROW(InProcessGroup::make_ranks(0), InvalidArgument);
   EXPECT_THROW(make_gloo_collective(GlooConfig{.rank = 2, .size = 2, .store_dir = "/tmp"}),
@@ -166,6 +226,11 @@ TEST(GlooCollective, DivergenceFailsEveryRank) { EXPECT_EQ(run_gloo(2, "diverge"
 TEST(GlooCollective, ADeadRankFailsTheOthersWithinTheTimeout) {
   EXPECT_EQ(run_gloo(3, "dead"), 0);
 }
+// A rank inside a call its peer never makes is cancelled: it returns at once (the timeout is
+// 30 s), says why, and the collective stays failed.
+TEST(GlooCollective, CancelEndsACallThePeerNeverMakes) { EXPECT_EQ(run_gloo(2, "cancel"), 0); }
+// Different vector lengths are a divergence on every rank, never a read past a buffer.
+TEST(GlooCollective, DifferentLengthsFailEveryRank) { EXPECT_EQ(run_gloo(2, "lengths"), 0); }
 
 
 // NCCL: needs a GPU per rank. Set-up failures and a lone rank run on one GPU; agreement across

@@ -5,11 +5,18 @@
 //   diverge: rank 0 calls tag "a", the others "b": every rank must see a failed call.
 //   dead:    the last rank exits right after a first barrier; the others' next call must fail within
 //            the timeout (2 s) instead of hanging.
+//   cancel:  rank 1 enters a call rank 0 never makes and is cancelled from another thread: the
+//            call must fail with the reason well before the timeout (30 s), and so must the
+//            next; rank 0 stays connected until rank 1 is done (it polls for a file).
+//   lengths: rank 0 reduces 2 values, the others 3: every rank must see a failed call.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "storage/collective.h"
@@ -27,7 +34,9 @@ int main(int argc, char** argv) {
   try {
     c = make_gloo_collective(GlooConfig{.rank = rank, .size = size, .store_dir = argv[3],
                                         .timeout = std::chrono::milliseconds(
-                                            scenario == "agree" ? 30000 : 2000)});
+                                            scenario == "agree" || scenario == "cancel"
+                                                ? 30000
+                                                : 2000)});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
     return 1;
@@ -77,6 +86,49 @@ int main(int argc, char** argv) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r.ok || v[0] != 0 || s > 20) {
       std::fprintf(stderr, "rank %d: dead peer not reported (ok=%d, %.1f s)\n", rank, r.ok, s);
+      return 1;
+    }
+    return 0;
+  }
+  if (scenario == "cancel") {
+    if (!c->barrier("connected").ok) return 1;
+    const std::filesystem::path done = std::filesystem::path(argv[3]) / "cancel-done";
+    if (rank == 0) {
+      // Stays connected, calling nothing, until rank 1 has seen its cancel (or 60 s).
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return std::filesystem::exists(done) ? 0 : 1;
+    }
+    // The cancel lands while the call waits (or, on a slow start, just before it: the call then
+    // fails the same way without being sent).
+    std::thread canceller([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      c->cancel("the storage controller stopped");
+    });
+    std::vector<std::int64_t> v = {5, 6};
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = c->min_allreduce(v, "backup.done");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    canceller.join();
+    std::vector<std::int64_t> w = {5};
+    const auto next = c->min_allreduce(w, "next");
+    std::ofstream(done).put('1');
+    if (r.ok || r.error.find("the storage controller stopped") == std::string::npos ||
+        v != std::vector<std::int64_t>{0, 0} || s > 20 || next.ok || w[0] != 0) {
+      std::fprintf(stderr, "rank 1: cancel not seen (ok=%d, %.1f s, '%s'; next ok=%d)\n", r.ok, s,
+                   r.error.c_str(), next.ok);
+      return 1;
+    }
+    return 0;
+  }
+  if (scenario == "lengths") {
+    std::vector<std::int64_t> v(rank == 0 ? 2 : 3, 5);
+    const auto r = c->min_allreduce(v, "hits");
+    if (r.ok || r.error.find("divergence") == std::string::npos ||
+        std::any_of(v.begin(), v.end(), [](std::int64_t x) { return x != 0; })) {
+      std::fprintf(stderr, "rank %d: length divergence not detected (%s)\n", rank, r.error.c_str());
       return 1;
     }
     return 0;
