@@ -348,10 +348,12 @@ class FileStorage::Impl {
     struct stat st {};
     // Always: forget_if_same below removes the record only when it is still this file (the
     // stress tool found a truncated record kept, and missed, forever without it).
-    const bool have_stat = ::fstat(fd.fd, &st) == 0;
+    // A failed fstat says nothing about the record: an error, and the record is left alone (as a
+    // bad record it could not be matched to its file, and would stay indexed and missed).
+    if (::fstat(fd.fd, &st) != 0) return IoResult::error(errno_text("fstat", path, errno));
     if (static_cast<std::uint64_t>(n) < want) {
       bad = str_cat("truncated record: ", n, " of ", want, " bytes");
-    } else if (!have_stat || static_cast<std::uint64_t>(st.st_size) != want) {
+    } else if (static_cast<std::uint64_t>(st.st_size) != want) {
       bad = str_cat("record of ", st.st_size, " bytes, expected ", want);
     } else {
       bad = check_record_head(std::span(head_buf).first(head_bytes), key, dst.size(), &checksum);
