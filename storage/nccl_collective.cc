@@ -98,10 +98,16 @@ class NcclCollective final : public Collective {
     const Clock::time_point deadline = Clock::now() + config_.timeout;
     ncclResult_t r = ncclAllReduce(device_, device_, buffer.size(), ncclInt64, ncclMin, comm_,
                                    stream_);
-    if (std::string e = settle(r, "ncclAllReduce", deadline); !e.empty()) return e;
+    // From here an early return leaves an NCCL kernel that may wait on its peers for ever on the
+    // stream (the destructor's synchronisation would hang on it): abort the communicator first.
+    if (std::string e = settle(r, "ncclAllReduce", deadline); !e.empty()) {
+      abort_comm();
+      return e + "; communicator aborted";
+    }
     if (cudaError_t err = cudaMemcpyAsync(host_, device_, bytes, cudaMemcpyDeviceToHost, stream_);
         err != cudaSuccess) {
-      return cuda_error(err, "cudaMemcpyAsync to the host");
+      abort_comm();
+      return cuda_error(err, "cudaMemcpyAsync to the host") + "; communicator aborted";
     }
     // The watchdog aborts the communicator if the stream is not done by the deadline; the NCCL
     // kernel then exits and the synchronisation below returns.
@@ -224,6 +230,12 @@ class NcclCollective final : public Collective {
     cv_.notify_all();
   }
 
+  void abort_comm() {
+    std::lock_guard lock(mu_);
+    if (!aborted_) ncclCommAbort(comm_);
+    aborted_ = true;
+  }
+
   bool cancelled() {
     std::lock_guard lock(mu_);
     return cancelled_;
@@ -261,7 +273,7 @@ class NcclCollective final : public Collective {
       cv_.wait_until(lock, deadline, [&] { return !armed_ || stopping_ || cancelled_; });
       if (!armed_ || stopping_) continue;
       // Armed past the deadline, or cancelled.
-      ncclCommAbort(comm_);  // makes the stuck kernel exit; the caller's sync then returns
+      if (!aborted_) ncclCommAbort(comm_);  // makes the stuck kernel exit; the caller's sync then returns
       aborted_ = true;
       armed_ = false;
       cv_.wait(lock, [&] { return stopping_; });
