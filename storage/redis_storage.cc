@@ -273,7 +273,7 @@ class RedisStorage::Impl {
           ++stored;
           results[i] = IoResult::ok();
         } else {
-          results[i] = IoResult::error(failure("SET", keys[i], r));
+          results[i] = IoResult::error(failure("MSETNX", keys[i], r));
         }
       }
     }
