@@ -19,7 +19,9 @@
 //   from reconnect_backoff_ms[0] to [1] (requests fail at once meanwhile; nobody sleeps).
 // - A record larger than max_value_bytes, or than the server's proto-max-bulk-len (read at
 //   connect), is a per-key error naming both sizes and is not sent.
-// - batch_set asks EXISTS first (one pipelined round) and writes only the absent keys.
+// - batch_set sends values as MSETNX, which the server refuses for a stored key, so no page is
+//   stored twice; while recent batches found their keys stored it asks EXISTS first (one
+//   pipelined round) and sends only the absent keys' values (see RedisStorage::Impl::set).
 // - Cluster ("cluster": true): the slot map comes from CLUSTER SLOTS of a seed node, keys are
 //   routed by CRC16 slot (hash tags honoured) and a batch is split per node. MOVED updates the
 //   map (and refreshes it), ASK is followed with ASKING; up to 5 redirects per key.
