@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 
 #include "transfer/errors.h"
 
@@ -21,9 +23,15 @@ std::int64_t call_check(std::string_view tag, std::uint64_t call) {
 
 CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::string_view tag) {
   std::lock_guard lock(mu_);
+  // The first failure stays, and closes this rank's side of the group.
+  auto fail_for_good = [&](std::string why) {
+    if (!failure_.empty()) return;
+    failure_ = std::move(why);
+    close_transport(failure_);
+  };
   auto fail = [&](std::string why) {
     std::fill(values.begin(), values.end(), 0);
-    if (failure_.empty()) failure_ = std::move(why);
+    fail_for_good(std::move(why));
     return CollectiveResult{false, failure_};
   };
   if (!failure_.empty()) return fail(failure_);
@@ -51,7 +59,7 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   {
     std::lock_guard cancel_lock(cancel_mu_);
     in_call_ = false;
-    if (interrupted_) interrupted = str_cat("cancelled during the call: ", cancelled_);
+    if (!interrupted_.empty()) interrupted = str_cat("cancelled during the call: ", interrupted_);
   }
   if (!error.empty()) {
     return fail(str_cat(where(), interrupted.empty() ? error : interrupted));
@@ -59,7 +67,7 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   if (!interrupted.empty()) {
     // The reduction completed before the interrupt took effect: its values are the peers'
     // values too, so they are returned; the transport may be closed now, so later calls fail.
-    failure_ = str_cat(where(), interrupted);
+    fail_for_good(str_cat(where(), interrupted));
   }
   const std::size_t n = values.size();
   if (buffer_[n] != -buffer_[n + 1]) {
@@ -86,9 +94,38 @@ void validate_group_config(std::string_view kind, int rank, int size, const std:
   }
 }
 
+GroupFailureNote::GroupFailureNote(const std::string& store_dir, const std::string& prefix)
+    : path_((std::filesystem::path(store_dir) / (prefix + ".failed")).string()) {}
+
+void GroupFailureNote::publish(int rank, const std::string& why) const {
+  std::error_code ec;
+  if (std::filesystem::exists(path_, ec)) return;
+  // Written whole under a name of this rank's, then renamed: a reader sees all of it or nothing.
+  const std::string tmp = str_cat(path_, ".", rank, ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << "rank " << rank << " failed: " << why;
+    if (!out) return;
+  }
+  std::filesystem::rename(tmp, path_, ec);
+  if (ec) std::filesystem::remove(tmp, ec);
+}
+
+std::string GroupFailureNote::read() const {
+  std::ifstream in(path_);
+  if (!in) return {};
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return text.empty() ? "a rank failed (no reason recorded)" : text;
+}
+
 std::string Collective::failure() const {
   std::lock_guard lock(mu_);
   return failure_;
+}
+
+bool Collective::in_call() const {
+  std::lock_guard lock(cancel_mu_);
+  return in_call_;
 }
 
 void Collective::cancel(std::string_view why) {
@@ -96,15 +133,16 @@ void Collective::cancel(std::string_view why) {
   std::lock_guard lock(cancel_mu_);
   if (!cancelled_.empty()) return;
   cancelled_ = why.empty() ? std::string("cancelled") : std::string(why);
-  if (in_call_ && !interrupted_) {
-    interrupted_ = true;
+  if (in_call_ && interrupted_.empty()) {
+    interrupted_ = cancelled_;
     interrupt(cancelled_);
   }
 }
 
 void Collective::resume() {
   std::lock_guard lock(cancel_mu_);
-  if (!interrupted_) cancelled_.clear();
+  // A call the cancel interrupted failed the collective (failure_), which this does not lift.
+  cancelled_.clear();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +174,7 @@ class InProcessRank final : public Collective {
     return group_->arrive(rank_, buffer);
   }
   void interrupt(const std::string& why) override { group_->interrupt(rank_, why); }
+  void close_transport(const std::string& why) override { group_->leave(rank_, why); }
 
  private:
   std::shared_ptr<InProcessGroup> group_;
@@ -177,6 +216,13 @@ void InProcessGroup::interrupt(int rank, const std::string& why) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
   if (s.broken.empty()) s.broken = str_cat("rank ", rank, " cancelled its call: ", why);
+  s.cv.notify_all();
+}
+
+void InProcessGroup::leave(int rank, const std::string& why) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  if (s.broken.empty()) s.broken = str_cat("rank ", rank, "'s collective failed: ", why);
   s.cv.notify_all();
 }
 

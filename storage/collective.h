@@ -11,7 +11,14 @@
 // zero on the ranks that see it, so a prefetch or backup counts as zero hits / zero completed, and
 // the result says why. A collective that failed once stays failed (the ranks may disagree on
 // where the stream of calls stands), so later calls fail at once with the first reason: L3 is
-// then off on every rank, L1 and L2 keep serving, and the status shows it.
+// then off on every rank, L1 and L2 keep serving, and the status shows it. A rank whose
+// collective fails closes its side of the group at once (close_transport()), so a peer waiting
+// on it, now or in its next call, fails at once too rather than at its timeout.
+//
+// The multi-process groups (Gloo, NCCL) meet through a directory shared by the ranks: it must be
+// fresh for each launch of the group (a new directory, or a prefix of its own), as with any
+// FileStore rendezvous; what an earlier launch left there (addresses, an NCCL id, a failure
+// note) would be read as this launch's.
 #pragma once
 
 #include <chrono>
@@ -48,6 +55,8 @@ class Collective {
 
   // The first failure, or empty.
   std::string failure() const;
+  // A call is in progress on this rank now (what a cancel() would interrupt).
+  bool in_call() const;
 
   // Ends the call in flight on this rank, if any, at once, and refuses every later call until
   // resume(): they fail with "cancelled: <why>". Thread-safe: stop() calls it from the owner's
@@ -59,8 +68,8 @@ class Collective {
   // nothing does not. A collective of one rank never waits, so cancel() leaves it as it is
   // (one LocalCollective may serve every role of a TP=1 engine, the caller's included).
   void cancel(std::string_view why);
-  // Lifts a cancel() that interrupted no call (a reset after stop); calls run again. Has no
-  // effect on a collective that failed.
+  // Lifts cancel() (a reset after stop): calls run again. A collective that failed, by a call
+  // the cancel interrupted or otherwise, stays failed.
   void resume();
 
  protected:
@@ -71,6 +80,12 @@ class Collective {
   // most once per call, only while a reduce_min runs or is about to start, never concurrently
   // with itself. An implementation must also fail a reduce_min that starts after it.
   virtual void interrupt(const std::string& why) = 0;
+  // Called once, when this collective fails for good (`why` is the failure), on the calling
+  // thread with no reduce_min running: shut this rank's side of the group so that its peers'
+  // calls fail at once instead of waiting for it until their timeout. The failure may be local
+  // (a cancel that landed as the call completed, a call refused before it was sent), in which
+  // case the peers would otherwise wait on a rank that will never send again.
+  virtual void close_transport(const std::string& why) = 0;
 
  private:
   mutable std::mutex mu_;  // held through a call
@@ -79,10 +94,10 @@ class Collective {
   std::vector<std::int64_t> buffer_;
 
   // cancel() state, apart from mu_ so that cancel() never waits for the call it ends.
-  std::mutex cancel_mu_;
-  bool in_call_ = false;      // GUARDED_BY cancel_mu_
-  bool interrupted_ = false;  // GUARDED_BY cancel_mu_: cancel() interrupted the call in flight
-  std::string cancelled_;     // GUARDED_BY cancel_mu_: the reason, while cancelled
+  mutable std::mutex cancel_mu_;
+  bool in_call_ = false;     // GUARDED_BY cancel_mu_
+  std::string interrupted_;  // GUARDED_BY cancel_mu_: why cancel() interrupted the call in flight
+  std::string cancelled_;    // GUARDED_BY cancel_mu_: the reason, while cancelled
 };
 
 // One rank: the reduction is the identity.
@@ -95,6 +110,7 @@ class LocalCollective final : public Collective {
  protected:
   std::string reduce_min(std::span<std::int64_t>) override { return {}; }
   void interrupt(const std::string&) override {}
+  void close_transport(const std::string&) override {}
 };
 
 // N ranks as threads of one process (how the tests run TP=2 and TP=4): make_ranks() returns one
@@ -111,15 +127,33 @@ class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {
   // Ranks inside the call now in progress (a test waits on it to cancel a call in flight).
   int waiting() const;
 
-  // Implementation detail of the rank handles. An interrupt breaks the group: the other ranks'
-  // calls fail too, as a peer's closed connection fails them over a network.
+  // Implementation detail of the rank handles. An interrupt or a rank's failure breaks the
+  // group: the other ranks' calls fail too, as a peer's closed connection fails them over a
+  // network.
   std::string arrive(int rank, std::span<std::int64_t> buffer);
   void interrupt(int rank, const std::string& why);
+  void leave(int rank, const std::string& why);
   explicit InProcessGroup(int size, std::chrono::milliseconds timeout);
 
  private:
   struct State;
   std::shared_ptr<State> state_;
+};
+
+// A note in a group's shared directory that one rank's collective failed for good, for the
+// backends whose transport cannot tell the peers (an NCCL communicator aborted on one rank
+// leaves the others' kernels waiting on it): each call checks it first (one stat) and fails at
+// once with the rank's reason. The first rank to fail writes it (of two at once, either).
+class GroupFailureNote {
+ public:
+  GroupFailureNote(const std::string& store_dir, const std::string& prefix);
+  // Best effort (a directory that cannot be written only loses the shortcut).
+  void publish(int rank, const std::string& why) const;
+  // "rank R failed: <why>", or empty while no rank failed.
+  std::string read() const;
+
+ private:
+  std::string path_;
 };
 
 // Checks what every multi-process group needs (rank in [0, size), a positive timeout, a store

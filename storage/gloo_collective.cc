@@ -53,9 +53,10 @@ class SigpipeGuard {
 // peer over Gloo's unbound buffers, receives theirs and takes the minimum itself. For the few
 // int64 a call carries this is one message hop, and it is what makes a call cancellable:
 // gloo::allreduce keeps its buffers to itself, so nothing can wake a thread waiting inside it
-// before its timeout, while UnboundBuffer::abortWaitRecv/abortWaitSend wake ours. After an
-// interrupted call the connections are closed, so that no message for a buffer that is gone
-// keeps Gloo's event loop busy.
+// before its timeout, while UnboundBuffer::abortWaitRecv/abortWaitSend wake ours. Once the
+// collective has failed (an interrupted call included) the connections are closed: the peers'
+// waits on this rank then fail at once, and no message for a call that is over keeps Gloo's
+// event loop busy.
 class GlooCollective final : public Collective {
  public:
   // Longest vector one call carries (values plus the two call-check elements of
@@ -118,8 +119,12 @@ class GlooCollective final : public Collective {
           send_->send(peer, slot, 0, (buffer.size() + 1) * sizeof(std::int64_t));
         }
       }
-      for (int i = 1; i < config_.size && !cancelled; ++i) cancelled = !recv_->waitRecv(deadline);
-      for (int i = 1; i < config_.size && !cancelled; ++i) cancelled = !send_->waitSend(deadline);
+      for (int i = 1; i < config_.size && !cancelled; ++i) {
+        cancelled = !recv_->waitRecv(left_until(deadline));
+      }
+      for (int i = 1; i < config_.size && !cancelled; ++i) {
+        cancelled = !send_->waitSend(left_until(deadline));
+      }
     } catch (const std::exception& e) {
       error = str_cat("gloo: ", e.what());
     }
@@ -127,10 +132,7 @@ class GlooCollective final : public Collective {
       std::lock_guard lock(wait_mu_);
       in_flight_ = false;
     }
-    if (cancelled) {
-      context_->closeConnections();
-      return "cancelled during the call";
-    }
+    if (cancelled) return "cancelled during the call";
     if (!error.empty()) return error;
     for (int peer = 0; peer < config_.size; ++peer) {
       if (peer == config_.rank) continue;
@@ -155,7 +157,21 @@ class GlooCollective final : public Collective {
     }
   }
 
+  void close_transport(const std::string&) override {
+    SigpipeGuard guard;
+    context_->closeConnections();
+  }
+
  private:
+  // The time left until `deadline`, at least zero. Gloo's own deadline overload truncates toward
+  // zero, so 1-2 ms past the deadline it passes -1 ms, which Gloo reads as "unset" and replaces
+  // with the context's whole timeout.
+  static std::chrono::milliseconds left_until(std::chrono::steady_clock::time_point deadline) {
+    return std::max(std::chrono::milliseconds(0),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  }
+
   GlooConfig config_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::uint64_t slot_ = 0;

@@ -44,7 +44,7 @@ std::string nccl_error(ncclResult_t r, const char* what, ncclComm_t comm = nullp
 
 class NcclCollective final : public Collective {
  public:
-  explicit NcclCollective(const NcclConfig& c) : config_(c) {
+  explicit NcclCollective(const NcclConfig& c) : config_(c), note_(c.store_dir, c.prefix) {
     if (cudaError_t err = cudaSetDevice(c.cuda_ordinal); err != cudaSuccess) {
       throw Error(cuda_error(err, "cudaSetDevice"));
     }
@@ -87,6 +87,9 @@ class NcclCollective final : public Collective {
     if (cudaError_t err = cudaSetDevice(config_.cuda_ordinal); err != cudaSuccess) {
       return cuda_error(err, "cudaSetDevice");
     }
+    // A peer that failed for good aborted only its own communicator: this rank's all-reduce would
+    // wait on it until the timeout. Its note says so first.
+    if (std::string failed = note_.read(); !failed.empty()) return failed;
     if (std::string e = reserve(buffer.size()); !e.empty()) return e;
     const std::size_t bytes = buffer.size() * sizeof(std::int64_t);
     std::memcpy(host_, buffer.data(), bytes);
@@ -230,6 +233,13 @@ class NcclCollective final : public Collective {
     cv_.notify_all();
   }
 
+  // Failed for good: no kernel of this rank may wait on its peers any more, and the peers learn
+  // it at their next call (an abort here does not reach their communicators).
+  void close_transport(const std::string& why) override {
+    abort_comm();
+    note_.publish(config_.rank, why);
+  }
+
   void abort_comm() {
     std::lock_guard lock(mu_);
     if (!aborted_) ncclCommAbort(comm_);
@@ -281,6 +291,7 @@ class NcclCollective final : public Collective {
   }
 
   NcclConfig config_;
+  GroupFailureNote note_;
   cudaStream_t stream_ = nullptr;
   ncclComm_t comm_ = nullptr;
   std::int64_t* device_ = nullptr;

@@ -300,7 +300,12 @@ TEST(StorageController, StopEndsACollectiveThePeersWillNeverJoin) {
   StorageController c1(r1.host, r1.storage, test_ns(), *comms.prefetch[1], *comms.backup[1],
                        *comms.main[1]);
   ASSERT_TRUE(c1.write_storage(r1.filled_pages(2), keys_for("tpstop", 2)).has_value());
-  while (comms.group_backup->waiting() == 0) std::this_thread::yield();  // rank 1 waits for rank 0
+  // Rank 1 waits for rank 0 (bounded, so that a broken feature fails rather than hangs).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (comms.group_backup->waiting() == 0) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "rank 1 never entered its call";
+    std::this_thread::yield();
+  }
   const auto t0 = std::chrono::steady_clock::now();
   c1.stop();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));

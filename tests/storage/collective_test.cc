@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include "transfer/device.h"
@@ -18,6 +20,18 @@ extern char** environ;
 
 namespace hicache {
 namespace {
+
+// Waits (yielding) until `ready` holds, for at most 20 s: false if it never did, so a broken
+// feature fails the test instead of hanging it.
+template <typename Ready>
+bool eventually(Ready ready) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!ready()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
 
 // Runs fn(rank, collective) on one thread per rank.
 template <typename Fn>
@@ -125,7 +139,7 @@ TEST(Collective, CancelEndsACallInFlightAndTheCollectiveStaysFailed) {
   std::vector<std::int64_t> v = {8, 9};
   CollectiveResult r;
   std::thread waiter([&] { r = ranks[1]->min_allreduce(v, "backup.done"); });
-  while (group->waiting() == 0) std::this_thread::yield();  // rank 1 is inside the call
+  ASSERT_TRUE(eventually([&] { return group->waiting() != 0; })) << "rank 1 never entered";
   ranks[1]->cancel("the storage controller stopped");
   waiter.join();
   EXPECT_FALSE(r.ok);
@@ -175,6 +189,119 @@ TEST(Collective, CancelWithNoCallInFlightRefusesCallsUntilResume) {
   std::vector<std::int64_t> v = {4};
   EXPECT_TRUE(local.min_allreduce(v, "hits").ok);
   EXPECT_EQ(v[0], 4);
+}
+
+// A backend whose reduction holds until released and then completes, whatever a cancel did
+// meanwhile (its transport had already finished): what a cancel at the edge of a call means is
+// then the base's decision alone. It records what the base asks of it.
+class EdgeCollective final : public Collective {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string_view name() const override { return "edge"; }
+
+  void release() {
+    std::lock_guard lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  std::string reduce_error;  // what reduce_min returns (set before a call)
+  int interrupts = 0, closes = 0;
+  std::string closed_why;
+
+ protected:
+  std::string reduce_min(std::span<std::int64_t>) override {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return released_; });
+    return reduce_error;
+  }
+  void interrupt(const std::string&) override { ++interrupts; }
+  void close_transport(const std::string& why) override {
+    ++closes;
+    closed_why = why;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
+// A cancel that lands while the call is in progress but too late to disturb its transport: the
+// call returns its values (every rank has them), yet the collective is failed for good, resume()
+// does not lift it, and this rank's side of the group is closed so that the peers, for whom the
+// call went well, do not wait on this rank at their next call until their timeout.
+TEST(Collective, CancelAsACallCompletesFailsForGoodAndClosesTheTransport) {
+  EdgeCollective c;
+  std::vector<std::int64_t> v = {4, 5};
+  CollectiveResult r;
+  std::thread caller([&] { r = c.min_allreduce(v, "backup.done"); });
+  ASSERT_TRUE(eventually([&] { return c.in_call(); }));
+  c.cancel("stopping");
+  c.release();
+  caller.join();
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(v, (std::vector<std::int64_t>{4, 5}));
+  EXPECT_EQ(c.interrupts, 1);
+  EXPECT_NE(c.failure().find("cancelled during the call: stopping"), std::string::npos)
+      << c.failure();
+  EXPECT_EQ(c.closes, 1);
+  EXPECT_EQ(c.closed_why, c.failure());
+  c.resume();
+  std::vector<std::int64_t> w = {7};
+  const auto next = c.min_allreduce(w, "next");
+  EXPECT_FALSE(next.ok) << "resume() lifted the failure of an interrupted call";
+  EXPECT_EQ(next.error, c.failure());
+  EXPECT_EQ(w[0], 0);
+  EXPECT_EQ(c.closes, 1) << "closed once";
+  EXPECT_FALSE(c.in_call());
+}
+
+// Any failure closes the transport, once: a transport error here.
+TEST(Collective, AFailedCallClosesTheTransportOnce) {
+  EdgeCollective c;
+  c.reduce_error = "connection reset by peer";
+  c.release();
+  std::vector<std::int64_t> v = {4};
+  const auto r = c.min_allreduce(v, "hits");
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("connection reset by peer"), std::string::npos) << r.error;
+  EXPECT_EQ(c.closes, 1);
+  EXPECT_EQ(c.closed_why, r.error);
+  EXPECT_FALSE(c.min_allreduce(v, "hits").ok);
+  EXPECT_EQ(c.closes, 1);
+  EXPECT_EQ(c.interrupts, 0);
+}
+
+// In process, a rank's failure breaks the group: the peer's next call fails at once with it.
+TEST(Collective, InProcessRankThatFailsBreaksTheGroup) {
+  std::shared_ptr<InProcessGroup> group;
+  auto ranks = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  group->leave(1, "a local failure");
+  std::vector<std::int64_t> v = {3};
+  const auto r = ranks[0]->min_allreduce(v, "hits");
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("rank 1's collective failed: a local failure"), std::string::npos)
+      << r.error;
+}
+
+TEST(GroupFailureNote, PublishedOnceAndReadByEveryRank) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("hicache-note-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  GroupFailureNote rank0(dir.string(), "tp"), rank1(dir.string(), "tp"), other(dir.string(), "pp");
+  EXPECT_EQ(rank0.read(), "");
+  rank1.publish(1, "cancelled during the call: stopping");
+  EXPECT_EQ(rank0.read(), "rank 1 failed: cancelled during the call: stopping");
+  rank0.publish(0, "later");
+  EXPECT_EQ(rank0.read(), "rank 1 failed: cancelled during the call: stopping") << "first stays";
+  EXPECT_EQ(other.read(), "") << "another prefix is another group";
+  // A directory that cannot be written loses only the note.
+  GroupFailureNote gone((dir / "missing").string(), "tp");
+  gone.publish(0, "x");
+  EXPECT_EQ(gone.read(), "");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Collective, BadArgumentsAreNamed) {
@@ -231,6 +358,11 @@ TEST(GlooCollective, ADeadRankFailsTheOthersWithinTheTimeout) {
 TEST(GlooCollective, CancelEndsACallThePeerNeverMakes) { EXPECT_EQ(run_gloo(2, "cancel"), 0); }
 // Different vector lengths are a divergence on every rank, never a read past a buffer.
 TEST(GlooCollective, DifferentLengthsFailEveryRank) { EXPECT_EQ(run_gloo(2, "lengths"), 0); }
+// A rank whose collective fails on its own (a call it refuses before sending anything) closes
+// its connections: the peer's call fails at once, not at its 30 s timeout.
+TEST(GlooCollective, ARankThatFailsAloneFailsThePeerAtOnce) {
+  EXPECT_EQ(run_gloo(2, "closes"), 0);
+}
 
 
 // NCCL: needs a GPU per rank. Set-up failures and a lone rank run on one GPU; agreement across

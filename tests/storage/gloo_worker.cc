@@ -5,10 +5,14 @@
 //   diverge: rank 0 calls tag "a", the others "b": every rank must see a failed call.
 //   dead:    the last rank exits right after a first barrier; the others' next call must fail within
 //            the timeout (2 s) instead of hanging.
-//   cancel:  rank 1 enters a call rank 0 never makes and is cancelled from another thread: the
-//            call must fail with the reason well before the timeout (30 s), and so must the
-//            next; rank 0 stays connected until rank 1 is done (it polls for a file).
-//   lengths: rank 0 reduces 2 values, the others 3: every rank must see a failed call.
+//   cancel:  rank 1 enters a call rank 0 never makes and is cancelled from another thread once
+//            it is inside: the call must fail as cancelled during the call, well before the
+//            timeout (30 s), and the collective must stay failed after resume(); rank 0 stays
+//            connected until rank 1 is done (it polls for a file).
+//   lengths: rank 0 reduces 2 values, the others 3: every rank must see the length mismatch.
+//   closes:  rank 0 fails on its own (a call of 63 values, over the limit, refused unsent) and
+//            stays alive; rank 1's call must fail because rank 0 closed its connections, not at
+//            the timeout (30 s).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,7 +38,8 @@ int main(int argc, char** argv) {
   try {
     c = make_gloo_collective(GlooConfig{.rank = rank, .size = size, .store_dir = argv[3],
                                         .timeout = std::chrono::milliseconds(
-                                            scenario == "agree" || scenario == "cancel"
+                                            scenario == "agree" || scenario == "cancel" ||
+                                                    scenario == "closes"
                                                 ? 30000
                                                 : 2000)});
   } catch (const std::exception& e) {
@@ -90,21 +95,24 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  // Rank 0 of "cancel" and "closes": stays connected, calling nothing, until rank 1 is done (or
+  // 60 s), so that nothing but the scenario itself can end rank 1's call.
+  const std::filesystem::path done = std::filesystem::path(argv[3]) / "rank1-done";
+  auto wait_for_rank1 = [&] {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return std::filesystem::exists(done) ? 0 : 1;
+  };
   if (scenario == "cancel") {
     if (!c->barrier("connected").ok) return 1;
-    const std::filesystem::path done = std::filesystem::path(argv[3]) / "cancel-done";
-    if (rank == 0) {
-      // Stays connected, calling nothing, until rank 1 has seen its cancel (or 60 s).
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < give_up) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      return std::filesystem::exists(done) ? 0 : 1;
-    }
-    // The cancel lands while the call waits (or, on a slow start, just before it: the call then
-    // fails the same way without being sent).
+    if (rank == 0) return wait_for_rank1();
     std::thread canceller([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!c->in_call() && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::yield();
+      }
       c->cancel("the storage controller stopped");
     });
     std::vector<std::int64_t> v = {5, 6};
@@ -112,21 +120,54 @@ int main(int argc, char** argv) {
     const auto r = c->min_allreduce(v, "backup.done");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     canceller.join();
+    c->resume();  // has no effect: the call was interrupted
     std::vector<std::int64_t> w = {5};
     const auto next = c->min_allreduce(w, "next");
     std::ofstream(done).put('1');
-    if (r.ok || r.error.find("the storage controller stopped") == std::string::npos ||
-        v != std::vector<std::int64_t>{0, 0} || s > 20 || next.ok || w[0] != 0) {
-      std::fprintf(stderr, "rank 1: cancel not seen (ok=%d, %.1f s, '%s'; next ok=%d)\n", r.ok, s,
-                   r.error.c_str(), next.ok);
+    if (r.ok ||
+        r.error.find("cancelled during the call: the storage controller stopped") ==
+            std::string::npos ||
+        v != std::vector<std::int64_t>{0, 0} || s > 20 || next.ok || w[0] != 0 ||
+        next.error != c->failure() || c->failure().empty()) {
+      std::fprintf(stderr, "rank 1: cancel not seen (ok=%d, %.1f s, '%s'; next ok=%d '%s')\n",
+                   r.ok, s, r.error.c_str(), next.ok, next.error.c_str());
       return 1;
     }
+    return 0;
+  }
+  if (scenario == "closes") {
+    if (!c->barrier("connected").ok) return 1;
+    if (rank == 0) {
+      std::vector<std::int64_t> v(63, 5);
+      const auto r = c->min_allreduce(v, "hits");
+      if (r.ok || r.error.find("at most 62 values") == std::string::npos) {
+        std::fprintf(stderr, "rank 0: a call of 63 values was not refused ('%s')\n",
+                     r.error.c_str());
+        std::ofstream(done).put('1');
+        return 1;
+      }
+      return wait_for_rank1();
+    }
+    std::vector<std::int64_t> v = {5};
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = c->min_allreduce(v, "hits");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::ofstream(done).put('1');
+    if (r.ok || v[0] != 0 || r.error.find("Timed out") != std::string::npos || s > 20) {
+      std::fprintf(stderr, "rank 1: rank 0's failure not seen at once (ok=%d, %.1f s, '%s')\n",
+                   r.ok, s, r.error.c_str());
+      return 1;
+    }
+    std::printf("rank 1: %s\n", r.error.c_str());
     return 0;
   }
   if (scenario == "lengths") {
     std::vector<std::int64_t> v(rank == 0 ? 2 : 3, 5);
     const auto r = c->min_allreduce(v, "hits");
-    if (r.ok || r.error.find("divergence") == std::string::npos ||
+    const std::string want =
+        rank == 0 ? "rank 1 reduces 3 values while this rank reduces 2 (divergence)"
+                  : "rank 0 reduces 2 values while this rank reduces 3 (divergence)";
+    if (r.ok || r.error.find(want) == std::string::npos ||
         std::any_of(v.begin(), v.end(), [](std::int64_t x) { return x != 0; })) {
       std::fprintf(stderr, "rank %d: length divergence not detected (%s)\n", rank, r.error.c_str());
       return 1;
