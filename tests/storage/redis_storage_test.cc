@@ -9,11 +9,13 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <thread>
 
 #include "pools/kv_pattern.h"
+#include "redis_launcher.h"
 #include "storage/file_storage.h"
 #include "storage/record.h"
 #include "storage/redis_cluster.h"
@@ -23,6 +25,20 @@
 
 namespace hicache {
 namespace {
+
+// The servers the tests restart keep their port while down: it must lie below the kernel's
+// ephemeral range, from which any process's outgoing connection may take it meanwhile.
+TEST(RedisTestServers, PortsLieBelowTheEphemeralRange) {
+  int low = 0;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  if (low < 20001) GTEST_SKIP() << "ephemeral range starts at " << low << ": no room below it";
+  for (int i = 0; i < 20; ++i) {
+    const int port = bench::pick_server_port();
+    ASSERT_GE(port, 1024);
+    EXPECT_LT(port + 10000, low) << "port " << port << " (cluster bus " << port + 10000
+                                 << ") is not below the ephemeral range from " << low;
+  }
+}
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;

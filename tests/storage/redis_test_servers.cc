@@ -1,5 +1,7 @@
 #include "storage/redis_test_servers.h"
 
+#include "redis_launcher.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -38,37 +40,6 @@ std::string find_binary(const char* name) {
   }
   const std::string fallback = std::string("/usr/bin/") + name;
   return ::access(fallback.c_str(), X_OK) == 0 ? fallback : std::string();
-}
-
-bool port_free(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  ::close(fd);
-  return ok;
-}
-
-// A port the kernel hands out, with port + 10000 (the cluster bus) free too.
-int pick_port() {
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    int port = 0;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-      port = ntohs(addr.sin_port);
-    }
-    ::close(fd);
-    if (port > 0 && port + 10000 <= 65535 && port_free(port + 10000)) return port;
-  }
-  return 0;
 }
 
 std::vector<char*> argv_of(std::vector<std::string>& args) {
@@ -167,7 +138,7 @@ bool RedisServer::start(std::vector<std::string> extra, int port, std::string* e
   }
   if (port != 0) return start_on(port, error);
   for (int attempt = 0; attempt < 5; ++attempt) {
-    const int p = pick_port();
+    const int p = bench::pick_server_port();
     if (p != 0 && start_on(p, error)) return true;
   }
   return false;

@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <random>
 #include <thread>
 
 extern char** environ;
@@ -41,8 +43,21 @@ bool port_free(int port) {
   return ok;
 }
 
-// A port the kernel hands out, with port + 10000 (the cluster bus) free too.
-int pick_port() {
+}  // namespace
+
+int pick_server_port() {
+  int ephemeral_low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> ephemeral_low;
+  // The port in [10000, low - 10000), so that port + 10000 is below the range too.
+  if (const int lo = 10000, hi = ephemeral_low - 10000; hi > lo) {
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_int_distribution<int> draw(lo, hi - 1);
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      const int port = draw(rng);
+      if (port_free(port) && port_free(port + 10000)) return port;
+    }
+  }
+  // No room below the range: a port the kernel hands out.
   for (int attempt = 0; attempt < 100; ++attempt) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in addr = loopback(0);
@@ -57,6 +72,8 @@ int pick_port() {
   }
   return 0;
 }
+
+namespace {
 
 std::vector<char*> argv_of(std::vector<std::string>& args) {
   std::vector<char*> argv;
@@ -215,7 +232,7 @@ bool RedisProcess::start(const std::vector<std::string>& extra, std::string* err
     dir_ = tmpl;
   }
   for (int attempt = 0; attempt < 5; ++attempt) {
-    const int p = pick_port();
+    const int p = pick_server_port();
     if (p != 0 && start_on(p, extra, error)) return true;
   }
   return false;

@@ -16,6 +16,14 @@ namespace hicache::bench {
 // Path of an executable (PATH, then /usr/bin); empty when absent.
 std::string find_binary(const char* name);
 
+// A free loopback port for a server that may be killed and started again on the same port, with
+// port + 10000 (the cluster bus) free too; 0 when none is found. Drawn at random below the
+// kernel's ephemeral range (net.ipv4.ip_local_port_range): a port inside it can be taken, while
+// the server is down, as the source port of any process's outgoing connection, and the restart
+// then fails to bind (a stress run under `ctest -j2` lost a restart that way). Falls back to a
+// port the kernel hands out when the range leaves no room below it.
+int pick_server_port();
+
 // Runs argv (argv[0] a path), stdin from `stdin_path` (or /dev/null), and returns its stdout;
 // *status gets the wait status. Several may run at once: see SpawnedOutput.
 class SpawnedOutput {
