@@ -65,8 +65,10 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
     return fail(str_cat(where(), interrupted.empty() ? error : interrupted));
   }
   if (!interrupted.empty()) {
-    // The reduction completed before the interrupt took effect: its values are the peers'
-    // values too, so they are returned; the transport may be closed now, so later calls fail.
+    // The reduction completed before the interrupt took effect, so its values are returned. The
+    // peers normally got theirs too, but closing the transport now (a hard close, an NCCL abort)
+    // may cut off data a peer on another host still needed: that peer then fails its call, and
+    // its values are zeros, never a partial result. Later calls here fail.
     fail_for_good(str_cat(where(), interrupted));
   }
   const std::size_t n = values.size();
@@ -102,13 +104,20 @@ void GroupFailureNote::publish(int rank, const std::string& why) const {
   if (std::filesystem::exists(path_, ec)) return;
   // Written whole under a name of this rank's, then renamed: a reader sees all of it or nothing.
   const std::string tmp = str_cat(path_, ".", rank, ".tmp");
+  bool written = false;
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << "rank " << rank << " failed: " << why;
-    if (!out) return;
+    out.flush();
+    written = static_cast<bool>(out);
   }
-  std::filesystem::rename(tmp, path_, ec);
-  if (ec) std::filesystem::remove(tmp, ec);
+  if (written) std::filesystem::rename(tmp, path_, ec);
+  if (!written || ec) std::filesystem::remove(tmp, ec);
+}
+
+void GroupFailureNote::clear() const {
+  std::error_code ec;
+  std::filesystem::remove(path_, ec);
 }
 
 std::string GroupFailureNote::read() const {

@@ -17,8 +17,8 @@
 //
 // The multi-process groups (Gloo, NCCL) meet through a directory shared by the ranks: it must be
 // fresh for each launch of the group (a new directory, or a prefix of its own), as with any
-// FileStore rendezvous; what an earlier launch left there (addresses, an NCCL id, a failure
-// note) would be read as this launch's.
+// FileStore rendezvous; what an earlier launch left there (addresses, an NCCL id) would be read
+// as this launch's. A failure note is the exception: NCCL's rank 0 clears it at set-up.
 #pragma once
 
 #include <chrono>
@@ -151,6 +151,10 @@ class GroupFailureNote {
   void publish(int rank, const std::string& why) const;
   // "rank R failed: <why>", or empty while no rank failed.
   std::string read() const;
+  // Removes a note left by an earlier launch in the same directory. Rank 0 calls it before it
+  // publishes the group's id, so no note of this launch can be lost to it (every peer fails only
+  // after set-up, which needs that id).
+  void clear() const;
 
  private:
   std::string path_;

@@ -143,6 +143,7 @@ class NcclCollective final : public Collective {
       if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
         throw Error(nccl_error(r, "ncclGetUniqueId"));
       }
+      note_.clear();
       store.set(key, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
       return id;
     }

@@ -297,6 +297,14 @@ TEST(GroupFailureNote, PublishedOnceAndReadByEveryRank) {
   rank0.publish(0, "later");
   EXPECT_EQ(rank0.read(), "rank 1 failed: cancelled during the call: stopping") << "first stays";
   EXPECT_EQ(other.read(), "") << "another prefix is another group";
+  rank0.clear();
+  EXPECT_EQ(rank1.read(), "") << "cleared for every rank";
+  rank0.publish(0, "next launch");
+  EXPECT_EQ(rank1.read(), "rank 0 failed: next launch");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1)
+      << "no temporary file left beside the note";
   // A directory that cannot be written loses only the note.
   GroupFailureNote gone((dir / "missing").string(), "tp");
   gone.publish(0, "x");
@@ -427,6 +435,40 @@ TEST(NcclCollective, OneRankIsTheIdentity) {
   std::sort(us.begin(), us.end());
   std::printf("nccl min_allreduce, 1 rank: median %.1f us, p99 %.1f us\n", us[us.size() / 2],
               us[us.size() * 99 / 100]);
+}
+
+// A peer that failed for good left its note: the next call fails at once with the peer's reason,
+// and the collective stays failed (its communicator aborted; the destructor must not hang).
+TEST(NcclCollective, APeersFailureNoteFailsTheNextCall) {
+  SKIP_WITHOUT_NCCL();
+  const std::string dir = fresh_dir("note").string();
+  auto c = make_nccl_collective(NcclConfig{.store_dir = dir, .prefix = "tp"});
+  std::vector<std::int64_t> v = {5, 6};
+  ASSERT_TRUE(c->min_allreduce(v, "before").ok) << c->failure();
+  GroupFailureNote(dir, "other").publish(1, "another group's failure");
+  ASSERT_TRUE(c->min_allreduce(v, "other group").ok) << c->failure();
+  GroupFailureNote(dir, "tp").publish(1, "cancelled during the call: stopping");
+  const auto r = c->min_allreduce(v, "after");
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("rank 1 failed: cancelled during the call: stopping"), std::string::npos)
+      << r.error;
+  EXPECT_EQ(v, (std::vector<std::int64_t>{0, 0}));
+  std::vector<std::int64_t> w = {7};
+  EXPECT_FALSE(c->min_allreduce(w, "later").ok);
+  EXPECT_EQ(w[0], 0);
+}
+
+// What an earlier launch left in the directory is not this launch's failure: rank 0 clears the
+// note before it publishes the id.
+TEST(NcclCollective, AStaleFailureNoteIsClearedAtSetUp) {
+  SKIP_WITHOUT_NCCL();
+  const std::string dir = fresh_dir("stale").string();
+  GroupFailureNote(dir, "tp").publish(1, "the earlier launch's failure");
+  auto c = make_nccl_collective(NcclConfig{.store_dir = dir, .prefix = "tp"});
+  std::vector<std::int64_t> v = {5};
+  const auto r = c->min_allreduce(v, "hits");
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(v[0], 5);
 }
 
 TEST(NcclCollective, APeerThatNeverJoinsFailsSetUpWithinTheTimeout) {

@@ -113,6 +113,10 @@ int main(int argc, char** argv) {
       while (!c->in_call() && std::chrono::steady_clock::now() < give_up) {
         std::this_thread::yield();
       }
+      // Into the wait proper, not just the call's start (rank 0 never calls, so the call cannot
+      // end first): the cancel must end a call that is blocked on the transport. Not timing:
+      // any delay gives the same result, a longer one only tests the blocked wait more surely.
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
       c->cancel("the storage controller stopped");
     });
     std::vector<std::int64_t> v = {5, 6};
