@@ -5,7 +5,9 @@
 #include <string_view>
 #include <thread>
 
+#include "pools/kv_layout.h"
 #include "pools/kv_pattern.h"
+#include "transfer/copy_plan.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -21,8 +23,7 @@ SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& control
                                  DeviceKVPool& device_pool, HostKVPool& host_pool, Device& device,
                                  SimulatedEngineConfig config)
     : cache_(cache), controller_(controller), device_pool_(device_pool), host_pool_(host_pool),
-      verifiable_(device.device_memory_is_host_accessible()), config_(config),
-      page_size_(cache.page_size()) {
+      config_(config), page_size_(cache.page_size()) {
   if (config_.max_batch < 1) {
     throw InvalidArgument(str_cat("simulated engine: max_batch ", config_.max_batch, " < 1"));
   }
@@ -46,6 +47,40 @@ SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& control
     throw InvalidArgument(str_cat("simulated engine: cost_per_token_layer ",
                                   config_.cost_per_token_layer, " < 0"));
   }
+  if (config_.stage_page_data || !device.device_memory_is_host_accessible()) {
+    // One page in the device pool's own layout, so that a page moves as the pool's runs.
+    staging_ = device.alloc_host(
+        static_cast<std::size_t>(kv_buffer_bytes(device_pool_.geometry(), page_size_)));
+    staging_desc_ = make_device_layout(device_pool_.geometry(), page_size_, staging_.data());
+    staging_stream_ = device.create_stream();
+  }
+}
+
+void SimulatedEngine::stage_copy(std::int64_t page, bool to_device) {
+  const LayoutDesc& pool = device_pool_.layout();
+  const std::int64_t pool_page[1] = {page}, staged_page[1] = {0};
+  staging_regions_.clear();
+  if (to_device) {
+    append_page_copies(pool, pool_page, staging_desc_, staged_page, 0, pool.num_layers,
+                       staging_regions_);
+  } else {
+    append_page_copies(staging_desc_, staged_page, pool, pool_page, 0, pool.num_layers,
+                       staging_regions_);
+  }
+  staging_stream_->copy_batch_async(staging_regions_);
+  staging_stream_->synchronize();  // throws DeviceError naming the failed copy
+}
+
+void SimulatedEngine::fill_device_page(std::int64_t page, std::uint64_t seed) {
+  if (!staging_stream_) return fill_page(device_pool_.layout(), page, seed);
+  fill_page(staging_desc_, 0, seed);
+  stage_copy(page, /*to_device=*/true);
+}
+
+bool SimulatedEngine::verify_device_page(std::int64_t page, std::uint64_t seed) {
+  if (!staging_stream_) return verify_page(device_pool_.layout(), page, seed);
+  stage_copy(page, /*to_device=*/false);
+  return verify_page(staging_desc_, 0, seed);
 }
 
 void SimulatedEngine::submit(SimulatedRequest request) {
@@ -139,13 +174,9 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
 
 void SimulatedEngine::verify(const Running& r) {
   const std::size_t pages = r.cached_tokens / page_size_;
-  if (!verifiable_) {
-    stats_.unverified_pages += static_cast<std::int64_t>(pages);
-    return;
-  }
   for (std::size_t p = 0; p < pages; ++p) {
     const std::int64_t page = r.slots[p * page_size_] / page_size_;
-    if (verify_page(device_pool_.layout(), page, page_data_seed(r.request.tokens, p, page_size_))) {
+    if (verify_device_page(page, page_data_seed(r.request.tokens, p, page_size_))) {
       ++stats_.verified_pages;
     } else {
       ++stats_.mismatched_pages;
@@ -331,11 +362,9 @@ void SimulatedEngine::decode_step() {
 void SimulatedEngine::finish(Running& r) {
   const auto now = std::chrono::steady_clock::now();
   const std::size_t cacheable = r.slots.size();
-  if (verifiable_) {
-    for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
-      fill_page(device_pool_.layout(), r.slots[p * page_size_] / page_size_,
-                page_data_seed(r.request.tokens, p, page_size_));
-    }
+  for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
+    fill_device_page(r.slots[p * page_size_] / page_size_,
+                     page_data_seed(r.request.tokens, p, page_size_));
   }
   const std::int64_t dup = cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots);
   const auto ours = static_cast<std::int64_t>(r.cached_tokens);

@@ -25,19 +25,24 @@
 // the mean inter-token latency through drain_finished().
 //
 // Page data derives from the whole token prefix of the page (as a model's KV does), so any tier
-// can be checked. Verification needs device memory the CPU can read (the host backend); on CUDA
-// pages are counted as unverified.
+// can be checked: every page a request finds cached is verified before its prefill counts.
+// Where the CPU cannot read device memory (CUDA), pages are written and read through a pinned
+// one-page staging buffer and the engine's own stream (a copy and a synchronisation per page, on
+// the main loop; the loads the check follows are complete by then, wait_for_layer having
+// returned). `stage_page_data` takes that path on the host backend too, so tests cover it.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "controller/hi_radix_cache.h"
+#include "transfer/device.h"
 
 namespace hicache {
 
@@ -80,6 +85,9 @@ struct SimulatedEngineConfig {
   double host_free_target = 0.1;
   // Keep per-request records for drain_finished() (off: only the totals in stats()).
   bool record_finished = true;
+  // Write and verify page data through copies to a staging page even where the CPU could reach
+  // device memory directly (always on where it cannot).
+  bool stage_page_data = false;
 };
 
 struct SimulatedEngineStats {
@@ -91,7 +99,7 @@ struct SimulatedEngineStats {
   std::int64_t storage_hit_tokens = 0;  // of those, prefetched from L3 for the request
   std::int64_t computed_tokens = 0;
   std::int64_t prefetches = 0;
-  std::int64_t verified_pages = 0, mismatched_pages = 0, unverified_pages = 0;
+  std::int64_t verified_pages = 0, mismatched_pages = 0;
   std::int64_t deferred = 0;  // admissions put back for lack of device memory
   std::int64_t rejected = 0;  // requests larger than the device pool can ever hold, or whose
                               // loads failed kMaxLoadFailures times
@@ -170,6 +178,11 @@ class SimulatedEngine {
   void account(const Running& r);
   void retry_after_failed_loads(std::vector<Running>& batch);
   void verify(const Running& r);
+  // Writes page `page` of the device pool with the data of `seed` / checks it (directly, or
+  // through the staging page).
+  void fill_device_page(std::int64_t page, std::uint64_t seed);
+  bool verify_device_page(std::int64_t page, std::uint64_t seed);
+  void stage_copy(std::int64_t page, bool to_device);
   void finish(Running& r);
   void decode_step();
   bool wait_quietly(std::optional<std::chrono::steady_clock::time_point> deadline);
@@ -178,7 +191,6 @@ class SimulatedEngine {
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;
   HostKVPool& host_pool_;
-  bool verifiable_;
   SimulatedEngineConfig config_;
   std::int32_t page_size_;
   std::deque<Waiting> waiting_;
@@ -187,6 +199,11 @@ class SimulatedEngine {
   std::vector<FinishedRequest> finished_;
   SimulatedEngineStats stats_;
   std::string first_mismatch_;
+  // The staging path (null where the CPU writes device pages directly).
+  std::unique_ptr<Stream> staging_stream_;
+  Buffer staging_;
+  LayoutDesc staging_desc_{};
+  std::vector<CopyRegion> staging_regions_;
   std::uint64_t events_seen_ = 0;  // the cache's event_seq() when the last step began
   bool stalled_ = false;           // the last step could run nothing
 };

@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include "pools/kv_layout.h"
 #include "storage/file_storage.h"
 #include "tests/controller/faulty_device.h"
 #include "transfer/errors.h"
@@ -153,6 +155,48 @@ TEST(SimulatedEngine, ServesEveryRequestThroughAllThreeTiersWithCorrectBytes) {
                 static_cast<long long>(s.cache.stats().prefetched_tokens),
                 static_cast<long long>(st.verified_pages));
   }
+}
+
+// The path CUDA takes (the CPU cannot read device memory): pages are written and verified
+// through a pinned staging page and copies. Same bytes through all three tiers, and a page
+// corrupted on the device behind the engine's back is caught.
+TEST(SimulatedEngine, StagedPageDataIsVerifiedThroughCopiesAndCatchesACorruptPage) {
+  const TempRoot root("staged");
+  Stack s(root, 40, 48, {.max_batch = 4, .stage_page_data = true});
+  auto settle = [&] {
+    while (s.cache.stats().backups_in_flight > 0 || s.cache.stats().writes_in_flight > 0) {
+      s.cache.check_events();
+    }
+  };
+  for (auto& r : workload(80, 6, 5)) s.engine.submit(std::move(r));
+  s.engine.run_until_idle(2'000'000);
+  settle();
+  for (auto& r : workload(80, 6, 6)) s.engine.submit(std::move(r));
+  s.engine.run_until_idle(2'000'000);
+  settle();
+  const SimulatedEngineStats st = s.engine.stats();
+  ASSERT_EQ(st.finished, 160);
+  EXPECT_EQ(st.mismatched_pages, 0) << s.engine.first_mismatch();
+  EXPECT_GT(st.verified_pages, 100);
+  EXPECT_GT(st.loaded_back_tokens, 0) << "host -> device never used";
+  EXPECT_GT(s.cache.stats().prefetched_tokens, 0) << "L3 -> host never used";
+
+  // A prompt served just now is on the device; its bytes there are then overwritten.
+  std::vector<std::int32_t> prompt;
+  for (int t = 0; t < 6 * kPage; ++t) prompt.push_back(777000 + t);
+  s.engine.submit({"first", prompt, 1});
+  s.engine.run_until_idle();
+  settle();
+  const LayoutDesc& pool = s.device_pool.layout();
+  std::memset(pool.base, 0x5A, static_cast<std::size_t>(kv_buffer_bytes(geometry(), 40 * kPage)));
+  s.engine.submit({"again", prompt, 1});
+  s.engine.run_until_idle();
+  const auto done = s.engine.drain_finished();
+  ASSERT_FALSE(done.empty());
+  EXPECT_EQ(done.back().device_hit_tokens, 5 * kPage) << "the prompt was not found on the device";
+  EXPECT_EQ(s.engine.stats().mismatched_pages, 5) << "a corrupt device page went unnoticed";
+  EXPECT_NE(s.engine.first_mismatch().find("request again page 0"), std::string::npos)
+      << s.engine.first_mismatch();
 }
 
 TEST(SimulatedEngine, AWarmRestartFindsItsPagesInStorage) {

@@ -232,7 +232,6 @@ InstanceResult Runner::result() const {
   c["decode_steps"] = static_cast<double>(e.decode_steps);
   c["verified_pages"] = static_cast<double>(e.verified_pages);
   c["mismatched_pages"] = static_cast<double>(e.mismatched_pages);
-  c["unverified_pages"] = static_cast<double>(e.unverified_pages);
   c["rejected_requests"] = static_cast<double>(e.rejected);
   c["deferred_admissions"] = static_cast<double>(e.deferred);
   c["prefetches"] = static_cast<double>(e.prefetches);
