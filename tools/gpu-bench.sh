@@ -20,7 +20,11 @@ build=${BUILD_DIR:-build-gpu}
 extra=()
 if [ -n "${DEPS_PREFIX:-}" ]; then
   extra=(-DCMAKE_PREFIX_PATH="$DEPS_PREFIX/usr" -DCMAKE_INCLUDE_PATH="$DEPS_PREFIX/usr/include")
-  export LD_LIBRARY_PATH="$DEPS_PREFIX/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$DEPS_PREFIX/usr/lib/x86_64-linux-gnu:$DEPS_PREFIX/usr/lib:${LD_LIBRARY_PATH:-}"
+  # Debian's Gloo package names its library by absolute path (/usr/lib/libgloo.so.0.5.0) in its
+  # CMake targets: point them at the unpacked copy.
+  sed -i "s#\"/usr/lib/libgloo#\"$DEPS_PREFIX/usr/lib/libgloo#g" \
+    "$DEPS_PREFIX"/usr/share/cmake/Gloo/GlooTargets-*.cmake
   # hiredis and xxhash ship only .pc files, which name /usr: let pkg-config read the unpacked ones
   # and prefix their paths with the unpack directory.
   if ! command -v pkg-config >/dev/null && [ -x "$DEPS_PREFIX/usr/bin/pkgconf" ]; then
@@ -46,7 +50,7 @@ echo "[gpu-bench] GPU tests"
 "$build/tests/kernels_test" --gtest_brief=1 || failed=1
 "$build/tests/controller_test" --gtest_filter='Cuda*:*StreamHazard*' --gtest_brief=1 || failed=1
 "$build/tests/storage_test" --gtest_filter='Nccl*' --gtest_brief=1 || failed=1
-for io in direct kernel; do "$build/tools/hicache-bench" --device cuda --io "$io" --pages 64; done
+for io in direct kernel; do "$build/tools/hicache-bench" --device cuda --io-backend "$io" --no-progress || failed=1; done
 for layout in layer_first page_first page_first_direct; do
   "$build/tools/hicache-gpubench" "$layout"
 done
