@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: build, run the GPU tests, check the kernels for register
-# spills, then time scattered-page transfers (direct and kernel I/O) against a contiguous pinned
-# copy for 1, 16 and 256 pages of the standard geometry.
+# spills, run the main job and the stress tool on the GPU, then time scattered-page transfers
+# (direct and kernel I/O) against a contiguous pinned copy for 1, 16 and 256 pages of the
+# standard geometry.
 #
 #   bash tools/gpu-bench.sh            (DEPS_PREFIX=dir adds a prefix where the -dev packages
 #                                       were unpacked, for machines that cannot apt-get)
@@ -37,7 +38,7 @@ failed=0  # a failing test does not stop the timings; the exit code reports it
 echo "[gpu-bench] building in $build"
 cmake -S . -B "$build" -G Ninja -DHICACHE_CUDA=ON -DHICACHE_WERROR=ON "${extra[@]}" >/dev/null
 cmake --build "$build" -j "$(nproc)" --target hicache transfer_test kernels_test controller_test \
-  storage_test hicache-gpubench hicache-bench
+  storage_test hicache-gpubench hicache-bench hicache-stress
 echo "[gpu-bench] register use of the transfer kernels (ptxas -v):"
 /usr/local/cuda/bin/nvcc -std=c++17 -I. -gencode arch=compute_90,code=sm_90 -Xptxas -v -c \
   kernels/page_transfer.cu -o /dev/null 2>&1 | grep -E 'Used|spill' | sed 's/^/  /'
@@ -51,6 +52,11 @@ echo "[gpu-bench] GPU tests"
 "$build/tests/controller_test" --gtest_filter='Cuda*:*StreamHazard*' --gtest_brief=1 || failed=1
 "$build/tests/storage_test" --gtest_filter='Nccl*' --gtest_brief=1 || failed=1
 for io in direct kernel; do "$build/tools/hicache-bench" --device cuda --io-backend "$io" --no-progress || failed=1; done
+echo "[gpu-bench] hicache-stress on the GPU, every fault, 30 s per I/O backend"
+for io in direct kernel; do
+  "$build/tools/hicache-stress" --device cuda --io-backend "$io" --seconds 30 --no-progress \
+    --seed 5 | tail -3 || failed=1
+done
 for layout in layer_first page_first page_first_direct; do
   "$build/tools/hicache-gpubench" "$layout"
 done

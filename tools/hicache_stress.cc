@@ -67,6 +67,8 @@ struct Settings {
   std::int64_t steps = 0;  // > 0: stop after this many engine steps instead
   std::uint64_t seed = 1;
   std::string storage = "file";
+  std::string device = "host";  // the device backend: host emulation, or a GPU
+  std::string io_backend = "direct";
   std::set<std::string> faults{kFaults.begin(), kFaults.end()};
   double error_rate = 0.02, exists_error_rate = 0.01, slow_rate = 0.05, timeout_rate = 0.005;
   int slow_ms = 20, timeout_ms = 50;
@@ -84,6 +86,8 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --seed N                workload and fault seed (1)
   --storage file|redis    L3: a file store on a tmpfs it mounts (or a temporary directory), or
                           a redis-server it starts on a free loopback port (file)
+  --device host|cuda|auto  device backend (host); on CUDA pages are verified through copies
+  --io-backend direct|kernel  host <-> device copies (direct)
   --faults LIST|all|none  comma list of: error, exists, slow, timeout, corrupt, truncate,
                           disk_full, redis_restart, host_exhaust, reset (all)
   --error-rate P          per key of a get/set (0.02)     --exists-error-rate P  (0.01)
@@ -160,6 +164,16 @@ Settings parse(int argc, char** argv) {
       s.storage = v;
       if (s.storage != "file" && s.storage != "redis") {
         usage_error(str_cat("--storage: '", v, "': valid are file, redis"));
+      }
+    } else if (flag == "--device") {
+      s.device = v;
+      if (s.device != "host" && s.device != "cuda" && s.device != "auto") {
+        usage_error(str_cat("--device: '", v, "': valid are host, cuda, auto"));
+      }
+    } else if (flag == "--io-backend") {
+      s.io_backend = v;
+      if (s.io_backend != "direct" && s.io_backend != "kernel") {
+        usage_error(str_cat("--io-backend: '", v, "': valid are direct, kernel"));
       }
     } else if (flag == "--faults") {
       s.faults.clear();
@@ -321,7 +335,8 @@ int run(const Settings& s) {
                           : stress::make_redis_corruptor(redis->port());
 
   workload::StackConfig config;
-  config.cache.device = "host";
+  config.cache.device = s.device;
+  config.cache.controller.io_backend = parse_io_backend(s.io_backend);
   config.cache.geometry = KVGeometry::mha(4, 2, 32, DType::kFloat16, 16);
   config.cache.device_tokens = 4096;
   config.cache.host_size = HostPoolSize{.ratio = 2.0};
@@ -570,7 +585,8 @@ int run(const Settings& s) {
       {"requests_rejected", es.rejected},
       {"resets", cs.resets},
       {"pass", pass}};
-  std::printf("\nhicache-stress, %s store, seed %llu, faults:", s.storage.c_str(),
+  std::printf("\nhicache-stress, %s store, %s, %s I/O, seed %llu, faults:", s.storage.c_str(),
+              stack.device().name().c_str(), s.io_backend.c_str(),
               static_cast<unsigned long long>(s.seed));
   for (const auto& f : s.faults) std::printf(" %s", f.c_str());
   std::printf("\n");
