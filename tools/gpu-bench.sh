@@ -51,6 +51,18 @@ echo "[gpu-bench] GPU tests"
 "$build/tests/kernels_test" --gtest_brief=1 || failed=1
 "$build/tests/controller_test" --gtest_filter='Cuda*:*StreamHazard*' --gtest_brief=1 || failed=1
 "$build/tests/storage_test" --gtest_filter='Nccl*' --gtest_brief=1 || failed=1
+sanitizer=/usr/local/cuda/bin/compute-sanitizer
+if [ -x "$sanitizer" ]; then
+  echo "[gpu-bench] compute-sanitizer over the CUDA tests"
+  for tool in memcheck racecheck synccheck initcheck; do
+    "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/transfer_test" \
+      --gtest_filter='Cuda*' --gtest_brief=1 | tail -1 || failed=1
+  done
+  for tool in memcheck racecheck; do
+    "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/controller_test" \
+      --gtest_filter='Cuda*:*StreamHazard*/cuda' --gtest_brief=1 | tail -1 || failed=1
+  done
+fi
 for io in direct kernel; do "$build/tools/hicache-bench" --device cuda --io-backend "$io" --no-progress || failed=1; done
 echo "[gpu-bench] hicache-stress on the GPU, every fault, 30 s per I/O backend"
 for io in direct kernel; do
