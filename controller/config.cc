@@ -60,7 +60,10 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
                   "model_fingerprint", "prefetch_policy", "prefetch_threshold_tokens",
                   "prefetch_budget_tokens", "prefetch_timeout_base_ms",
                   "prefetch_timeout_per_page_ms", "prefetch_timeout_cap_ms",
-                  "storage_batch_pages"},
+                  "storage_batch_pages", "host_tier", "eviction_policy",
+                  "write_through_threshold", "load_back_min_tokens",
+                  "recompute_seconds_per_token", "demote_low_watermark",
+                  "demote_high_watermark"},
                  "");
   HiCacheConfig c;
   c.device = get<std::string>(root, "device", "auto");
@@ -120,6 +123,25 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
   s.io_batch_pages =
       json_fields::get_int(root, "storage_batch_pages", s.io_batch_pages, 0, 1 << 20, "config");
   s.mla = c.geometry.attention == AttentionKind::kMLA;
+  RadixCacheConfig& r = c.radix;
+  r.host_tier = get<bool>(root, "host_tier", r.host_tier);
+  if (!r.host_tier && !c.storage.empty()) {
+    throw InvalidArgument("config: host_tier false (a device-only cache) takes no 'storage'");
+  }
+  r.eviction_policy = parse_eviction_policy(get<std::string>(root, "eviction_policy", "lru"));
+  r.write_through_threshold = static_cast<std::int32_t>(json_fields::get_int(
+      root, "write_through_threshold", r.write_through_threshold, 1, INT32_MAX, "config"));
+  r.load_back_min_tokens = json_fields::get_int(root, "load_back_min_tokens",
+                                                r.load_back_min_tokens, 0, INT64_MAX, "config");
+  r.recompute_seconds_per_token =
+      get<double>(root, "recompute_seconds_per_token", r.recompute_seconds_per_token);
+  r.demote_low_watermark = get<double>(root, "demote_low_watermark", r.demote_low_watermark);
+  r.demote_high_watermark = get<double>(root, "demote_high_watermark", r.demote_high_watermark);
+  try {
+    r.validate();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(str_cat("config: ", e.what()));
+  }
   return c;
 }
 

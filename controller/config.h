@@ -15,12 +15,19 @@
 // "prefetch_threshold_tokens" (default one page), "prefetch_budget_tokens" (default unlimited,
 // at least one page), "prefetch_timeout_base_ms" / "_per_page_ms" / "_cap_ms" (100 / 2 / 5000),
 // "storage_batch_pages" (0: the store's preferred batch, 64 MiB for files, ~4 MiB for Redis).
+//
+// Radix cache (HiRadixCache, see RadixCacheConfig for each): "host_tier" (true; false: a
+// device-only prefix cache, which takes no "storage"), "eviction_policy" (lru | lfu),
+// "write_through_threshold" (2), "load_back_min_tokens" (0: one page),
+// "recompute_seconds_per_token" (0: off), "demote_low_watermark" / "demote_high_watermark"
+// (0 / 0: off).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include "controller/hi_radix_cache.h"
 #include "controller/hicache_controller.h"
 #include "controller/storage_controller.h"
 #include "pools/host_kv_pool.h"
@@ -40,6 +47,7 @@ struct HiCacheConfig {
   std::string model_name = "model";
   std::string model_fingerprint = "unversioned";
   StorageControllerConfig storage_controller;
+  RadixCacheConfig radix;
 
   // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
   static HiCacheConfig from_json_text(std::string_view text);

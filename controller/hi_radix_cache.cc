@@ -1,6 +1,7 @@
 #include "controller/hi_radix_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <queue>
 #include <thread>
@@ -115,25 +116,31 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
     throw InvalidArgument(str_cat("radix cache: host page size ", host_pool.geometry().page_size,
                                   " differs from the device's ", page_size_));
   }
-  if (config_.write_through_threshold < 1) {
-    throw InvalidArgument(str_cat("radix cache: write_through_threshold ",
-                                  config_.write_through_threshold, " < 1"));
-  }
-  if (!(config_.demote_low_watermark >= 0 &&
-        config_.demote_low_watermark <= config_.demote_high_watermark &&
-        config_.demote_high_watermark <= 1)) {
-    throw InvalidArgument(str_cat("radix cache: demote watermarks low ",
-                                  config_.demote_low_watermark, " high ",
-                                  config_.demote_high_watermark,
-                                  " must satisfy 0 <= low <= high <= 1"));
-  }
-  if (config_.load_back_min_tokens < 0) {
-    throw InvalidArgument(str_cat("radix cache: load_back_min_tokens ",
-                                  config_.load_back_min_tokens, " < 0"));
-  }
+  config_.validate();
   config_.load_back_min_tokens = std::max<std::int64_t>(config_.load_back_min_tokens, page_size_);
   root_->lock = 1;  // never evicted
   if (storage_ != nullptr) storage_->set_event_signal(controller_.events());
+}
+
+void RadixCacheConfig::validate() const {
+  if (write_through_threshold < 1) {
+    throw InvalidArgument(
+        str_cat("radix cache: write_through_threshold ", write_through_threshold, " < 1"));
+  }
+  if (!(demote_low_watermark >= 0 && demote_low_watermark <= demote_high_watermark &&
+        demote_high_watermark <= 1)) {
+    throw InvalidArgument(str_cat("radix cache: demote watermarks low ", demote_low_watermark,
+                                  " high ", demote_high_watermark,
+                                  " must satisfy 0 <= low <= high <= 1"));
+  }
+  if (load_back_min_tokens < 0) {
+    throw InvalidArgument(
+        str_cat("radix cache: load_back_min_tokens ", load_back_min_tokens, " < 0"));
+  }
+  if (!(recompute_seconds_per_token >= 0 && std::isfinite(recompute_seconds_per_token))) {
+    throw InvalidArgument(str_cat("radix cache: recompute_seconds_per_token ",
+                                  recompute_seconds_per_token, " is not a finite number >= 0"));
+  }
 }
 
 HiRadixCache::~HiRadixCache() = default;

@@ -80,6 +80,10 @@ struct RadixCacheConfig {
   // low = 0: off.
   double demote_low_watermark = 0;
   double demote_high_watermark = 0;
+
+  // Throws InvalidArgument naming the field and value that are out of range (the cross-field
+  // rules between the cache, its pools and its storage are the constructor's).
+  void validate() const;
 };
 
 struct RadixCacheStats {

@@ -59,6 +59,32 @@ TEST(HiCacheConfig, ParsesTheStorageKeys) {
   EXPECT_EQ(none.storage_controller.prefetch_threshold_tokens, 64) << "one page by default";
 }
 
+TEST(HiCacheConfig, ParsesTheRadixKeys) {
+  const HiCacheConfig c = HiCacheConfig::from_json_text(R"({
+    "device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8},
+    "eviction_policy": "lfu", "write_through_threshold": 3, "load_back_min_tokens": 256,
+    "recompute_seconds_per_token": 2.5e-5, "demote_low_watermark": 0.1,
+    "demote_high_watermark": 0.3})");
+  EXPECT_TRUE(c.radix.host_tier);
+  EXPECT_EQ(c.radix.eviction_policy, EvictionPolicy::kLfu);
+  EXPECT_EQ(c.radix.write_through_threshold, 3);
+  EXPECT_EQ(c.radix.load_back_min_tokens, 256);
+  EXPECT_DOUBLE_EQ(c.radix.recompute_seconds_per_token, 2.5e-5);
+  EXPECT_DOUBLE_EQ(c.radix.demote_low_watermark, 0.1);
+  EXPECT_DOUBLE_EQ(c.radix.demote_high_watermark, 0.3);
+  const HiCacheConfig device_only = HiCacheConfig::from_json_text(
+      R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8},
+          "host_tier": false})");
+  EXPECT_FALSE(device_only.radix.host_tier);
+  const RadixCacheConfig defaults;
+  const HiCacheConfig none = HiCacheConfig::from_json_text(
+      R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})");
+  EXPECT_EQ(none.radix.eviction_policy, defaults.eviction_policy);
+  EXPECT_EQ(none.radix.write_through_threshold, defaults.write_through_threshold);
+  EXPECT_EQ(none.radix.load_back_min_tokens, defaults.load_back_min_tokens);
+  EXPECT_EQ(none.radix.demote_low_watermark, 0);
+}
+
 TEST(HiCacheConfig, DefaultsAndMla) {
   const HiCacheConfig c = HiCacheConfig::from_json_text(
       R"({"device_tokens": 128, "host_bytes": 100000000,
@@ -106,6 +132,23 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
            "storage": "file"})", "'storage'"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "storage_batch_pages": -1})", "storage_batch_pages"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "eviction_policy": "fifo"})", "'fifo'"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "write_through_threshold": 0})", "write_through_threshold"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "load_back_min_tokens": 1.5})", "load_back_min_tokens"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "recompute_seconds_per_token": -1})", "recompute_seconds_per_token -1"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "demote_low_watermark": 0.5, "demote_high_watermark": 0.2})", "low 0.5 high 0.2"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "demote_high_watermark": 1.5})", "high 1.5"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "host_tier": "no"})", "host_tier"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "host_tier": false, "storage": {"backend": "file", "root": "/tmp/x"}})",
+       "host_tier false"},
       {R"([1, 2])", "object"},
       {R"({"model": )", "not valid JSON"},
       // Found by fuzzing: a number too large for any type escaped as nlohmann's out_of_range.

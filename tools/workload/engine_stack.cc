@@ -7,12 +7,12 @@ EngineStack::EngineStack(const StackConfig& c, std::unique_ptr<StorageBackend> s
     : device_(Device::create(c.cache.device)),
       device_pool_(*device_, c.cache.geometry, c.cache.device_tokens),
       host_pool_(*device_, c.cache.geometry, c.cache.host_layout,
-                 c.radix.host_tier ? c.cache.host_tokens() : c.cache.geometry.page_size),
+                 c.cache.radix.host_tier ? c.cache.host_tokens() : c.cache.geometry.page_size),
       controller_(*device_, device_pool_, host_pool_, c.cache.controller),
       storage_(std::move(storage)) {
   if (!storage_ && !c.cache.storage.empty()) storage_ = make_storage(c.cache.storage);
   if (storage_) {
-    if (!c.radix.host_tier) {
+    if (!c.cache.radix.host_tier) {
       throw InvalidArgument("engine stack: a storage tier needs the host tier");
     }
     ns_ = KeyNamespace{.model = c.cache.model_name,
@@ -24,7 +24,7 @@ EngineStack::EngineStack(const StackConfig& c, std::unique_ptr<StorageBackend> s
     storage_controller_ = std::make_unique<StorageController>(
         host_pool_, *storage_, ns_, local_, local_, local_, c.cache.storage_controller);
   }
-  cache_ = std::make_unique<HiRadixCache>(controller_, device_pool_, host_pool_, c.radix,
+  cache_ = std::make_unique<HiRadixCache>(controller_, device_pool_, host_pool_, c.cache.radix,
                                           storage_controller_.get(),
                                           storage_controller_ ? &ns_ : nullptr);
   auto engine = c.engine;

@@ -21,8 +21,9 @@
 namespace hicache::workload {
 
 struct StackConfig {
-  HiCacheConfig cache;       // pools, controller, storage controller; cache.storage: L3 JSON
-  RadixCacheConfig radix;    // radix.host_tier false: device only (cache.storage must be empty)
+  // Pools, controller, storage controller, radix cache (cache.storage: L3 JSON;
+  // cache.radix.host_tier false: device only, cache.storage must be empty).
+  HiCacheConfig cache;
   SimulatedEngineConfig engine;
 };
 
