@@ -47,6 +47,14 @@
 // and polls a prefetch's completed tokens the same way: no fixed sleeps in the timed part, and
 // the controller's threads get the CPU whenever they want it (2 cores).
 //
+// --device cuda: the same suite on a GPU. The CPU reaches device pages through a pinned mirror
+// of the device pool (filled, then copied over; copied back before a check), always outside the
+// timed part. Write and load lines then also carry ceiling_gbps: right after the workload, the
+// same bytes copied in page-sized chunks between a pinned buffer and device memory of one window
+// each, on one stream, in the workload's direction (D2H for writes, H2D for loads): the copy
+// engine's rate for contiguous pages, against which the controller's scattered layer-by-layer
+// copies are measured.
+//
 // memcpy_gbps: right after each workload, std::memcpy of the same total bytes in chunks of the
 // page size between two pre-faulted buffers of one window each (4 ops' pages: the pools'
 // allocators hand the pages an op freed to the next op, so the copies cycle over about that many
@@ -92,9 +100,10 @@ using hicache::str_cat;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage = R"(usage: hicache-opbench [options]
-Runs a fixed suite of controller operations on the host backend and prints one JSON object per
-line per workload (ops/s, pages/s, GB/s, submit->ack p50/p99 ms, byte verification, pools clean,
-and a plain memcpy of the same bytes in the same run).
+Runs a fixed suite of controller operations on the host backend (or a GPU) and prints one JSON
+object per line per workload (ops/s, pages/s, GB/s, submit->ack p50/p99 ms, byte verification,
+pools clean, and a plain memcpy of the same bytes in the same run; on a GPU also the copy
+engine's rate for the same bytes).
   --workload NAME[,NAME...]  run only these (repeatable; default all, in this order):
                              write_p1 write_p16 load_p1 load_p16 write_p1_tiny load_p1_tiny
                              backup_p16 prefetch_p16 backup_p4 prefetch_p4
@@ -102,6 +111,7 @@ and a plain memcpy of the same bytes in the same run).
                              both phases and prints the ones named)
   --quick                    every op, step and round count divided by 10, rounded up (warm-ups
                              unchanged): the whole suite in under 30 s on 2 cores
+  --device host|cuda         device backend (host)
   --storage-dir DIR          file store root for backup/prefetch (default: a fresh directory
                              under the temp directory, removed at exit)
   --help
@@ -122,6 +132,7 @@ struct Options {
   bool quick = false;
   std::vector<std::string> workloads;  // empty: all
   std::string storage_dir;             // empty: a temporary directory
+  std::string device = "host";
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -160,7 +171,7 @@ Options parse(int argc, char** argv) {
       o.quick = true;
       continue;
     }
-    if (flag != "--workload" && flag != "--storage-dir") {
+    if (flag != "--workload" && flag != "--storage-dir" && flag != "--device") {
       usage_error(str_cat("unknown flag '", argv[i], "'"));
     }
     if (!value) {
@@ -170,6 +181,11 @@ Options parse(int argc, char** argv) {
     if (value->empty()) usage_error(str_cat(flag, ": empty value"));
     if (flag == "--workload") {
       add_workloads(*value, o);
+    } else if (flag == "--device") {
+      if (*value != "host" && *value != "cuda") {
+        usage_error(str_cat("--device: '", *value, "': valid are host, cuda"));
+      }
+      o.device = *value;
     } else {
       o.storage_dir = *value;
     }
@@ -206,6 +222,7 @@ struct Measure {
   double bytes = 0, seconds = 0;
   std::int64_t window_pages = 1;   // pages in flight at once: the memcpy baseline's buffers
   std::vector<double> latency_ms;  // submit -> ack, one per timed op
+  enum class Copy { kNone, kToHost, kToDevice } direction = Copy::kNone;  // the ceiling's
   bool verified = true;
   std::string problem;  // the first reason verified is false
   nlohmann::ordered_json extra = nlohmann::ordered_json::object();
@@ -226,14 +243,59 @@ class Rig {
         host(device, geometry, hicache::HostLayout::kLayerFirst, kHostPages * geometry.page_size),
         controller(device, dev, host,
                    hicache::ControllerConfig{.write_policy = hicache::WritePolicy::kWriteThrough,
-                                             .io_backend = hicache::IoBackend::kDirect}) {}
+                                             .io_backend = hicache::IoBackend::kDirect}),
+        device_(device), dev_cpu_(dev.layout()) {
+    if (!device.device_memory_is_host_accessible()) {
+      mirror_ = device.alloc_host(dev.size_bytes());
+      dev_cpu_.base = reinterpret_cast<std::uint8_t*>(mirror_.data());
+      stream_ = device.create_stream();
+    }
+  }
+
+  // The device pool as the CPU writes and reads it: the pool itself, or its pinned mirror (then
+  // push_device() after writing, pull_device() before reading).
+  const hicache::LayoutDesc& dev_cpu() const { return dev_cpu_; }
+  void push_device() {
+    if (stream_) sync_copy(dev.layout().base, mirror_.data(), dev.size_bytes());
+  }
+  void pull_device() {
+    if (stream_) sync_copy(mirror_.data(), dev.layout().base, dev.size_bytes());
+  }
 
   bool clean() const {
     return dev.allocator().free_tokens() == dev.capacity_tokens() &&
            host.free_tokens() == host.capacity_tokens();
   }
   void zero_host() { std::memset(host.layout().base, 0, host.size_bytes()); }
-  void zero_device() { std::memset(dev.layout().base, 0, dev.size_bytes()); }
+  void zero_device() {
+    std::memset(dev_cpu_.base, 0, dev.size_bytes());
+    push_device();
+  }
+
+  // With a GPU: `bytes` copied in page-sized chunks between a pinned buffer and device memory of
+  // `window_pages` pages each, page i to page i, cycling, on one stream; GB/s. 0 on the host
+  // backend (memcpy_gbps is its baseline).
+  double ceiling_gbps(double bytes, std::int64_t window_pages, Measure::Copy direction) {
+    if (!stream_ || direction == Measure::Copy::kNone) return 0;
+    const auto page = static_cast<std::size_t>(g.page_bytes());
+    const auto window = static_cast<std::size_t>(window_pages);
+    const hicache::Buffer pinned = device_.alloc_host(window * page);
+    const hicache::Buffer on_device = device_.alloc_device(window * page);
+    const auto chunks = static_cast<std::size_t>(bytes / static_cast<double>(page));
+    const bool to_host = direction == Measure::Copy::kToHost;
+    stream_->copy_async(to_host ? pinned.data() : on_device.data(),
+                        to_host ? on_device.data() : pinned.data(), page);  // warm-up
+    stream_->synchronize();
+    const auto t0 = Clock::now();
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t at = (c % window) * page;
+      stream_->copy_async(to_host ? pinned.data() + at : on_device.data() + at,
+                          to_host ? on_device.data() + at : pinned.data() + at, page);
+    }
+    stream_->synchronize();
+    const double s = seconds(Clock::now() - t0);
+    return s > 0 ? static_cast<double>(chunks * page) / s / 1e9 : 0;
+  }
 
   // std::memcpy of `bytes` in page-sized chunks from one pre-faulted buffer of `window_pages`
   // pages to another, page i to page i, cycling; GB/s.
@@ -257,6 +319,17 @@ class Rig {
   hicache::DeviceKVPool dev;
   hicache::HostKVPool host;
   hicache::HiCacheController controller;
+
+ private:
+  void sync_copy(void* dst, const void* src, std::size_t bytes) {
+    stream_->copy_async(dst, src, bytes);
+    stream_->synchronize();
+  }
+
+  hicache::Device& device_;
+  hicache::LayoutDesc dev_cpu_;
+  hicache::Buffer mirror_;
+  std::unique_ptr<hicache::Stream> stream_;
 };
 
 // v rounded to `decimals` decimals (dividing by a power of ten prints without a tail of digits).
@@ -283,6 +356,10 @@ bool report(std::string_view name, Rig& rig, const Measure& m, bool pools_clean)
   j["verified"] = m.verified;
   j["pools_clean"] = pools_clean;
   j["memcpy_gbps"] = round_to(rig.memcpy_gbps(m.bytes, m.window_pages), 3);
+  if (const double ceiling = rig.ceiling_gbps(m.bytes, m.window_pages, m.direction); ceiling > 0) {
+    j["ceiling_gbps"] = round_to(ceiling, 3);
+    j["ratio_to_ceiling"] = round_to(m.bytes / s / 1e9 / ceiling, 3);
+  }
   if (!m.problem.empty()) j["problem"] = m.problem;
   std::puts(j.dump().c_str());
   std::fflush(stdout);
@@ -312,8 +389,9 @@ Measure run_writes(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, 
   const std::int64_t tokens = pages_per_op * ps;
   const std::int64_t dev_pages = rig.dev.allocator().num_pages();
   for (std::int64_t d = 0; d < dev_pages; ++d) {
-    hicache::fill_page(rig.dev.layout(), d, page_seed(workload, d));
+    hicache::fill_page(rig.dev_cpu(), d, page_seed(workload, d));
   }
+  rig.push_device();
   struct Op {
     std::vector<std::int64_t> dev, host;
     Clock::time_point submitted;
@@ -405,6 +483,7 @@ Measure run_writes(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, 
   m.ops = ops;
   m.pages = ops * pages_per_op;
   m.window_pages = kInFlight * pages_per_op;
+  m.direction = Measure::Copy::kToHost;
   m.bytes = static_cast<double>(m.pages) * static_cast<double>(rig.g.page_bytes());
   m.extra["pages_per_op"] = pages_per_op;
   m.extra["in_flight"] = kInFlight;
@@ -478,10 +557,11 @@ Measure run_loads(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, s
       first_layer_ms.push_back(ms(first_layer - start));
       all_layers_ms.push_back(ms(all_layers - start));
     }
+    if (verify) rig.pull_device();
     for (int i = 0; verify && i < kInFlight; ++i) {
       const auto host_pages_of_op = pages_of(host[i], ps, host_pages);
       verify_pages(
-          rig.dev.layout(), dev[i], ps, dev_pages,
+          rig.dev_cpu(), dev[i], ps, dev_pages,
           [&](std::size_t k) { return page_seed(workload, host_pages_of_op[k]); },
           "loaded device copy", m);
     }
@@ -518,6 +598,7 @@ Measure run_loads(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, s
   m.ops = steps * kInFlight;
   m.pages = m.ops * pages_per_op;
   m.window_pages = kInFlight * pages_per_op;
+  m.direction = Measure::Copy::kToDevice;
   m.bytes = static_cast<double>(m.pages) * static_cast<double>(rig.g.page_bytes());
   m.extra["pages_per_op"] = pages_per_op;
   m.extra["steps"] = steps;
@@ -804,7 +885,7 @@ int run(const Options& o) {
            std::find(o.workloads.begin(), o.workloads.end(), name) != o.workloads.end();
   };
   auto scaled = [&](std::int64_t n) { return o.quick ? (n + 9) / 10 : n; };
-  auto device = hicache::Device::create("host");
+  auto device = hicache::Device::create(o.device);
   const auto standard_geometry = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
   const auto tiny_geometry = hicache::KVGeometry::mha(1, 1, 8, hicache::DType::kFloat16, 64);
   std::unique_ptr<Rig> standard, tiny;
