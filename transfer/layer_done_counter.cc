@@ -115,8 +115,30 @@ bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
   check_layer(layer, "wait_until");
   std::unique_lock lock(mu_);
   const Slot& s = slots_[slot];
-  spin_then_wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
-  return s.done > layer;
+  if (events_.empty()) {
+    spin_then_wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
+    return s.done > layer;
+  }
+  // With events a layer is also done once the event recorded after its copy has completed, so
+  // the producer need not mark it (a host function per layer stalls a CUDA stream).
+  spin_then_wait(lock, [&] { return s.done > layer || s.enqueued > layer || s.failed || stopped_; });
+  if (s.done > layer) return true;
+  if (s.failed || stopped_ || s.enqueued <= layer) return false;
+  const Event& event = *events_[static_cast<std::size_t>(slot) * num_layers_ + layer];
+  lock.unlock();  // the slot is ours until we release it: its events are not re-recorded
+  try {
+    const auto give_up = std::chrono::steady_clock::now() + kSpinBeforeBlock;
+    while (!event.query()) {
+      if (std::chrono::steady_clock::now() >= give_up) {
+        event.synchronize();
+        break;
+      }
+      std::this_thread::yield();
+    }
+  } catch (const std::exception&) {
+    return false;  // the copy failed (a CUDA error); the load's ack reports it
+  }
+  return true;
 }
 
 bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Stream& compute) {
@@ -135,8 +157,16 @@ bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Str
 
 bool LayerDoneCounter::is_done(std::int32_t slot, std::int32_t layer) const {
   check_slot(slot, "is_done");
+  check_layer(layer, "is_done");
   std::lock_guard lock(mu_);
-  return slots_[slot].done > layer;
+  const Slot& s = slots_[slot];
+  if (s.done > layer) return true;
+  if (events_.empty() || s.enqueued <= layer) return false;
+  try {
+    return events_[static_cast<std::size_t>(slot) * num_layers_ + layer]->query();
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 void LayerDoneCounter::release(std::int32_t slot) {

@@ -47,8 +47,9 @@ class LayerDoneCounter {
   // Producer: the batch failed; every waiter on the slot wakes and gets false.
   void fail(std::int32_t slot);
 
-  // Consumer: blocks until `layer` of the slot's batch is done. Returns true then; false when
-  // the batch failed or stop() was called.
+  // Consumer: blocks until `layer` of the slot's batch is done: marked done, or, with a device,
+  // enqueued and its event completed (the controller marks nothing and lets the events tell).
+  // Returns true then; false when the batch failed or stop() was called first.
   bool wait_until(std::int32_t slot, std::int32_t layer);
   // Consumer, device-side wait: makes `compute` wait for `layer` of the slot's batch on the
   // device; the host blocks only until that layer's copy is enqueued (microseconds after
@@ -57,7 +58,7 @@ class LayerDoneCounter {
   // the batch failed before the layer was enqueued or stop() was called; a copy that fails after
   // it was enqueued is reported by the load's ack (the bytes are then not to be used).
   bool wait_on_stream(std::int32_t slot, std::int32_t layer, Stream& compute);
-  // Non-blocking form of wait_until.
+  // Non-blocking form of wait_until (with a device, one event query).
   bool is_done(std::int32_t slot, std::int32_t layer) const;
 
   // Producer and consumer each release the slot once; it is reused only after both did.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <thread>
@@ -162,6 +163,42 @@ TEST(LayerDoneCounter, WithADeviceEachSlotAndLayerHasAnEvent) {
   EXPECT_NE(counter.layer_event(1, 2), nullptr);
   EXPECT_NE(counter.layer_event(0, 0), counter.layer_event(1, 0));
   EXPECT_THROW(counter.layer_event(0, 3), InvalidArgument);
+}
+
+// The controller's producer only records an event after each layer's copy: a layer is done once
+// that event completed, and not a moment earlier (the stream is held at a gate meanwhile).
+TEST(LayerDoneCounter, WithADeviceALayerIsDoneWhenItsEventCompletes) {
+  HostDevice device;
+  LayerDoneCounter counter(2, 1, &device);
+  auto stream = device.create_stream();
+  Buffer src = device.alloc_host(64), dst = device.alloc_device(64);
+  std::memset(src.data(), 0x5A, src.size());
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  const std::int32_t slot = counter.acquire();
+  ASSERT_GE(slot, 0);
+  stream->launch_host_func([gate] { gate.wait(); });
+  stream->copy_async(dst.data(), src.data(), 64);
+  stream->record(*counter.layer_event(slot, 0));
+  counter.mark_layer_enqueued(slot, 0);
+  EXPECT_FALSE(counter.is_done(slot, 0)) << "the copy is held at the gate";
+  auto waiter = std::async(std::launch::async, [&] {
+    const bool done = counter.wait_until(slot, 0);
+    // What the consumer reads once told the layer is done.
+    return done && std::memcmp(dst.data(), src.data(), 64) == 0;
+  });
+  EXPECT_EQ(waiter.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "done before its copy ran";
+  open.set_value();
+  EXPECT_TRUE(waiter.get()) << "done, but the layer's bytes were not there";
+  EXPECT_TRUE(counter.is_done(slot, 0));
+  EXPECT_FALSE(counter.is_done(slot, 1)) << "never enqueued";
+  EXPECT_THROW(counter.is_done(slot, 2), InvalidArgument);
+  counter.fail(slot);
+  EXPECT_FALSE(counter.wait_until(slot, 1)) << "a failed batch's missing layer";
+  counter.release(slot);
+  counter.release(slot);
+  stream->synchronize();
 }
 
 }  // namespace
