@@ -1,8 +1,10 @@
 // LayerDoneCounter: how the forward pass learns that layer i of a layer-by-layer load is in
 // device memory.
 //
-// The load thread (producer) claims a slot per batch, then marks layers done in order; the
-// forward pass (consumer) waits on that slot for each layer before reading it. Several slots let
+// The load thread (producer) claims a slot per batch, then marks layers done in order (without a
+// device), or, with a device, records an event after each layer's copy and announces it
+// (mark_layer_enqueued): the layer is done when the event completes. The forward pass
+// (consumer) waits on that slot for each layer before reading it. Several slots let
 // the load of the next batch start while the current batch's consumer still waits (overlap
 // mode). Unlike the reference:
 //   - a slot's count is reset *before* it is handed to a producer and a slot is not reused
