@@ -82,7 +82,7 @@ HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
     // layout to layer_first, which also changes the L3 key namespace under the user).
     throw InvalidArgument(
         "HiCacheController: host_layout 'page_first' with io_backend 'direct' on CUDA copies one "
-        "token of one layer per region (1.3-4.9 GB/s on an H100, against about 50 GB/s with the "
+        "token of one layer per region (1.3-4.9 GB/s on an H100, against up to 50 GB/s with the "
         "kernel): use io_backend 'kernel', or host_layout 'page_first_direct' or 'layer_first' "
         "with 'direct'");
   }
@@ -194,7 +194,12 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
 std::int32_t HiCacheController::start_loading(const Event* ready_after) {
   std::vector<CacheOperation>& ops = load_ops_;  // reused: no allocation per step
   ops.clear();
-  if (pending_loads_.drain_into(ops) == 0) return -1;
+  if (pending_loads_.drain_into(ops) == 0) {
+    // A forward pass with nothing to load: its layer waits return at once, rather than asking
+    // the last batch's slot (released, and failed if that batch failed).
+    device_pool_.set_layer_wait_hook(nullptr);
+    return -1;
+  }
   if (ready_after != nullptr) load_stream_->wait(*ready_after);
   LoadBatch batch;
   batch.op = std::move(ops.front());

@@ -110,7 +110,7 @@ class HiCacheController {
                                                 std::optional<NodeId> ack_node);
   // Hands every load queued since the last call to the load thread as one batch and returns the
   // LayerDoneCounter slot its consumer waits on (also installed as the device pool's layer-wait
-  // hook), or -1 when nothing was queued. The caller releases the slot when its forward pass is
+  // hook), or -1 when nothing was queued (the pool's layer waits then return true at once). The caller releases the slot when its forward pass is
   // done: layer_done_counter().release(slot). Blocks while layer_slots batches are in flight
   // and their consumers have not released them yet.
   // `ready_after`: an event recorded on the compute stream after the last work that reads the

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "pools/kv_pattern.h"
+#include "tests/controller/faulty_device.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
 
@@ -151,6 +152,35 @@ TEST(HiCacheController, HostFullAndDeviceFullLeakNothing) {
   EXPECT_FALSE(c.load(*h, 0, NodeId{2}));  // device full
   EXPECT_EQ(dev.allocator().free_tokens(), dev_free);
   EXPECT_TRUE(host.all_in_state(*h, PageState::kBackup)) << "a refused load changed page states";
+}
+
+// A forward pass with nothing to load, after a batch whose load failed, is not failed by it: its
+// layer waits no longer ask the failed batch's (released) slot.
+TEST(HiCacheController, AStepWithoutLoadsAfterAFailedLoadWaitsOnNothing) {
+  testing::FaultyDevice device;
+  const auto g = KVGeometry::mha(2, 1, 8, DType::kFloat16, 4);
+  DeviceKVPool dev(device, g, 4 * 4);
+  HostKVPool host(device, g, HostLayout::kLayerFirst, 4 * 4);
+  HiCacheController c(device, dev, host);
+  auto d = *dev.allocator().alloc(4);
+  auto h = c.write(d, 0, NodeId{1});
+  ASSERT_TRUE(h);
+  ASSERT_EQ(wait_acks(c, true, 1).size(), 1u);
+  c.evict_device(d, *h);
+  device.fail_loads = 1;
+  auto back = c.load(*h, 0, NodeId{2});
+  ASSERT_TRUE(back);
+  const std::int32_t slot = c.start_loading();
+  ASSERT_GE(slot, 0);
+  const auto acks = wait_acks(c, false, 1);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_FALSE(acks[0].ok) << "the injected failure did not hit the load";
+  EXPECT_FALSE(dev.wait_for_layer(0)) << "the failed batch's own forward pass";
+  c.layer_done_counter().release(slot);
+  dev.allocator().free(*back);
+  EXPECT_EQ(c.start_loading(), -1) << "nothing queued";
+  EXPECT_TRUE(dev.wait_for_layer(0)) << "a pass without loads was failed by the last batch";
+  EXPECT_TRUE(dev.wait_for_layer(1));
 }
 
 // After stop(), write() and load() are refused and change nothing (a load held for a batch that
