@@ -200,8 +200,8 @@ class SimulatedEngine {
   SimulatedEngineStats stats_;
   std::string first_mismatch_;
   // The staging path (null where the CPU writes device pages directly).
+  Buffer staging_;  // declared first: the stream goes first
   std::unique_ptr<Stream> staging_stream_;
-  Buffer staging_;
   LayoutDesc staging_desc_{};
   std::vector<CopyRegion> staging_regions_;
   std::uint64_t events_seen_ = 0;  // the cache's event_seq() when the last step began

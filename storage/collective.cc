@@ -108,8 +108,8 @@ void GroupFailureNote::publish(int rank, const std::string& why) const {
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << "rank " << rank << " failed: " << why;
-    out.flush();
-    written = static_cast<bool>(out);
+    out.close();  // a write error may show only when the file is closed
+    written = !out.fail();
   }
   if (written) std::filesystem::rename(tmp, path_, ec);
   if (!written || ec) std::filesystem::remove(tmp, ec);

@@ -18,7 +18,8 @@
 // The multi-process groups (Gloo, NCCL) meet through a directory shared by the ranks: it must be
 // fresh for each launch of the group (a new directory, or a prefix of its own), as with any
 // FileStore rendezvous; what an earlier launch left there (addresses, an NCCL id) would be read
-// as this launch's. A failure note is the exception: NCCL's rank 0 clears it at set-up.
+// as this launch's. NCCL's rank 0 also clears a failure note at set-up (the id still needs a
+// fresh directory).
 #pragma once
 
 #include <chrono>

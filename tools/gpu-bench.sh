@@ -24,8 +24,9 @@ if [ -n "${DEPS_PREFIX:-}" ]; then
   export LD_LIBRARY_PATH="$DEPS_PREFIX/usr/lib/x86_64-linux-gnu:$DEPS_PREFIX/usr/lib:${LD_LIBRARY_PATH:-}"
   # Debian's Gloo package names its library by absolute path (/usr/lib/libgloo.so.0.5.0) in its
   # CMake targets: point them at the unpacked copy.
-  sed -i "s#\"/usr/lib/libgloo#\"$DEPS_PREFIX/usr/lib/libgloo#g" \
-    "$DEPS_PREFIX"/usr/share/cmake/Gloo/GlooTargets-*.cmake
+  for targets in "$DEPS_PREFIX"/usr/share/cmake/Gloo/GlooTargets-*.cmake; do
+    [ -e "$targets" ] && sed -i "s#\"/usr/lib/libgloo#\"$DEPS_PREFIX/usr/lib/libgloo#g" "$targets"
+  done
   # hiredis and xxhash ship only .pc files, which name /usr: let pkg-config read the unpacked ones
   # and prefix their paths with the unpack directory.
   if ! command -v pkg-config >/dev/null && [ -x "$DEPS_PREFIX/usr/bin/pkgconf" ]; then

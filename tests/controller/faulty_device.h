@@ -1,7 +1,9 @@
 // FaultyDevice (tests): the host backend with loads that fail on demand. It forwards everything
 // to a HostDevice; while `fail_loads` is above zero, each copy enqueued into device memory (a
 // host -> device load) throws DeviceError instead and takes one off the count, as a CUDA copy
-// that cannot be issued would. Copies out of device memory (writes) are never failed.
+// that cannot be issued would. Copies out of device memory (writes) are never failed. Any copy
+// into device memory counts: the controller's loads, and the simulated engine's staged page
+// fills (stage_page_data); `copies_to_device` counts the copy calls that reached it.
 #pragma once
 
 #include <atomic>
@@ -21,6 +23,7 @@ class FaultyDevice final : public Device {
  public:
   std::atomic<int> fail_loads{0};
   std::atomic<int> failed{0};  // copies failed so far
+  std::atomic<int> copies_to_device{0};  // copy calls into device memory (failed ones too)
 
   DeviceBackend backend() const override { return inner_.backend(); }
   std::string name() const override { return "faulty " + inner_.name(); }
@@ -83,6 +86,7 @@ class FaultyDevice final : public Device {
       for (const auto& [lo, hi] : device_ranges_) into_device = into_device || (at >= lo && at < hi);
       if (!into_device) return;
     }
+    ++copies_to_device;
     for (int n = fail_loads.load(); n > 0;) {
       if (fail_loads.compare_exchange_weak(n, n - 1)) {
         ++failed;

@@ -163,10 +163,14 @@ TEST(SimulatedEngine, ServesEveryRequestThroughAllThreeTiersWithCorrectBytes) {
 TEST(SimulatedEngine, StagedPageDataIsVerifiedThroughCopiesAndCatchesACorruptPage) {
   const TempRoot root("staged");
   Stack s(root, 40, 48, {.max_batch = 4, .stage_page_data = true});
-  auto settle = [&] {
-    while (s.cache.stats().backups_in_flight > 0 || s.cache.stats().writes_in_flight > 0) {
+  auto settle = [&] {  // bounded: a lost ack fails the test instead of hanging the suite
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((s.cache.stats().backups_in_flight > 0 || s.cache.stats().writes_in_flight > 0) &&
+           std::chrono::steady_clock::now() < give_up) {
       s.cache.check_events();
     }
+    ASSERT_EQ(s.cache.stats().writes_in_flight, 0);
+    ASSERT_EQ(s.cache.stats().backups_in_flight, 0);
   };
   for (auto& r : workload(80, 6, 5)) s.engine.submit(std::move(r));
   s.engine.run_until_idle(2'000'000);
@@ -184,11 +188,15 @@ TEST(SimulatedEngine, StagedPageDataIsVerifiedThroughCopiesAndCatchesACorruptPag
   // A prompt served just now is on the device; its bytes there are then overwritten.
   std::vector<std::int32_t> prompt;
   for (int t = 0; t < 6 * kPage; ++t) prompt.push_back(777000 + t);
+  const int copies_before = s.device.copies_to_device;
   s.engine.submit({"first", prompt, 1});
   s.engine.run_until_idle();
   settle();
+  // A fresh prompt loads nothing: its 6 whole pages (prompt and answer) reach the device only
+  // through the staging, one copy call each.
+  EXPECT_EQ(s.device.copies_to_device - copies_before, 6) << "the staging path was not taken";
   const LayoutDesc& pool = s.device_pool.layout();
-  std::memset(pool.base, 0x5A, static_cast<std::size_t>(kv_buffer_bytes(geometry(), 40 * kPage)));
+  std::memset(pool.base, 0x5A, s.device_pool.size_bytes());
   s.engine.submit({"again", prompt, 1});
   s.engine.run_until_idle();
   const auto done = s.engine.drain_finished();
