@@ -2,6 +2,8 @@
 
 #include <hiredis/read.h>
 
+#include <algorithm>
+#include <atomic>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -9,9 +11,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
-
-#include <algorithm>
-#include <atomic>
 #include <charconv>
 #include <cstring>
 #include <deque>
@@ -166,7 +165,8 @@ class Connection::Impl {
         read_buf_(kReadChunk),
         backoff_(opt_.backoff_initial) {
     reset_reader();
-    if (!opt_.password.empty()) auth_.command = auth_command_ = resp_command({"AUTH", opt_.password});
+    if (!opt_.password.empty())
+      auth_.command = auth_command_ = resp_command({"AUTH", opt_.password});
     config_command_ = resp_command({"CONFIG", "GET", "proto-max-bulk-len"});
     config_.command = config_command_;
   }
@@ -258,16 +258,16 @@ class Connection::Impl {
     const auto seq = ++write_seq_;
     asio::async_write(socket_, write_bufs_, transfer_all_unlimited,
                       [this, gen, seq](const error_code& ec, std::size_t) {
-      if (gen != gen_) return;
-      writing_ = false;
-      if (ec) {
-        fail(str_cat(name_, ": write failed: ", ec.message()));
-        return;
-      }
-      written_seq_ = seq;
-      finish_answered();
-      if (gen == gen_) start_write();
-    });
+                        if (gen != gen_) return;
+                        writing_ = false;
+                        if (ec) {
+                          fail(str_cat(name_, ": write failed: ", ec.message()));
+                          return;
+                        }
+                        written_seq_ = seq;
+                        finish_answered();
+                        if (gen == gen_) start_write();
+                      });
   }
 
   // Requests answered while the write carrying them was still running (a server may reply
@@ -333,8 +333,7 @@ class Connection::Impl {
       return;
     }
     // CONFIG GET: ["proto-max-bulk-len", "<bytes>"]; an error (CONFIG disabled) leaves it unknown.
-    if (r->outcome == Outcome::kArray && r->array->elements.size() == 2 &&
-        r->array->elements[1]) {
+    if (r->outcome == Outcome::kArray && r->array->elements.size() == 2 && r->array->elements[1]) {
       try {
         server_max_bulk_ = std::stoull(r->array->elements[1]->str);
       } catch (const std::exception&) {
@@ -664,8 +663,8 @@ class Connection::Impl {
     if (obj != kInPlace) delete static_cast<RespValue*>(obj);
   }
 
-  static inline redisReplyObjectFunctions functions_ = {create_string, create_array,
-                                                        create_integer, create_nil, free_object};
+  static inline redisReplyObjectFunctions functions_ = {create_string, create_array, create_integer,
+                                                        create_nil, free_object};
 
   void reset_reader() {
     if (reader_ != nullptr) redisReaderFree(reader_);
@@ -684,8 +683,8 @@ class Connection::Impl {
   std::vector<char> read_buf_;
   redisReader* reader_ = nullptr;
   std::vector<asio::const_buffer> write_bufs_;
-  std::vector<Request*> queued_;  // not yet written
-  std::deque<Pending> pending_;   // written, awaiting their replies in order
+  std::vector<Request*> queued_;    // not yet written
+  std::deque<Pending> pending_;     // written, awaiting their replies in order
   std::vector<Request*> answered_;  // answered before their write completed
   std::uint64_t write_seq_ = 0;     // writes started
   std::uint64_t written_seq_ = 0;   // the last write completed

@@ -107,9 +107,9 @@ std::size_t bulk_reply_bytes(std::size_t len);
 // argument). append_bulk_head writes only "$<len>\r\n", for an argument whose bytes follow from
 // elsewhere (a value sent from the caller's span). These run per key on the batch path, so they
 // format numbers with std::to_chars rather than a stream.
-void append_array_head(std::string& out, std::size_t args);     // "*<args>\r\n"
-void append_bulk_head(std::string& out, std::size_t len);       // "$<len>\r\n"
-void append_bulk(std::string& out, std::string_view arg);       // "$<len>\r\n<arg>\r\n"
+void append_array_head(std::string& out, std::size_t args);  // "*<args>\r\n"
+void append_bulk_head(std::string& out, std::size_t len);    // "$<len>\r\n"
+void append_bulk(std::string& out, std::string_view arg);    // "$<len>\r\n<arg>\r\n"
 
 // `threads` threads (at least 1), each running its own io_context, until stop() or destruction.
 // A connection is bound to one of them (round robin), for its life.

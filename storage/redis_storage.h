@@ -59,8 +59,8 @@ struct RedisConfig {
   std::chrono::milliseconds connect_timeout{1000};
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{5000};
-  std::string password;                              // AUTH at connect when not empty
-  std::uint64_t max_value_bytes = 512ull << 20;      // record bytes (header + key + payload)
+  std::string password;                          // AUTH at connect when not empty
+  std::uint64_t max_value_bytes = 512ull << 20;  // record bytes (header + key + payload)
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static RedisConfig from_json_text(std::string_view json_text);

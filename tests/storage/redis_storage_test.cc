@@ -1,8 +1,7 @@
 #include "storage/redis_storage.h"
 
-#include <gtest/gtest.h>
-
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -415,8 +414,8 @@ TEST_F(RedisStorageTest, BadRecordsAreMissesCountedAndRemoved) {
   raw_set(port(), "headonly", std::string_view(full).substr(0, 20));
   put_ok(*s, {"wrongsize"}, bytes / 2);  // a valid record, read with a span of the wrong size
 
-  const std::vector<std::string> keys = {"garbage", "foreign", "truncated", "flipped", "headonly",
-                                         "wrongsize"};
+  const std::vector<std::string> keys = {"garbage", "foreign",  "truncated",
+                                         "flipped", "headonly", "wrongsize"};
   const auto r = get(*s, keys, bytes);
   for (std::size_t i = 0; i < keys.size(); ++i) {
     EXPECT_EQ(r[i].status, IoStatus::kMiss) << keys[i];
@@ -455,8 +454,8 @@ TEST_F(RedisStorageTest, ValueOverMaxValueBytesIsAPerKeyErrorAndNotSent) {
   EXPECT_TRUE(r[0].is_ok()) << r[0].reason;
   ASSERT_EQ(r[1].status, IoStatus::kError);
   EXPECT_NE(r[1].reason.find("max_value_bytes 65536"), std::string::npos) << r[1].reason;
-  EXPECT_NE(r[1].reason.find(std::to_string(record_head_bytes("large") + 65536)),
-            std::string::npos) << r[1].reason;
+  EXPECT_NE(r[1].reason.find(std::to_string(record_head_bytes("large") + 65536)), std::string::npos)
+      << r[1].reason;
   EXPECT_EQ(redis_cli(port(), {"exists", "large"}), "0\n");
   EXPECT_EQ(s->stats().set_errors, 1u);
 }
@@ -641,7 +640,7 @@ TEST_F(RedisStorageFaults, ClientRecoversAfterTheServerRestarts) {
   expect_all(get(*s, {"p"}, 4096), IoStatus::kError);
   std::string error;
   ASSERT_TRUE(server_.restart(&error)) << error;
-  std::this_thread::sleep_for(60ms);  // past the longest backoff
+  std::this_thread::sleep_for(60ms);                  // past the longest backoff
   expect_all(get(*s, {"p"}, 4096), IoStatus::kMiss);  // the restarted server is empty
   put_ok(*s, {"p", "q"}, 4096);
   expect_all(get(*s, {"p", "q"}, 4096), IoStatus::kOk);
@@ -738,9 +737,8 @@ class RedisClusterTest : public ::testing::Test {
   static std::unique_ptr<RedisStorage> open_cluster(std::vector<int> seeds) {
     std::string nodes;
     for (int p : seeds) nodes += str_cat(nodes.empty() ? "" : ", ", "\"127.0.0.1:", p, "\"");
-    return std::make_unique<RedisStorage>(RedisConfig::from_json_text(
-        str_cat(R"({"backend": "redis", "cluster": true, "connections": 2, "nodes": [)", nodes,
-                "]}")));
+    return std::make_unique<RedisStorage>(RedisConfig::from_json_text(str_cat(
+        R"({"backend": "redis", "cluster": true, "connections": 2, "nodes": [)", nodes, "]}")));
   }
   static int owner_port(const std::string& key) {
     // The node that does not answer MOVED serves the key's slot.

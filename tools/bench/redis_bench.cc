@@ -29,7 +29,8 @@
 //             ours reads); the hit rate is read from INFO stats and only hits count as bytes.
 // The ratio printed is the median of the per-round ratios (ours / redis-benchmark).
 //
-// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster] [--io-threads N]
+// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster] [--io-threads
+// N]
 //                           [--cold] [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
 #include <algorithm>
 #include <chrono>
