@@ -1,6 +1,12 @@
 #include "storage/redis_connection.h"
 
+#include <fcntl.h>
 #include <hiredis/read.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,11 +17,13 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
+#include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <deque>
 #include <limits>
 #include <new>
+#include <system_error>
 #include <thread>
 
 #include "storage/record.h"
@@ -93,6 +101,13 @@ IoThreads::IoThreads(int threads) : impl_(std::make_unique<Impl>()) {
   }
   for (auto& shard : impl_->shards) {
     impl_->threads.emplace_back([impl = impl_.get(), io = &shard->io] {
+      // splice() to a socket the peer reset raises SIGPIPE (it takes no MSG_NOSIGNAL), which
+      // would end the process: these threads, the only ones that write to the sockets, keep it
+      // blocked; the call fails with EPIPE instead.
+      sigset_t pipe_signal;
+      sigemptyset(&pipe_signal);
+      sigaddset(&pipe_signal, SIGPIPE);
+      pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
       // A handler that throws (an allocation failing) must not end the thread, or the process:
       // the run goes on, and the connection it was serving fails its requests at their
       // timeout.
@@ -146,6 +161,43 @@ std::size_t transfer_all_unlimited(const boost::system::error_code& ec, std::siz
   return ec ? 0 : std::numeric_limits<std::size_t>::max();
 }
 
+constexpr std::size_t kMaxIovecs = 1024;  // IOV_MAX on Linux
+
+// The pipe a connection splices large payloads through. Without one (pipe() refused), payloads
+// are copied like the rest.
+struct SplicePipe {
+  int read_end = -1;
+  int write_end = -1;
+  std::size_t capacity = 0;  // bytes the pipe holds: one vmsplice moves at most this much
+  std::size_t in_pipe = 0;   // bytes vmspliced in and not yet spliced out
+
+  SplicePipe() = default;
+  SplicePipe(const SplicePipe&) = delete;
+  SplicePipe& operator=(const SplicePipe&) = delete;
+  ~SplicePipe() { close(); }
+
+  bool ready() const { return write_end >= 0; }
+
+  void open() {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;
+    read_end = fds[0];
+    write_end = fds[1];
+    // 1 MiB (the default pipe-max-size) moves a 256 KiB page in one call; the default 64 KiB
+    // still works, in more calls.
+    const int size = ::fcntl(write_end, F_SETPIPE_SZ, 1 << 20);
+    const int got = size > 0 ? size : ::fcntl(write_end, F_GETPIPE_SZ);
+    capacity = got > 0 ? static_cast<std::size_t>(got) : 4096;
+  }
+
+  void close() {
+    if (read_end >= 0) ::close(read_end);
+    if (write_end >= 0) ::close(write_end);
+    read_end = write_end = -1;
+    in_pipe = 0;
+  }
+};
+
 // Top-level replies are stored in place into the request they answer; this object stands for
 // "handled" towards hiredis, which needs a non-null pointer.
 char g_in_place;
@@ -176,6 +228,7 @@ class Connection::Impl {
   }
 
   const std::string& name() const { return name_; }
+  std::uint64_t spliced_bytes() const { return spliced_bytes_.load(std::memory_order_relaxed); }
 
   void submit(std::vector<Request*> requests) {
     asio::post(strand_, [this, reqs = std::move(requests)] { on_submit(reqs); });
@@ -224,6 +277,7 @@ class Connection::Impl {
   void start_write() {
     if (writing_ || state_ != State::kReady || queued_.empty()) return;
     write_bufs_.clear();
+    splices_.clear();
     const bool was_idle = pending_.empty();
     for (Request* r : queued_) {
       if (server_max_bulk_ != 0 && r->bulk_bytes > server_max_bulk_) {
@@ -238,6 +292,9 @@ class Connection::Impl {
       }
       write_bufs_.push_back(asio::buffer(r->command));
       if (!r->payload.empty()) {
+        if (opt_.splice_min_bytes != 0 && r->payload.size() >= opt_.splice_min_bytes) {
+          splices_.push_back(write_bufs_.size());
+        }
         write_bufs_.push_back(asio::buffer(r->payload.data(), r->payload.size()));
         write_bufs_.push_back(asio::buffer(kCrlf));
       }
@@ -256,18 +313,146 @@ class Connection::Impl {
     writing_ = true;
     const auto gen = gen_;
     const auto seq = ++write_seq_;
+    if (!splices_.empty() && splice_.ready()) {
+      cursor_ = {};
+      continue_spliced_write(gen, seq);
+      return;
+    }
     asio::async_write(socket_, write_bufs_, transfer_all_unlimited,
                       [this, gen, seq](const error_code& ec, std::size_t) {
-                        if (gen != gen_) return;
-                        writing_ = false;
-                        if (ec) {
-                          fail(str_cat(name_, ": write failed: ", ec.message()));
-                          return;
-                        }
-                        written_seq_ = seq;
-                        finish_answered();
-                        if (gen == gen_) start_write();
+                        on_write_done(gen, seq, ec ? ec.message() : std::string());
                       });
+  }
+
+  void on_write_done(std::uint64_t gen, std::uint64_t seq, const std::string& error) {
+    if (gen != gen_) return;
+    writing_ = false;
+    if (!error.empty()) {
+      fail(str_cat(name_, ": write failed: ", error));
+      return;
+    }
+    written_seq_ = seq;
+    finish_answered();
+    if (gen == gen_) start_write();
+  }
+
+  // ---- zero-copy payloads (see ConnectionOptions::splice_min_bytes) ----
+  // write_bufs_ is sent in order; the buffers listed in splices_ (large SET payloads) go through
+  // the connection's pipe (vmsplice: the pipe references the caller's pages; splice: the socket's
+  // packets reference them in turn), everything else by sendmsg. The socket is non-blocking: a
+  // full send buffer parks the write until the socket is writable again.
+
+  struct WriteCursor {
+    std::size_t buf = 0;     // the buffer being sent
+    std::size_t offset = 0;  // its bytes handed to the socket (copied) or to the pipe (spliced)
+    std::size_t next_splice = 0;  // index into splices_ of the next spliced buffer
+  };
+
+  void continue_spliced_write(std::uint64_t gen, std::uint64_t seq) {
+    for (;;) {
+      if (cursor_.buf == write_bufs_.size()) {
+        on_write_done(gen, seq, {});
+        return;
+      }
+      const bool spliced =
+          cursor_.next_splice < splices_.size() && splices_[cursor_.next_splice] == cursor_.buf;
+      const StepResult step = spliced ? splice_step() : send_step();
+      if (step == StepResult::kProgress) continue;
+      if (step == StepResult::kBlocked) {
+        socket_.async_wait(tcp::socket::wait_write, [this, gen, seq](const error_code& ec) {
+          if (gen != gen_) return;
+          if (ec) {
+            on_write_done(gen, seq, ec.message());
+            return;
+          }
+          continue_spliced_write(gen, seq);
+        });
+        return;
+      }
+      on_write_done(gen, seq, write_error_);
+      return;
+    }
+  }
+
+  enum class StepResult : std::uint8_t { kProgress, kBlocked, kFailed };
+
+  StepResult failed_step(const char* call, int err) {
+    write_error_ = str_cat(call, ": ", std::error_code(err, std::system_category()).message());
+    return StepResult::kFailed;
+  }
+
+  // Sends the copied buffers from the cursor up to the next spliced one (or the end). None is
+  // empty (commands, CRLF, ASKING), so every call sends at least a byte or blocks.
+  StepResult send_step() {
+    iovecs_.clear();
+    const std::size_t stop =
+        cursor_.next_splice < splices_.size() ? splices_[cursor_.next_splice] : write_bufs_.size();
+    for (std::size_t b = cursor_.buf; b < stop && iovecs_.size() < kMaxIovecs; ++b) {
+      const std::size_t skip = b == cursor_.buf ? cursor_.offset : 0;
+      iovecs_.push_back({const_cast<char*>(static_cast<const char*>(write_bufs_[b].data())) + skip,
+                         write_bufs_[b].size() - skip});
+    }
+    msghdr msg{};
+    msg.msg_iov = iovecs_.data();
+    msg.msg_iovlen = iovecs_.size();
+    // More follows (a payload): let the kernel hold this command head for the payload's packets.
+    const int more = stop < write_bufs_.size() ? MSG_MORE : 0;
+    const ssize_t n = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT | more);
+    if (n < 0) {
+      if (errno == EINTR) return StepResult::kProgress;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return StepResult::kBlocked;
+      return failed_step("sendmsg", errno);
+    }
+    advance_copied(static_cast<std::size_t>(n));
+    return StepResult::kProgress;
+  }
+
+  void advance_copied(std::size_t n) {
+    while (n > 0) {
+      const std::size_t left = write_bufs_[cursor_.buf].size() - cursor_.offset;
+      if (n < left) {
+        cursor_.offset += n;
+        return;
+      }
+      n -= left;
+      ++cursor_.buf;
+      cursor_.offset = 0;
+    }
+  }
+
+  // Moves the spliced buffer at the cursor on: into the pipe when it is empty, then from the pipe
+  // to the socket.
+  StepResult splice_step() {
+    const auto& buf = write_bufs_[cursor_.buf];
+    if (splice_.in_pipe == 0) {
+      const std::size_t left = buf.size() - cursor_.offset;
+      if (left == 0) {
+        ++cursor_.buf;
+        ++cursor_.next_splice;
+        cursor_.offset = 0;
+        return StepResult::kProgress;
+      }
+      iovec v{const_cast<char*>(static_cast<const char*>(buf.data())) + cursor_.offset,
+              std::min(left, splice_.capacity)};
+      const ssize_t m = ::vmsplice(splice_.write_end, &v, 1, SPLICE_F_NONBLOCK);
+      if (m < 0) {
+        if (errno == EINTR) return StepResult::kProgress;
+        return failed_step("vmsplice", errno);
+      }
+      splice_.in_pipe = static_cast<std::size_t>(m);
+      cursor_.offset += static_cast<std::size_t>(m);
+    }
+    const bool more = cursor_.offset < buf.size() || cursor_.buf + 1 < write_bufs_.size();
+    const ssize_t q = ::splice(splice_.read_end, nullptr, socket_.native_handle(), nullptr,
+                               splice_.in_pipe, SPLICE_F_NONBLOCK | (more ? SPLICE_F_MORE : 0));
+    if (q < 0) {
+      if (errno == EINTR) return StepResult::kProgress;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return StepResult::kBlocked;
+      return failed_step("splice", errno);
+    }
+    splice_.in_pipe -= static_cast<std::size_t>(q);
+    spliced_bytes_.fetch_add(static_cast<std::uint64_t>(q), std::memory_order_relaxed);
+    return StepResult::kProgress;
   }
 
   // Requests answered while the write carrying them was still running (a server may reply
@@ -314,6 +499,9 @@ class Connection::Impl {
     }
     error_code ignored;
     socket_.set_option(tcp::no_delay(true), ignored);
+    // The spliced write path calls sendmsg/splice itself and relies on EAGAIN, never a block.
+    socket_.non_blocking(true, ignored);
+    if (opt_.splice_min_bytes != 0 && !splice_.ready()) splice_.open();
     state_ = State::kHandshake;
     server_max_bulk_ = 0;
     write_bufs_.clear();
@@ -373,6 +561,9 @@ class Connection::Impl {
     timer_.cancel();
     writing_ = false;
     state_ = State::kIdle;
+    // Bytes left in the pipe reference the pages of requests failed below: the pipe goes with
+    // them (a new one is opened at the next connect).
+    if (splice_.in_pipe != 0) splice_.close();
     reset_reader();
     std::deque<Pending> pending;
     pending.swap(pending_);
@@ -683,11 +874,17 @@ class Connection::Impl {
   std::vector<char> read_buf_;
   redisReader* reader_ = nullptr;
   std::vector<asio::const_buffer> write_bufs_;
-  std::vector<Request*> queued_;    // not yet written
-  std::deque<Pending> pending_;     // written, awaiting their replies in order
-  std::vector<Request*> answered_;  // answered before their write completed
-  std::uint64_t write_seq_ = 0;     // writes started
-  std::uint64_t written_seq_ = 0;   // the last write completed
+  std::vector<std::size_t> splices_;  // indexes into write_bufs_ of the payloads to splice
+  WriteCursor cursor_;
+  std::vector<iovec> iovecs_;
+  std::string write_error_;
+  SplicePipe splice_;
+  std::atomic<std::uint64_t> spliced_bytes_{0};  // read from any thread
+  std::vector<Request*> queued_;                 // not yet written
+  std::deque<Pending> pending_;                  // written, awaiting their replies in order
+  std::vector<Request*> answered_;               // answered before their write completed
+  std::uint64_t write_seq_ = 0;                  // writes started
+  std::uint64_t written_seq_ = 0;                // the last write completed
   State state_ = State::kIdle;
   bool writing_ = false;
   bool closed_ = false;
@@ -711,5 +908,6 @@ Connection::~Connection() = default;
 void Connection::submit(std::vector<Request*> requests) { impl_->submit(std::move(requests)); }
 void Connection::shut_down() { impl_->shut_down(); }
 const std::string& Connection::name() const { return impl_->name(); }
+std::uint64_t Connection::spliced_bytes() const { return impl_->spliced_bytes(); }
 
 }  // namespace hicache::redis

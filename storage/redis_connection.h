@@ -6,7 +6,8 @@
 // - A caller builds Requests (RESP bytes, plus for a GET the key and destination span), hands
 //   them to Connection::submit and waits on their Completion. Requests on one connection are
 //   pipelined: written in one scatter-gather write (a SET's payload is sent from the caller's
-//   span, never copied) and answered in order.
+//   span, never copied into a buffer of ours; large ones not even into the socket, see
+//   ConnectionOptions::splice_min_bytes) and answered in order.
 // - Replies are parsed by hiredis's redisReader with our own object functions: a GET's bulk
 //   string is checked as a record and its payload copied straight from the reader's buffer into
 //   the destination span; integers, statuses and errors land in the Request; only arrays
@@ -142,6 +143,10 @@ struct ConnectionOptions {
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{5000};
   std::string password;
+  // SET payloads of at least this many bytes are sent without a copy: vmsplice'd into a pipe
+  // and spliced to the socket, whose packets then reference the caller's pages until the server
+  // has read them (it has, once it replies). 0: every byte is copied into the socket.
+  std::size_t splice_min_bytes = 0;
 };
 
 class Connection {
@@ -161,6 +166,8 @@ class Connection {
   void shut_down();
 
   const std::string& name() const;  // "host:port"
+  // Payload bytes handed to the socket without a copy (spliced) so far.
+  std::uint64_t spliced_bytes() const;
 
  private:
   class Impl;

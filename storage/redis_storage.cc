@@ -26,7 +26,8 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   json_fields::reject_unknown(
       j,
       {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
-       "connect_timeout_ms", "reconnect_backoff_ms", "password", "max_value_bytes"},
+       "connect_timeout_ms", "reconnect_backoff_ms", "password", "max_value_bytes",
+       "zero_copy_min_bytes"},
       what);
   RedisConfig c;
   c.cluster = json_fields::get<bool>(j, "cluster", false, what);
@@ -79,6 +80,8 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   c.password = json_fields::get<std::string>(j, "password", "", what);
   c.max_value_bytes = static_cast<std::uint64_t>(
       json_fields::get_int(j, "max_value_bytes", 512ll << 20, 1, INT64_MAX, what));
+  c.zero_copy_min_bytes = static_cast<std::uint64_t>(
+      json_fields::get_int(j, "zero_copy_min_bytes", 64 << 10, 0, INT64_MAX, what));
   return c;
 }
 
@@ -120,6 +123,15 @@ class RedisStorage::Impl {
 
   void start() {
     if (config_.cluster) refresh_slots();
+  }
+
+  std::uint64_t zero_copy_bytes() const {
+    std::shared_lock lock(map_mu_);
+    std::uint64_t total = 0;
+    for (const auto& node : nodes_) {
+      for (const auto& c : node->conns) total += c->spliced_bytes();
+    }
+    return total;
   }
 
   std::size_t exists(std::span<const std::string> keys) {
@@ -545,6 +557,7 @@ class RedisStorage::Impl {
     o.backoff_initial = config_.backoff_initial;
     o.backoff_max = config_.backoff_max;
     o.password = config_.password;
+    o.splice_min_bytes = static_cast<std::size_t>(config_.zero_copy_min_bytes);
     for (int c = 0; c < config_.connections; ++c) {
       node->conns.push_back(std::make_unique<redis::Connection>(io_, o));
     }
@@ -639,6 +652,8 @@ bool RedisStorage::remove(const std::string& key) {
 }
 
 void RedisStorage::clear() { impl_->clear(); }
+
+std::uint64_t RedisStorage::zero_copy_bytes() const { return impl_->zero_copy_bytes(); }
 
 std::vector<IoResult> RedisStorage::do_batch_get(std::span<const std::string> keys,
                                                  std::span<const ByteSpan> dst) {

@@ -129,7 +129,7 @@ TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
   const auto c = RedisConfig::from_json_text(
       R"({"backend": "redis", "host": "10.0.0.1", "port": 7000, "connections": 2,
           "timeout_ms": 300, "connect_timeout_ms": 200, "reconnect_backoff_ms": [5, 50],
-          "max_value_bytes": 4096, "io_threads": 1})");
+          "max_value_bytes": 4096, "io_threads": 1, "zero_copy_min_bytes": 0})");
   ASSERT_EQ(c.nodes.size(), 1u);
   EXPECT_EQ(c.nodes[0].host, "10.0.0.1");
   EXPECT_EQ(c.nodes[0].port, 7000);
@@ -141,10 +141,12 @@ TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
   EXPECT_EQ(c.backoff_max, 50ms);
   EXPECT_EQ(c.max_value_bytes, 4096u);
   EXPECT_EQ(c.io_threads, 1);
+  EXPECT_EQ(c.zero_copy_min_bytes, 0u);
   const auto d = RedisConfig::from_json_text(R"({"backend": "redis"})");
   EXPECT_EQ(d.nodes[0].port, 6379);
   EXPECT_EQ(d.max_value_bytes, 512u << 20);
   EXPECT_EQ(d.io_threads, 0);  // automatic: the store resolves it
+  EXPECT_EQ(d.zero_copy_min_bytes, 64u << 10);
   const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
   EXPECT_EQ(RedisStorage(d).config().io_threads, std::clamp(cpus / 4, 1, 4));
   EXPECT_EQ(RedisStorage(c).config().io_threads, 1);
@@ -171,6 +173,8 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
   EXPECT_NE(message(R"({"port": "6379"})").find("'port'"), std::string::npos);
   EXPECT_NE(message(R"({"connections": 0})").find("'connections'"), std::string::npos);
   EXPECT_NE(message(R"({"io_threads": -1})").find("'io_threads'"), std::string::npos);
+  EXPECT_NE(message(R"({"zero_copy_min_bytes": -1})").find("'zero_copy_min_bytes'"),
+            std::string::npos);
   // The same checks when a config is built in code.
   RedisConfig negative;
   negative.io_threads = -2;
@@ -300,6 +304,44 @@ TEST_F(RedisStorageTest, RoundTripsByteForByte) {
   // Stored as a record: header + key + payload.
   const std::string size = redis_cli(port(), {"strlen", "rt4096-0"});
   EXPECT_EQ(std::stoul(size), record_head_bytes("rt4096-0") + 4096);
+}
+
+// Large payloads are spliced from the caller's pages (zero_copy_min_bytes): what the server
+// stores is the bytes of the call, however the payloads lie in memory (odd sizes, unaligned),
+// mixed with copied ones on one pipeline, and larger than the pipe and the socket buffers; once
+// batch_set returned, the caller may overwrite its pages at once.
+TEST_F(RedisStorageTest, ZeroCopyPayloadsAreTheBytesOfTheCall) {
+  auto s = open_redis(port(), R"("connections": 1, "zero_copy_min_bytes": 65536)");
+  const std::vector<std::size_t> sizes = {70'001, 4096, 8u << 20, 65'536, 100, 3u << 20};
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::byte>> pages;
+  std::vector<ConstByteSpan> spans;
+  std::size_t spliced = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    keys.push_back(str_cat("zc-", i));
+    // One byte in: no payload starts on a page boundary.
+    pages.emplace_back(sizes[i] + 1);
+    fill_pattern(std::span(pages.back()).subspan(1), seed_of(keys.back()), 0, 0);
+    spans.emplace_back(std::span(pages.back()).subspan(1));
+    if (sizes[i] >= 65'536) spliced += sizes[i];
+  }
+  const auto results = s->batch_set(keys, spans);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(results[i].is_ok()) << keys[i] << ": " << results[i].reason;
+  }
+  for (auto& p : pages) std::fill(p.begin(), p.end(), std::byte{0xEE});
+  EXPECT_EQ(s->zero_copy_bytes(), spliced) << "the large payloads went by splice, the rest not";
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    expect_all(get(*s, {keys[i]}, sizes[i]), IoStatus::kOk);
+  }
+  // The same bytes through a store that copies every payload.
+  auto copying = open_redis(port(), R"("zero_copy_min_bytes": 0)");
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    expect_all(get(*copying, {keys[i]}, sizes[i]), IoStatus::kOk);
+  }
+  put_ok(*copying, {"copied"}, 1 << 20);
+  EXPECT_EQ(copying->zero_copy_bytes(), 0u);
+  expect_all(get(*s, {"copied"}, 1 << 20), IoStatus::kOk);
 }
 
 TEST_F(RedisStorageTest, ManySmallValuesInOneBatch) {
