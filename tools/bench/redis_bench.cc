@@ -16,22 +16,34 @@
 //
 // Paired rounds (figures on these machines drift 2-4x within a minute): each round runs
 // redis-benchmark SET then GET, and RedisStorage batch_set then batch_get, alternating which pair
-// goes first; the servers are flushed between runs (untimed) so they hold about one batch. The
-// flushes keep the servers' memory (FLUSHALL ASYNC), so values land on pages the server already
-// has, as in a full cache that evicts; --cold flushes with FLUSHALL (SYNC), which hands the pages
-// back to the kernel, and every run then pays the servers' page faults (see flush_all).
-//   ours SET: `batches` batches of fresh keys (nothing deduplicated), each batch timed; the
-//             servers hold the whole run, as redis-benchmark's SET run leaves them;
-//   ours GET: the last batch read back `batches` times (every page verified once per round);
+// goes first. The servers' state between runs is set by --servers:
+//   full (the default): every server is capped (maxmemory, allkeys-lru) and filled to the cap
+//        before the first timed run, and never flushed: each SET of a new key evicts an old one
+//        and reuses its memory, as in a cache at capacity, which an L3 shared by many engines is
+//        after its first hours. Both clients write into the same steady state. GET runs get
+//        headroom above the cap (see ServerRegime::prepare).
+//   warm: emptied between runs with FLUSHALL ASYNC. jemalloc keeps the freed memory only until
+//        its decay (about 10 s) hands it back to the kernel, so how much a run faults in again
+//        depends on how long the previous run and the flush took: on these VMs, where a fault
+//        costs the server more than the SET, single rounds of either client swung 0.6-4.6 GB/s.
+//   cold: emptied with FLUSHALL (SYNC), which purges at once: every run faults in fresh pages.
+// A fault here costs more than on bare metal: memory the guest hands back is taken back by the
+// host, and its next first touch faults twice (server CPU 1.5-3 s per GiB of 256 KiB SETs in
+// such runs, against 0.22-0.3 at capacity).
+//
+//   ours SET: `batches` batches of fresh keys (nothing deduplicated), each batch timed; no flush
+//             in the middle of a run, as redis-benchmark's SET run has none;
+//   ours GET: one batch's keys, written untimed, read back `batches` times (every page verified
+//             once per round);
 //   redis-benchmark SET: -t set -d <page bytes> -r 1e9 -n <pages * batches / nodes> (new keys,
 //             like ours; on a cluster node the same SET with a hash tag of that node, value -x);
 //   redis-benchmark GET: -r <pages per node>, a keyspace populated first (one batch's worth, as
 //             ours reads); the hit rate is read from INFO stats and only hits count as bytes.
 // The ratio printed is the median of the per-round ratios (ours / redis-benchmark).
 //
-// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster] [--io-threads
-// N]
-//                           [--cold] [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
+// Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster]
+//                           [--io-threads N] [--zero-copy-min-bytes N] [--servers full|warm|cold]
+//                           [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -41,6 +53,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "pools/kv_pattern.h"
@@ -66,8 +79,9 @@ struct Options {
   std::size_t run_mib = 256;  // payload per timed run: batches = run_mib / batch size (at least 1)
   bool single = true;
   bool cluster = true;
-  int io_threads = 0;  // RedisStorage's: 0 is its default (one per 4 CPUs)
-  bool cold = false;   // flush_all's mode
+  int io_threads = 0;                  // RedisStorage's: 0 is its default (one per 4 CPUs)
+  std::string servers = "full";        // full | warm | cold: the servers' state between runs
+  long long zero_copy_min_bytes = -1;  // RedisStorage's: -1 keeps its default
   std::vector<Shape> shapes;
 };
 
@@ -113,20 +127,110 @@ std::uint64_t info_field(const std::string& info, const std::string& field) {
                                  : std::strtoull(info.c_str() + at + field.size() + 1, nullptr, 10);
 }
 
-// Empties every server. Warm (the default): FLUSHALL ASYNC, then wait until the server's lazy-free
-// thread has freed it all, so the servers keep their memory and the next run reuses it, as a
-// full cache that evicts does. Cold: FLUSHALL (SYNC), after which redis-server has jemalloc hand
-// its pages back to the kernel; the next run's values then land on fresh pages, whose faults
-// (zeroing) took ~45% of the servers' CPU in a 256 KiB SET run and swung redis-benchmark's own
-// figure between 0.6 and 5.0 GB/s from round to round.
-void flush_all(const std::vector<int>& ports, bool cold) {
-  for (int p : ports) {
-    RespClient c(p);
-    c.command({"FLUSHALL", cold ? "SYNC" : "ASYNC"});
-    while (!cold && info_field(c.command({"INFO", "memory"}), "lazyfree_pending_objects") != 0) {
+// The servers' state between runs (see --servers above).
+class ServerRegime {
+ public:
+  ServerRegime(std::vector<int> ports, std::string mode)
+      : ports_(std::move(ports)), mode_(std::move(mode)) {}
+
+  // Full: caps every server at `cap_bytes` per node (allkeys-lru) and writes page-sized values
+  // under each target's prefix until it evicts, i.e. is at its cap. Warm and cold: empties the
+  // servers. False with *error.
+  bool prepare(const std::vector<std::string>& prefixes, std::size_t page_bytes,
+               std::size_t cap_bytes, std::size_t read_headroom, std::string* error) {
+    cap_ = cap_bytes;
+    read_headroom_ = read_headroom;
+    if (mode_ != "full") {
+      empty();
+      return true;
+    }
+    const std::string value(page_bytes, 'f');
+    for (std::size_t n = 0; n < ports_.size(); ++n) {
+      RespClient c(ports_[n]);
+      if (!set_config(c, "maxmemory-policy", "allkeys-lru", error) ||
+          !set_config(c, "maxmemory", std::to_string(cap_), error)) {
+        return false;
+      }
+      c.command({"CONFIG", "RESETSTAT"});
+      for (std::size_t i = 0; info_field(c.command({"INFO", "stats"}), "evicted_keys") == 0;) {
+        for (const std::size_t end = i + 8; i < end; ++i) {
+          if (const auto r = c.command({"SET", key_name(prefixes[n] + "fill:", i), value});
+              r != "+OK") {
+            *error = str_cat("filling port ", ports_[n], ": ", r);
+            return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+
+  // Before a GET run. Full: each server's cap becomes what it holds plus `read_headroom`, so
+  // nothing is evicted while the GET keys are written and read. At the cap, a GET's reply, which
+  // waits in the client's output buffer and counts against maxmemory, evicted keys, and the LRU
+  // clock (one tick a second) cannot tell the keys being read from the rest of the run.
+  bool before_read(std::string* error) {
+    if (mode_ != "full") return true;
+    for (int p : ports_) {
+      RespClient c(p);
+      const std::uint64_t used = info_field(c.command({"INFO", "memory"}), "used_memory");
+      if (!set_config(c, "maxmemory",
+                      std::to_string(std::max<std::uint64_t>(used, cap_) + read_headroom_),
+                      error)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // After a SET + GET pair of one client. Full: the cap again (the next SET run evicts down to
+  // it). Warm: FLUSHALL ASYNC, then wait until the lazy-free thread has freed it all. Cold:
+  // FLUSHALL (SYNC), after which redis-server has jemalloc hand its pages back to the kernel.
+  bool after_runs(std::string* error) {
+    if (mode_ == "full") return cap_all(cap_, error);
+    empty();
+    return true;
+  }
+
+  const char* describe() const {
+    return mode_ == "full"   ? "full (capped, evicting, never flushed)"
+           : mode_ == "warm" ? "flushed warm (FLUSHALL ASYNC) between runs"
+                             : "flushed cold (FLUSHALL SYNC) between runs";
+  }
+
+ private:
+  static bool set_config(RespClient& c, std::string_view key, const std::string& value,
+                         std::string* error) {
+    if (const auto r = c.command({"CONFIG", "SET", key, value}); r != "+OK") {
+      *error = str_cat("CONFIG SET ", key, " ", value, ": ", r);
+      return false;
+    }
+    return true;
+  }
+
+  bool cap_all(std::size_t bytes, std::string* error) {
+    if (mode_ != "full") return true;
+    for (int p : ports_) {
+      RespClient c(p);
+      if (!set_config(c, "maxmemory", std::to_string(bytes), error)) return false;
+    }
+    return true;
+  }
+
+  void empty() {
+    const bool cold = mode_ == "cold";
+    for (int p : ports_) {
+      RespClient c(p);
+      c.command({"FLUSHALL", cold ? "SYNC" : "ASYNC"});
+      while (!cold && info_field(c.command({"INFO", "memory"}), "lazyfree_pending_objects") != 0) {
+      }
     }
   }
-}
+
+  std::vector<int> ports_;
+  std::string mode_;
+  std::size_t cap_ = 0, read_headroom_ = 0;
+};
 
 // redis-benchmark for one op against every target at once (one process per node).
 class Baseline {
@@ -201,7 +305,7 @@ class Baseline {
 
   // Payload MB/s over all nodes (for GET only hits count), or nullopt with *error. The processes
   // start together; each reports its own rate, so the aggregate is all their requests over the
-  // longest one's time (a sum of rates would overstate when one finishes early).
+  // window they ran in (a sum of rates would overstate when one finishes early).
   std::optional<double> run(bool set, std::string* error, double* hit_rate) const {
     if (!set) {
       populate();
@@ -212,10 +316,25 @@ class Baseline {
       procs.push_back(std::make_unique<SpawnedOutput>(argv(t, set),
                                                       cluster_ && set ? value_file_ : "/dev/null"));
     }
+    // Each process is reaped by its own thread, so its exit time is taken when it exits.
+    std::vector<std::string> outs(procs.size());
+    std::vector<int> statuses(procs.size(), 0);
+    std::vector<Clock::time_point> exits(procs.size());
+    {
+      std::vector<std::thread> reapers;
+      for (std::size_t i = 0; i < procs.size(); ++i) {
+        reapers.emplace_back([&, i] {
+          outs[i] = procs[i]->wait(&statuses[i]);
+          exits[i] = Clock::now();
+        });
+      }
+      for (auto& t : reapers) t.join();
+    }
     double longest_s = 0;
-    for (auto& p : procs) {
-      int status = 0;
-      const std::string out = p->wait(&status);
+    Clock::time_point first_start = Clock::time_point::max(), last_exit{};
+    for (std::size_t i = 0; i < procs.size(); ++i) {
+      const int status = statuses[i];
+      const std::string& out = outs[i];
       // Last line: "TEST","rps",...
       auto end = out.find_last_not_of("\r\n");
       const auto start = out.rfind('\n', end == std::string::npos ? 0 : end);
@@ -230,8 +349,18 @@ class Baseline {
         *error = str_cat("redis-benchmark reported no rate: ", line);
         return std::nullopt;
       }
-      longest_s = std::max(longest_s, static_cast<double>(requests_) / rps);
+      const double own_s = static_cast<double>(requests_) / rps;
+      longest_s = std::max(longest_s, own_s);
+      first_start = std::min(first_start, exits[i] - std::chrono::duration_cast<Clock::duration>(
+                                                         std::chrono::duration<double>(own_s)));
+      last_exit = std::max(last_exit, exits[i]);
     }
+    // The processes start one after another and run at slightly different times: their
+    // requests all ran within [the earliest start, the last exit], which is what the aggregate
+    // rate is over (the longest single run's time overstated it by 0-8% here). A process's
+    // start is its exit less its own time (its teardown shifts both ends alike).
+    const double window_s =
+        std::max(longest_s, std::chrono::duration<double>(last_exit - first_start).count());
     double fraction = 1;
     if (!set) {
       std::uint64_t hits = 0, misses = 0;
@@ -245,7 +374,7 @@ class Baseline {
     }
     if (hit_rate != nullptr) *hit_rate = fraction;
     const double requests = static_cast<double>(requests_ * targets_.size());
-    return requests / longest_s * fraction * static_cast<double>(shape_.page_bytes) / 1e6;
+    return requests / window_s * fraction * static_cast<double>(shape_.page_bytes) / 1e6;
   }
 
   std::size_t depth() const { return depth_; }
@@ -262,7 +391,8 @@ class Baseline {
 // RedisStorage over a batch of pages: src pattern-filled, dst separate (verified).
 class Ours {
  public:
-  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches, int io_threads)
+  Ours(const std::vector<int>& ports, bool cluster, const Shape& s, int batches, int io_threads,
+       long long zero_copy_min_bytes)
       : shape_(s),
         batches_(batches),
         src_(map_host_memory(s.pages * s.page_bytes)),
@@ -274,6 +404,9 @@ class Ours {
     cfg.connections = s.connections;
     cfg.timeout = std::chrono::milliseconds(20000);
     cfg.io_threads = io_threads;
+    if (zero_copy_min_bytes >= 0) {
+      cfg.zero_copy_min_bytes = static_cast<std::uint64_t>(zero_copy_min_bytes);
+    }
     store_ = std::make_unique<RedisStorage>(cfg);
     auto* sbase = static_cast<std::byte*>(src_.data());
     auto* dbase = static_cast<std::byte*>(dst_.data());
@@ -289,11 +422,12 @@ class Ours {
   // redis-benchmark SET run leaves: a flush in the middle would hand ours the memory the first
   // half freed while redis-benchmark's second half faults in new pages). Returns payload MB/s.
   std::optional<double> set(int round, std::string* error) {
+    const auto written_before = store_->stats().set_written;
     double t = 0;
     for (int b = 0; b < batches_; ++b) {
       keys_.clear();
       for (std::size_t i = 0; i < shape_.pages; ++i)
-        keys_.push_back(str_cat("p", round, "-", b, "-", i));
+        keys_.push_back(str_cat(prefix_, round, "-", b, "-", i));
       const auto t0 = Clock::now();
       const auto results = store_->batch_set(keys_, src_spans_);
       t += seconds_since(t0);
@@ -305,16 +439,25 @@ class Ours {
       }
     }
     const auto written = store_->stats().set_written;
-    if (written != set_written_ + shape_.pages * static_cast<std::size_t>(batches_)) {
+    if (written - written_before != shape_.pages * static_cast<std::size_t>(batches_)) {
       *error = "batch_set deduplicated a fresh key";
       return std::nullopt;
     }
-    set_written_ = written;
     return bytes() / t / 1e6;
   }
 
-  // batch_get of the last batch `batches` times; every page verified after the first.
+  // batch_get of one batch's keys `batches` times; every page verified after the first read.
+  // The keys are (re)written first, untimed: a full server may have evicted any key of the SET
+  // run (its LRU clock ticks once a second, so keys of the same second look alike).
   std::optional<double> get(std::string* error) {
+    keys_.clear();
+    for (std::size_t i = 0; i < shape_.pages; ++i) keys_.push_back(str_cat(prefix_, "get-", i));
+    for (const auto& r : store_->batch_set(keys_, src_spans_)) {
+      if (!r.is_ok()) {
+        *error = str_cat("batch_set of the GET keys: ", r.reason);
+        return std::nullopt;
+      }
+    }
     std::memset(dst_.data(), 0, shape_.pages * shape_.page_bytes);
     double t = 0;
     for (int b = 0; b < batches_; ++b) {
@@ -351,7 +494,9 @@ class Ours {
   std::vector<ByteSpan> dst_spans_;
   std::vector<std::string> keys_;
   std::unique_ptr<RedisStorage> store_;
-  std::uint64_t set_written_ = 0;
+  // Keys of this instance: fresh for every shape, since full servers keep earlier runs' keys.
+  inline static int instances_ = 0;
+  std::string prefix_ = str_cat("o", instances_++, "p");
 };
 
 // Runs every shape on one deployment; false on a failure (printed).
@@ -379,14 +524,29 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
     const int batches =
         static_cast<int>(std::max<std::size_t>(1, (opt.run_mib << 20) / (s.pages * s.page_bytes)));
     Baseline base(benchmark_bin, targets, cluster, s, batches, value_file);
-    Ours ours(ports, cluster, s, batches, opt.io_threads);
+    Ours ours(ports, cluster, s, batches, opt.io_threads, opt.zero_copy_min_bytes);
     std::printf(
         "\n%s, %zu KiB pages, %zu per batch, %d batches per run, %d connections per node, "
         "pipeline depth %zu per connection, RedisStorage io_threads %d\n  %s\n  %s\n",
         label, s.page_bytes >> 10, s.pages, batches, s.connections, base.depth(), ours.io_threads(),
         base.describe(true).c_str(), base.describe(false).c_str());
     std::fflush(stdout);
-    flush_all(ports, opt.cold);
+    // Full servers hold three batches' share per node at least, and 256 MiB. Reads get four
+    // shares of headroom: the GET keys written (a share, in jemalloc's size classes up to 1.25
+    // of it) and the replies waiting in output buffers (at most as much).
+    const std::size_t share = s.pages * s.page_bytes / targets.size();
+    const std::size_t cap = std::max<std::size_t>(256 << 20, 3 * share);
+    std::vector<std::string> prefixes;
+    for (const Target& t : targets) prefixes.push_back(t.prefix);
+    ServerRegime servers(ports, opt.servers);
+    if (std::string error; !servers.prepare(prefixes, s.page_bytes, cap, 4 * share, &error)) {
+      std::printf("%s: %s\n", label, error.c_str());
+      return false;
+    }
+    if (opt.servers == "full") {
+      std::printf("  servers capped at %zu MiB each (allkeys-lru; %zu MiB more while reading)\n",
+                  cap >> 20, (4 * share) >> 20);
+    }
     std::map<std::string, std::vector<double>> ours_mb, base_mb, ratio;
     std::vector<double> hit_rates;
     for (int round = 0; round < opt.rounds; ++round) {
@@ -394,14 +554,14 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
       std::optional<double> os, og, bs, bg;
       double hits = 0;
       for (int half = 0; half < 2; ++half) {
-        if ((half + round) % 2 == 0) {
-          bs = base.run(true, &error, nullptr);
-          if (bs) bg = base.run(false, &error, &hits);
-        } else {
-          os = ours.set(round, &error);
-          if (os) og = ours.get(&error);
+        const bool baseline = (half + round) % 2 == 0;
+        auto& set_mb = baseline ? bs : os;
+        auto& get_mb = baseline ? bg : og;
+        set_mb = baseline ? base.run(true, &error, nullptr) : ours.set(round, &error);
+        if (set_mb && servers.before_read(&error)) {
+          get_mb = baseline ? base.run(false, &error, &hits) : ours.get(&error);
         }
-        flush_all(ports, opt.cold);
+        if (error.empty()) servers.after_runs(&error);
         if (!error.empty()) break;
       }
       if (!error.empty()) {
@@ -450,8 +610,17 @@ bool parse_args(int argc, char** argv, Options& opt) {
       const char* v = next();
       if (v == nullptr || std::atoi(v) < 0 || std::atoi(v) > 64) return false;
       opt.io_threads = std::atoi(v);
-    } else if (a == "--cold") {
-      opt.cold = true;
+    } else if (a == "--zero-copy-min-bytes") {
+      const char* v = next();
+      if (v == nullptr || std::atoll(v) < 0) return false;
+      opt.zero_copy_min_bytes = std::atoll(v);
+    } else if (a == "--servers") {
+      const char* v = next();
+      if (v == nullptr || (std::strcmp(v, "full") != 0 && std::strcmp(v, "warm") != 0 &&
+                           std::strcmp(v, "cold") != 0)) {
+        return false;
+      }
+      opt.servers = v;
     } else if (a == "--single" || a == "--cluster") {
       if (!which) opt.single = opt.cluster = false;
       which = true;
@@ -482,8 +651,10 @@ int main(int argc, char** argv) {
   if (!parse_args(argc, argv, opt)) {
     std::fprintf(stderr,
                  "usage: %s [--rounds N (3)] [--mib MIB_PER_RUN (256)] [--single] [--cluster]\n"
-                 "          [--io-threads N (0: RedisStorage's default)] [--cold (flush with "
-                 "FLUSHALL SYNC: every run on fresh server pages)]\n"
+                 "          [--io-threads N (0: RedisStorage's default)] [--zero-copy-min-bytes N "
+                 "(RedisStorage's zero_copy_min_bytes; 0 copies every payload)]\n"
+                 "          [--servers full|warm|cold (full: capped and evicting, the "
+                 "default; warm: FLUSHALL ASYNC between runs; cold: FLUSHALL SYNC)]\n"
                  "          [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]... "
                  "(default 8192:16:4, 256:256:4 and 256:16:4)\n",
                  argv[0]);
@@ -506,10 +677,9 @@ int main(int argc, char** argv) {
   }
   const std::string tmpdir = tmpl;
   std::printf(
-      "hicache-redisbench: %d paired rounds, %zu MiB per timed run, servers %s between runs; "
+      "hicache-redisbench: %d paired rounds, %zu MiB per timed run, servers %s; "
       "ours = RedisStorage, payload MB/s (1 MB = 1e6 bytes)\n",
-      opt.rounds, opt.run_mib,
-      opt.cold ? "flushed cold (FLUSHALL SYNC)" : "flushed warm (FLUSHALL ASYNC)");
+      opt.rounds, opt.run_mib, ServerRegime({}, opt.servers).describe());
   int rc = 0;
   try {
     if (opt.single) {
