@@ -267,7 +267,7 @@ class RedisStorageTest : public ::testing::Test {
   static void SetUpTestSuite() {
     if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
     server_ = new testing::RedisServer();
-    if (!server_->start({}, 0, &start_error_)) {
+    if (!server_->start({}, &start_error_)) {
       delete server_;
       server_ = nullptr;
     }
@@ -554,7 +554,7 @@ class RedisStorageFaults : public ::testing::Test {
   }
   void start(std::vector<std::string> extra = {}) {
     std::string error;
-    ASSERT_TRUE(server_.start(std::move(extra), 0, &error)) << error;
+    ASSERT_TRUE(server_.start(std::move(extra), &error)) << error;
   }
   testing::RedisServer server_;
 };

@@ -1,13 +1,14 @@
 // Real redis-server processes for the Redis storage tests: one server, or a 3-node cluster, on
-// free loopback ports, started with MALLOC_CONF=thp:always and stopped by PID.
+// free loopback ports, started with MALLOC_CONF=thp:always and stopped by PID (or by the kernel
+// when the test process dies).
 #pragma once
-
-#include <sys/types.h>
 
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "redis_launcher.h"
 
 namespace hicache::testing {
 
@@ -34,28 +35,22 @@ class RawClient {
   int fd_ = -1;
 };
 
+// A redis-server of the tests: the tools' launcher (tools/bench/redis_launcher.h, which has the
+// kernel kill it when the test process dies, so a crashed test leaves no server behind), with
+// DEBUG enabled for the tests that make the server sleep.
 class RedisServer {
  public:
-  RedisServer() = default;
-  ~RedisServer();
-  RedisServer(const RedisServer&) = delete;
-  RedisServer& operator=(const RedisServer&) = delete;
-
-  // Starts on a free port (or on `port`), with `extra` arguments; false with *error otherwise.
-  bool start(std::vector<std::string> extra = {}, int port = 0, std::string* error = nullptr);
+  // Starts on a free port with `extra` arguments; false with *error otherwise.
+  bool start(std::vector<std::string> extra = {}, std::string* error = nullptr);
   // Same port and arguments as the last start.
   bool restart(std::string* error = nullptr);
   // SIGKILL + waitpid; idempotent.
-  void stop();
-  int port() const { return port_; }
-  bool running() const { return pid_ > 0; }
+  void stop() { process_.stop(); }
+  int port() const { return process_.port(); }
+  bool running() const { return process_.running(); }
 
  private:
-  bool start_on(int port, std::string* error);
-  std::vector<std::string> extra_;
-  int port_ = 0;
-  pid_t pid_ = -1;
-  std::string dir_;
+  bench::RedisProcess process_;
 };
 
 // A 3-master cluster; false with *error when it could not be formed.

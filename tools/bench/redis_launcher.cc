@@ -224,7 +224,7 @@ std::string RespClient::command(const std::vector<std::string_view>& args) {
 
 bool RedisProcess::start(const std::vector<std::string>& extra, std::string* error) {
   if (dir_.empty()) {
-    char tmpl[] = "/tmp/hicache-redisbench-XXXXXX";
+    char tmpl[] = "/tmp/hicache-redis-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) {
       *error = "mkdtemp failed";
       return false;
@@ -306,7 +306,8 @@ bool RedisProcess::start_on(int port, const std::vector<std::string>& extra, std
       return false;
     }
     RespClient c(port);
-    if (c.ok() && c.command({"PING"}) == "+PONG") return true;
+    const std::string pong = c.ok() ? c.command({"PING"}) : std::string();
+    if (pong == "+PONG" || pong.rfind("-NOAUTH", 0) == 0) return true;  // answering
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   *error = "redis-server on port " + std::to_string(port) + " does not answer PING";

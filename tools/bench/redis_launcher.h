@@ -67,13 +67,15 @@ class RedisProcess {
   RedisProcess(const RedisProcess&) = delete;
   RedisProcess& operator=(const RedisProcess&) = delete;
   // Starts redis-server on a free port (whose +10000 cluster-bus port is free too) with `extra`
-  // arguments; false with *error otherwise.
+  // arguments, and waits until it answers PING (a NOAUTH error counts: a server with
+  // --requirepass); false with *error otherwise.
   bool start(const std::vector<std::string>& extra, std::string* error);
   void stop();  // SIGKILL + waitpid; idempotent
   // SIGKILL, then a new server on the same port with the same arguments (an empty dataset: the
   // servers run without persistence). False with *error when it does not come back.
   bool restart(std::string* error);
   int port() const { return port_; }
+  bool running() const { return pid_ > 0; }
 
  private:
   bool start_on(int port, const std::vector<std::string>& extra, std::string* error);
