@@ -183,9 +183,10 @@ struct SplicePipe {
     if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;
     read_end = fds[0];
     write_end = fds[1];
-    // 1 MiB (the default pipe-max-size) moves a 256 KiB page in one call; the default 64 KiB
+    // 256 KiB moves a 256 KiB page in one call and keeps a process's pipes (one a connection)
+    // well inside the per-user pipe-user-pages-soft; a pipe left at 64 KiB (the size refused)
     // still works, in more calls.
-    const int size = ::fcntl(write_end, F_SETPIPE_SZ, 1 << 20);
+    const int size = ::fcntl(write_end, F_SETPIPE_SZ, 256 << 10);
     const int got = size > 0 ? size : ::fcntl(write_end, F_GETPIPE_SZ);
     capacity = got > 0 ? static_cast<std::size_t>(got) : 4096;
   }
@@ -350,7 +351,7 @@ class Connection::Impl {
 
   void continue_spliced_write(std::uint64_t gen, std::uint64_t seq) {
     for (;;) {
-      if (cursor_.buf == write_bufs_.size()) {
+      if (cursor_.buf >= write_bufs_.size()) {
         on_write_done(gen, seq, {});
         return;
       }
@@ -391,6 +392,10 @@ class Connection::Impl {
       const std::size_t skip = b == cursor_.buf ? cursor_.offset : 0;
       iovecs_.push_back({const_cast<char*>(static_cast<const char*>(write_bufs_[b].data())) + skip,
                          write_bufs_[b].size() - skip});
+    }
+    if (iovecs_.empty()) {  // the cursor stands on a spliced buffer: a bug, not progress
+      write_error_ = "internal: no bytes to send at the write cursor";
+      return StepResult::kFailed;
     }
     msghdr msg{};
     msg.msg_iov = iovecs_.data();
@@ -437,7 +442,10 @@ class Connection::Impl {
       const ssize_t m = ::vmsplice(splice_.write_end, &v, 1, SPLICE_F_NONBLOCK);
       if (m < 0) {
         if (errno == EINTR) return StepResult::kProgress;
-        return failed_step("vmsplice", errno);
+        // Pages the kernel cannot reference (a device mapping: EFAULT; ENOMEM): the rest of this
+        // payload is copied by send_step like any other buffer, from where the pipe left it.
+        ++cursor_.next_splice;
+        return StepResult::kProgress;
       }
       splice_.in_pipe = static_cast<std::size_t>(m);
       cursor_.offset += static_cast<std::size_t>(m);
@@ -505,6 +513,7 @@ class Connection::Impl {
     state_ = State::kHandshake;
     server_max_bulk_ = 0;
     write_bufs_.clear();
+    splices_.clear();  // they index write_bufs_: the last write's would point past the handshake
     for (Request* hs : {&auth_, &config_}) {
       if (hs->command.empty()) continue;
       hs->reset_outcome();
@@ -556,10 +565,17 @@ class Connection::Impl {
   void teardown(const std::string& why) {
     ++gen_;
     error_code ignored;
+    // Abandoned with requests in flight: reset rather than close, so the kernel drops what it
+    // still holds to send, spliced bytes of the caller's pages among them, instead of sending it
+    // after the caller has been told the batch failed and may have reused them.
+    if (socket_.is_open() && (writing_ || !pending_.empty())) {
+      socket_.set_option(asio::socket_base::linger(true, 0), ignored);
+    }
     socket_.close(ignored);
     resolver_.cancel();
     timer_.cancel();
     writing_ = false;
+    splices_.clear();
     state_ = State::kIdle;
     // Bytes left in the pipe reference the pages of requests failed below: the pipe goes with
     // them (a new one is opened at the next connect).
@@ -569,7 +585,10 @@ class Connection::Impl {
     pending.swap(pending_);
     std::vector<Request*> queued;
     queued.swap(queued_);
-    finish_answered();  // the socket is closed: no write touches their memory any more
+    // The socket is closed: no write of ours reads their memory any more. (Spliced bytes the
+    // server had already received may still be read by it, from pages the caller may change
+    // once told: the record's checksum makes such a record a miss, see redis_storage.h.)
+    finish_answered();
     for (const Pending& p : pending) {
       if (!p.asking_reply) finish_error(p.req, why);
     }

@@ -12,10 +12,11 @@
 //   vmsplice + splice hand the kernel references to the caller's pages (256 KiB SETs on the
 //   3-node cluster: client CPU 0.23 -> 0.18 s per GiB, +11% throughput). A batch returns once
 //   the server has replied to each value, i.e. read it, so the caller may reuse its pages at
-//   once. After a failed batch (timeout, lost connection), bytes the kernel still held may reach
-//   a server that reads them later, from pages the caller has changed since: the record's
-//   checksum, computed over the bytes the caller passed, then fails, and the record reads as a
-//   miss and is removed, never as data.
+//   once. A failed batch (timeout, lost connection) resets the connection, which drops what the
+//   kernel still had to send; bytes the server had already received may still be read by it,
+//   from pages the caller has changed since: the record's checksum, computed over the bytes the
+//   caller passed, then fails, and the record reads as a miss and is removed, never as data.
+//   Pages the kernel cannot reference (a device mapping) are copied instead.
 // - Threads: `io_threads` threads, each running its own io_context (0, the default: one per 4
 //   CPUs, 1 to 4, at least 2 for a cluster, so that on a small machine the store does not take
 //   redis-server's core); each connection is bound to one of them, round robin. A

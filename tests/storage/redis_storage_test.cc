@@ -688,6 +688,29 @@ TEST_F(RedisStorageFaults, ClientRecoversAfterTheServerRestarts) {
   expect_all(get(*s, {"p", "q"}, 4096), IoStatus::kOk);
 }
 
+// The connection's last write before the server went away carried a spliced payload behind a
+// copied value: the reconnect's handshake must not reuse that write's layout (it sent stale
+// bytes and then spun the I/O thread).
+TEST_F(RedisStorageFaults, AReconnectAfterAZeroCopyWriteSendsOnlyItsOwnBytes) {
+  start();
+  auto s = open_redis(server_.port(),
+                      R"("connections": 1, "reconnect_backoff_ms": [10, 40], "timeout_ms": 5000)");
+  std::vector<std::vector<std::byte>> pages = {page_for("small", 4096), page_for("large", 1 << 20)};
+  const std::vector<std::string> keys = {"small", "large"};
+  const std::vector<ConstByteSpan> spans = {pages[0], pages[1]};
+  for (const auto& r : s->batch_set(keys, spans)) ASSERT_TRUE(r.is_ok()) << r.reason;
+  EXPECT_EQ(s->zero_copy_bytes(), 1u << 20);
+  server_.stop();
+  expect_all(get(*s, {"small"}, 4096), IoStatus::kError);
+  std::string error;
+  ASSERT_TRUE(server_.restart(&error)) << error;
+  std::this_thread::sleep_for(60ms);  // past the longest backoff
+  put_ok(*s, {"after"}, 4096);
+  put_ok(*s, {"after-large"}, 1 << 20);
+  expect_all(get(*s, {"after"}, 4096), IoStatus::kOk);
+  expect_all(get(*s, {"after-large"}, 1 << 20), IoStatus::kOk);
+}
+
 TEST_F(RedisStorageFaults, SlowServerTimesOut) {
   start();
   auto s = open_redis(server_.port(), R"("timeout_ms": 200, "connections": 1)");
