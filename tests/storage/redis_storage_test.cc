@@ -3,10 +3,13 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -342,6 +345,28 @@ TEST_F(RedisStorageTest, ZeroCopyPayloadsAreTheBytesOfTheCall) {
   put_ok(*copying, {"copied"}, 1 << 20);
   EXPECT_EQ(copying->zero_copy_bytes(), 0u);
   expect_all(get(*s, {"copied"}, 1 << 20), IoStatus::kOk);
+}
+
+// Memory the kernel cannot pin for a pipe (memfd_secret here; a device mapping in general):
+// vmsplice refuses it, and the payload is copied into the socket instead.
+TEST_F(RedisStorageTest, PayloadsTheKernelCannotReferenceAreCopied) {
+  const int fd = static_cast<int>(::syscall(SYS_memfd_secret, 0));
+  if (fd < 0) GTEST_SKIP() << "memfd_secret unavailable: " << std::strerror(errno);
+  constexpr std::size_t kBytes = 1 << 20;
+  ASSERT_EQ(::ftruncate(fd, kBytes), 0);
+  void* mem = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(mem, MAP_FAILED) << std::strerror(errno);
+  const std::span<std::byte> page(static_cast<std::byte*>(mem), kBytes);
+  fill_pattern(page, seed_of("secret"), 0, 0);
+  auto s = open_redis(port(), R"("connections": 1)");
+  const std::vector<std::string> keys = {"secret"};
+  const std::vector<ConstByteSpan> spans = {page};
+  const auto results = s->batch_set(keys, spans);
+  ::munmap(mem, kBytes);
+  ASSERT_TRUE(results[0].is_ok()) << results[0].reason;
+  EXPECT_EQ(s->zero_copy_bytes(), 0u);
+  expect_all(get(*s, keys, kBytes), IoStatus::kOk);
 }
 
 TEST_F(RedisStorageTest, ManySmallValuesInOneBatch) {
