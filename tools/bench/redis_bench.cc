@@ -44,6 +44,9 @@
 // Usage: hicache-redisbench [--rounds N] [--mib MIB_PER_RUN] [--single] [--cluster]
 //                           [--io-threads N] [--zero-copy-min-bytes N] [--servers full|warm|cold]
 //                           [--shape PAGE_KIB:PAGES_PER_BATCH:CONNECTIONS]...
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -52,6 +55,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -232,6 +236,75 @@ class ServerRegime {
   std::size_t cap_ = 0, read_headroom_ = 0;
 };
 
+// Where a run's CPU went: the client's (this process for ours; the reaped redis-benchmark
+// processes for the baseline, their start-up included), the servers' (/proc/PID/stat), and the
+// share of both CPUs idle (/proc/stat). Linux only; zeros where a file cannot be read.
+class CpuMeter {
+ public:
+  explicit CpuMeter(const std::vector<int>& ports) {
+    for (int p : ports) {
+      pids_.push_back(
+          static_cast<int>(info_field(RespClient(p).command({"INFO", "server"}), "process_id")));
+    }
+  }
+
+  struct Sample {
+    double busy = 0, total = 0;  // jiffies of all CPUs
+    double servers_s = 0, self_s = 0, children_s = 0;
+  };
+
+  Sample take() const {
+    Sample out;
+    std::ifstream stat("/proc/stat");
+    std::string cpu;
+    stat >> cpu;
+    double v = 0;
+    for (int i = 0; i < 8 && stat >> v; ++i) {
+      out.total += v;
+      if (i != 3 && i != 4) out.busy += v;  // idle and iowait
+    }
+    const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
+    for (int pid : pids_) {
+      std::ifstream f(str_cat("/proc/", pid, "/stat"));
+      std::string line;
+      std::getline(f, line);
+      const auto close = line.rfind(')');
+      if (close == std::string::npos) continue;
+      std::istringstream fields(line.substr(close + 2));
+      std::string skip;
+      for (int i = 0; i < 11; ++i) fields >> skip;  // state .. cmajflt
+      double utime = 0, stime = 0;
+      fields >> utime >> stime;
+      out.servers_s += (utime + stime) / tick;
+    }
+    out.self_s = rusage_seconds(RUSAGE_SELF);
+    out.children_s = rusage_seconds(RUSAGE_CHILDREN);
+    return out;
+  }
+
+  // "client+servers s/GiB idle%" of the run between two samples that moved `bytes`.
+  static std::string describe(const Sample& a, const Sample& b, bool baseline, double bytes) {
+    const double gib = bytes / static_cast<double>(1ull << 30);
+    const double client = baseline ? b.children_s - a.children_s : b.self_s - a.self_s;
+    const double total = b.total - a.total;
+    const double idle = total > 0 ? 100.0 * (1.0 - (b.busy - a.busy) / total) : 0;
+    char out[64];
+    std::snprintf(out, sizeof out, "%.2f+%.2f %.0f%%", client / gib,
+                  (b.servers_s - a.servers_s) / gib, idle);
+    return out;
+  }
+
+ private:
+  static double rusage_seconds(int who) {
+    rusage r{};
+    ::getrusage(who, &r);
+    return static_cast<double>(r.ru_utime.tv_sec + r.ru_stime.tv_sec) +
+           static_cast<double>(r.ru_utime.tv_usec + r.ru_stime.tv_usec) / 1e6;
+  }
+
+  std::vector<int> pids_;
+};
+
 // redis-benchmark for one op against every target at once (one process per node).
 class Baseline {
  public:
@@ -306,11 +379,19 @@ class Baseline {
   // Payload MB/s over all nodes (for GET only hits count), or nullopt with *error. The processes
   // start together; each reports its own rate, so the aggregate is all their requests over the
   // window they ran in (a sum of rates would overstate when one finishes early).
+  // Before a GET run (untimed): the keyspace populated, the servers' hit counters reset.
+  void prepare_get() const {
+    populate();
+    for (const Target& t : targets_) RespClient(t.port).command({"CONFIG", "RESETSTAT"});
+  }
+
+  // Payload bytes of one run (GET: before the hit rate).
+  double bytes() const {
+    return static_cast<double>(requests_ * targets_.size() * shape_.page_bytes);
+  }
+
+  // REQUIRES for a GET run: prepare_get() just before.
   std::optional<double> run(bool set, std::string* error, double* hit_rate) const {
-    if (!set) {
-      populate();
-      for (const Target& t : targets_) RespClient(t.port).command({"CONFIG", "RESETSTAT"});
-    }
     std::vector<std::unique_ptr<SpawnedOutput>> procs;
     for (const Target& t : targets_) {
       procs.push_back(std::make_unique<SpawnedOutput>(argv(t, set),
@@ -447,17 +528,22 @@ class Ours {
   }
 
   // batch_get of one batch's keys `batches` times; every page verified after the first read.
-  // The keys are (re)written first, untimed: a full server may have evicted any key of the SET
-  // run (its LRU clock ticks once a second, so keys of the same second look alike).
-  std::optional<double> get(std::string* error) {
+  // prepare_get (re)writes the keys first, untimed: a full server may have evicted any key of the
+  // SET run (its LRU clock ticks once a second, so keys of the same second look alike).
+  bool prepare_get(std::string* error) {
     keys_.clear();
     for (std::size_t i = 0; i < shape_.pages; ++i) keys_.push_back(str_cat(prefix_, "get-", i));
     for (const auto& r : store_->batch_set(keys_, src_spans_)) {
       if (!r.is_ok()) {
         *error = str_cat("batch_set of the GET keys: ", r.reason);
-        return std::nullopt;
+        return false;
       }
     }
+    return true;
+  }
+
+  // REQUIRES: prepare_get() just before.
+  std::optional<double> get(std::string* error) {
     std::memset(dst_.data(), 0, shape_.pages * shape_.page_bytes);
     double t = 0;
     for (int b = 0; b < batches_; ++b) {
@@ -484,9 +570,10 @@ class Ours {
 
   void clear() { store_->clear(); }
   int io_threads() const { return store_->config().io_threads; }
+  // Payload bytes of one run.
+  double bytes() const { return static_cast<double>(shape_.pages * shape_.page_bytes) * batches_; }
 
  private:
-  double bytes() const { return static_cast<double>(shape_.pages * shape_.page_bytes) * batches_; }
   Shape shape_;
   int batches_;
   Buffer src_, dst_;
@@ -547,19 +634,28 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
       std::printf("  servers capped at %zu MiB each (allkeys-lru; %zu MiB more while reading)\n",
                   cap >> 20, (4 * share) >> 20);
     }
+    const CpuMeter meter(ports);
     std::map<std::string, std::vector<double>> ours_mb, base_mb, ratio;
     std::vector<double> hit_rates;
     for (int round = 0; round < opt.rounds; ++round) {
       std::string error;
       std::optional<double> os, og, bs, bg;
       double hits = 0;
+      std::string cpu_ours[2], cpu_base[2];  // SET, GET: CpuMeter::describe
       for (int half = 0; half < 2; ++half) {
         const bool baseline = (half + round) % 2 == 0;
         auto& set_mb = baseline ? bs : os;
         auto& get_mb = baseline ? bg : og;
+        const double bytes = baseline ? base.bytes() : ours.bytes();
+        auto s0 = meter.take();
         set_mb = baseline ? base.run(true, &error, nullptr) : ours.set(round, &error);
-        if (set_mb && servers.before_read(&error)) {
+        (baseline ? cpu_base : cpu_ours)[0] = CpuMeter::describe(s0, meter.take(), baseline, bytes);
+        if (set_mb && servers.before_read(&error) &&
+            (baseline ? (base.prepare_get(), true) : ours.prepare_get(&error))) {
+          s0 = meter.take();
           get_mb = baseline ? base.run(false, &error, &hits) : ours.get(&error);
+          (baseline ? cpu_base : cpu_ours)[1] =
+              CpuMeter::describe(s0, meter.take(), baseline, bytes);
         }
         if (error.empty()) servers.after_runs(&error);
         if (!error.empty()) break;
@@ -572,6 +668,10 @@ bool bench_deployment(const char* label, const std::vector<int>& ports, bool clu
           "  round %d: SET ours %.0f MB/s, redis-benchmark %.0f MB/s (%.2f); GET ours "
           "%.0f MB/s, redis-benchmark %.0f MB/s (%.2f, hit rate %.3f)\n",
           round, *os, *bs, *os / *bs, *og, *bg, *og / *bg, hits);
+      std::printf(
+          "    CPU s/GiB client+servers, CPUs idle: SET ours %s, redis-benchmark %s; GET ours %s, "
+          "redis-benchmark %s\n",
+          cpu_ours[0].c_str(), cpu_base[0].c_str(), cpu_ours[1].c_str(), cpu_base[1].c_str());
       std::fflush(stdout);
       ours_mb["set"].push_back(*os);
       base_mb["set"].push_back(*bs);
