@@ -54,6 +54,7 @@ struct HiCacheController::Scratch {
   Buffer pinned;  // [host pages | device pages], grown on demand
   std::int64_t* pinned_host = nullptr;
   std::int64_t* pinned_device = nullptr;
+  std::vector<NodeId> ack_nodes;  // the finished op's nodes, acked after its lists went back
 };
 
 HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
@@ -305,9 +306,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
       // The pages were not in the state this op left them in; nothing more to return.
     }
   }
-  for (NodeId node : op.node_ids) acks_->write.enqueue(Ack{node, ok});
-  events_->notify();
-  arena_.give(std::move(op));
+  finish_op(op, acks_->write, ok, s);
 }
 
 void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
@@ -361,9 +360,18 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     }
   }
   counter_->release(batch.slot);
-  for (NodeId node : batch.op.node_ids) acks_->load.enqueue(Ack{node, ok});
+  finish_op(batch.op, acks_->load, ok, s);
+}
+
+void HiCacheController::finish_op(CacheOperation& op, moodycamel::ConcurrentQueue<Ack>& acks,
+                                  bool ok, Scratch& s) {
+  // The op's lists go back to the arena before its acks are posted: a caller that has seen
+  // the ack finds them there, so its next write() or load() takes a list instead of
+  // allocating one (ControllerAllocations counts this).
+  s.ack_nodes.swap(op.node_ids);
+  arena_.give(std::move(op));  // with the scratch's previous node list in place of this op's
+  for (NodeId node : s.ack_nodes) acks.enqueue(Ack{node, ok});
   events_->notify();
-  arena_.give(std::move(batch.op));
 }
 
 void HiCacheController::write_loop() {

@@ -169,6 +169,9 @@ class HiCacheController {
                          std::span<const std::int64_t> device_slots, std::int64_t priority,
                          std::optional<NodeId> ack_node);
   void run_load(LoadBatch& batch, Scratch& scratch);
+  // Gives a finished op's lists back to the arena, then acks its nodes and wakes the waiters.
+  void finish_op(CacheOperation& op, moodycamel::ConcurrentQueue<Ack>& acks, bool ok,
+                 Scratch& scratch);
   void return_queued_slots();
 
   Device& device_;
