@@ -659,10 +659,10 @@ TEST_F(RedisStorageFaults, ServerKilledInTheMiddleOfABatch) {
   auto s = open_redis(server_.port(), R"("timeout_ms": 10000, "connections": 2)");
   const auto keys = make_keys("mid", 8);
   put_ok(*s, keys, 65536);  // connections are up
-  // The server stops answering (it sleeps) while our batch is on the wire; then it dies.
-  RawClient sleeper(server_.port());
-  ASSERT_TRUE(sleeper.send("*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$1\r\n5\r\n"));
-  std::this_thread::sleep_for(50ms);
+  // The server stops answering while our batch is on the wire; then it dies. The pause is in
+  // force once its +OK is back (a DEBUG SLEEP sent just before could still be read after our
+  // batch by a server the scheduler had not run yet, and the batch then succeeded).
+  ASSERT_EQ(RawClient(server_.port()).command({"CLIENT", "PAUSE", "20000", "ALL"}), "+OK");
   std::thread killer([&] {
     std::this_thread::sleep_for(300ms);
     server_.stop();
@@ -740,9 +740,8 @@ TEST_F(RedisStorageFaults, SlowServerTimesOut) {
   start();
   auto s = open_redis(server_.port(), R"("timeout_ms": 200, "connections": 1)");
   put_ok(*s, {"slow"}, 4096);
-  RawClient sleeper(server_.port());
-  ASSERT_TRUE(sleeper.send("*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$3\r\n1.2\r\n"));
-  std::this_thread::sleep_for(30ms);
+  // In force once its +OK is back (see ServerKilledInTheMiddleOfABatch).
+  ASSERT_EQ(RawClient(server_.port()).command({"CLIENT", "PAUSE", "1200", "ALL"}), "+OK");
   const auto t0 = Clock::now();
   const auto r = get(*s, {"slow"}, 4096);
   const auto took = Clock::now() - t0;
