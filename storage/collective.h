@@ -173,11 +173,15 @@ struct GlooConfig {
   std::string store_dir;              // shared by all ranks; created if missing
   std::string prefix = "hicache";     // separates groups that share a store_dir
   std::string hostname = "127.0.0.1";  // the address this rank listens on
-  std::chrono::milliseconds timeout{30000};
+  std::chrono::milliseconds timeout{30000};  // each call
+  // The rendezvous: every rank up and connected. Longer than a call's timeout, because ranks
+  // start seconds apart (each loads its weights at its own speed) while a call that waits
+  // longer than `timeout` means a dead or diverged peer.
+  std::chrono::milliseconds connect_timeout{120000};
 };
 
-// Throws InvalidArgument naming a bad rank/size/directory, and Error when the rendezvous fails
-// (a peer never showed up within the timeout).
+// Throws InvalidArgument naming a bad rank/size/directory/timeout, and Error when the rendezvous
+// fails (a peer never showed up within connect_timeout).
 std::unique_ptr<Collective> make_gloo_collective(const GlooConfig& config);
 
 // GPUs (NCCL), one rank per GPU, compiled in CUDA builds. Rank 0 creates the NCCL unique id and

@@ -71,8 +71,9 @@ class GlooCollective final : public Collective {
     gloo::rendezvous::FileStore file_store(c.store_dir);
     gloo::rendezvous::PrefixStore store(c.prefix, file_store);
     context_ = std::make_shared<gloo::rendezvous::Context>(c.rank, c.size);
-    context_->setTimeout(c.timeout);
+    context_->setTimeout(c.connect_timeout);
     context_->connectFullMesh(store, device);
+    context_->setTimeout(c.timeout);
     const std::size_t stride = kMaxElements + 1;
     send_words_.resize(stride);
     recv_words_.resize(stride * static_cast<std::size_t>(c.size));
@@ -191,6 +192,10 @@ class GlooCollective final : public Collective {
 
 std::unique_ptr<Collective> make_gloo_collective(const GlooConfig& config) {
   validate_group_config("gloo", config.rank, config.size, config.store_dir, config.timeout);
+  if (config.connect_timeout.count() <= 0) {
+    throw InvalidArgument(
+        str_cat("gloo collective: connect_timeout ", config.connect_timeout.count(), " ms"));
+  }
   try {
     return std::make_unique<GlooCollective>(config);
   } catch (const std::exception& e) {

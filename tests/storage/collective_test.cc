@@ -320,6 +320,38 @@ TEST(Collective, BadArgumentsAreNamed) {
                InvalidArgument);
 }
 
+TEST(GlooCollective, ABadConnectTimeoutIsNamed) {
+  try {
+    make_gloo_collective(GlooConfig{.rank = 0, .size = 1, .store_dir = "/tmp",
+                                    .connect_timeout = std::chrono::milliseconds(0)});
+    ADD_FAILURE() << "a connect_timeout of 0 ms was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("connect_timeout 0 ms"), std::string::npos) << e.what();
+  }
+}
+
+// The rendezvous waits connect_timeout, not the call timeout: a rank whose peer never starts
+// fails set-up once connect_timeout is over, with the reason, and not before it.
+TEST(GlooCollective, APeerThatNeverStartsFailsSetUpAfterTheConnectTimeout) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("hicache-gloo-" + std::to_string(::getpid()) + "-alone");
+  std::filesystem::remove_all(dir);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    make_gloo_collective(GlooConfig{.rank = 0, .size = 2, .store_dir = dir.string(),
+                                    .timeout = std::chrono::milliseconds(50),
+                                    .connect_timeout = std::chrono::milliseconds(1500)});
+    ADD_FAILURE() << "set-up succeeded without the peer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 of 2 could not connect"), std::string::npos)
+        << e.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, std::chrono::milliseconds(1500)) << "gave up before connect_timeout";
+  EXPECT_LT(took, std::chrono::seconds(30));
+  std::filesystem::remove_all(dir);
+}
+
 // Gloo: N processes of gloo_worker over TCP on loopback.
 int run_gloo(int size, const std::string& scenario) {
   const auto dir = std::filesystem::temp_directory_path() /

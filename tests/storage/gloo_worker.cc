@@ -36,12 +36,12 @@ int main(int argc, char** argv) {
   const std::string scenario = argv[4];
   std::unique_ptr<Collective> c;
   try {
-    c = make_gloo_collective(GlooConfig{.rank = rank, .size = size, .store_dir = argv[3],
-                                        .timeout = std::chrono::milliseconds(
-                                            scenario == "agree" || scenario == "cancel" ||
-                                                    scenario == "closes"
-                                                ? 30000
-                                                : 2000)});
+    // The rendezvous has its own timeout (connect_timeout, 120 s): the processes may start
+    // seconds apart on a loaded machine. Calls wait 30 s, except in "dead", where a peer that
+    // is gone must fail the call within 2 s.
+    c = make_gloo_collective(GlooConfig{
+        .rank = rank, .size = size, .store_dir = argv[3],
+        .timeout = std::chrono::milliseconds(scenario == "dead" ? 2000 : 30000)});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
     return 1;
