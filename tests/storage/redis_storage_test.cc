@@ -641,7 +641,7 @@ TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
   const int port = server_.port();
   server_.stop();
   auto s = open_redis(port, R"("connections": 1, "connect_timeout_ms": 500,
-                              "reconnect_backoff_ms": [2000, 4000])");
+                              "reconnect_backoff_ms": [20000, 40000])");
   const auto t0 = Clock::now();
   const auto r = get(*s, {"a", "b"}, 4096);
   expect_all(r, IoStatus::kError);
@@ -650,7 +650,7 @@ TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
   const auto w = put(*s, {"a"}, 4096);
   EXPECT_EQ(w[0].status, IoStatus::kError);
   EXPECT_NE(w[0].reason.find("next attempt in"), std::string::npos) << w[0].reason;
-  EXPECT_LT(Clock::now() - t0, 1500ms);
+  EXPECT_LT(Clock::now() - t0, 10s) << "nobody waited out the 20 s backoff";
   EXPECT_EQ(s->stats().get_errors, 2u);
 }
 
@@ -678,7 +678,7 @@ TEST_F(RedisStorageFaults, ServerKilledInTheMiddleOfABatch) {
 
 TEST_F(RedisStorageFaults, ServerKilledDuringALargeTransfer) {
   start();
-  auto s = open_redis(server_.port(), R"("connections": 4)");
+  auto s = open_redis(server_.port(), R"("connections": 4, "timeout_ms": 30000)");
   const auto keys = make_keys("big", 24);
   put_ok(*s, keys, 1 << 20);
   std::thread killer([&] {
@@ -688,7 +688,7 @@ TEST_F(RedisStorageFaults, ServerKilledDuringALargeTransfer) {
   const auto t0 = Clock::now();
   const auto r = get(*s, keys, 1 << 20);  // ok pages are checked byte for byte
   killer.join();
-  EXPECT_LT(Clock::now() - t0, 3s);
+  EXPECT_LT(Clock::now() - t0, 10s) << "ended by the kill, not by the 30 s timeout";
   for (const auto& x : r) {
     EXPECT_NE(x.status, IoStatus::kMiss) << x.reason;
     if (!x.is_ok()) {
