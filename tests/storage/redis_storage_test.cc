@@ -636,6 +636,75 @@ TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
   ::close(listener);
 }
 
+// A connection abandoned with requests in flight is reset, not closed: the kernel drops what it
+// still had to send (spliced bytes of the caller's pages among them) rather than sending it after
+// the caller was told the batch failed. The fake server answers the handshake and then nothing;
+// the batch times out, and the server's next read must see the reset (ECONNRESET), where an
+// orderly close would give it the rest of the bytes and then end of file. A connection closed
+// with nothing in flight (the store destroyed) is closed in order.
+TEST(RedisStorageFakeServer, AConnectionAbandonedMidBatchIsResetAndAnIdleOneClosedInOrder) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  // How each accepted connection ended: the errno of the read that ended it (0: end of file).
+  std::vector<int> endings;
+  std::thread server([listener, &endings] {
+    for (int conn = 0; conn < 2; ++conn) {
+      const int c = ::accept(listener, nullptr, nullptr);
+      if (c < 0) return;
+      std::string seen;
+      char buf[65536];
+      bool configured = false;
+      int ending = -1;
+      for (;;) {
+        const ssize_t n = ::read(c, buf, sizeof buf);
+        if (n <= 0) {
+          ending = n == 0 ? 0 : errno;
+          break;
+        }
+        seen.append(buf, static_cast<std::size_t>(n));
+        if (!configured && seen.find("proto-max-bulk-len\r\n") != std::string::npos) {
+          configured = true;
+          seen.clear();
+          const std::string reply = "*2\r\n$18\r\nproto-max-bulk-len\r\n$9\r\n536870912\r\n";
+          if (::write(c, reply.data(), reply.size()) < 0) break;
+        }
+        // After the handshake, the first connection answers nothing; the second answers each
+        // EXISTS with 0.
+        for (std::size_t at; conn == 1 && (at = seen.find("EXISTS")) != std::string::npos;) {
+          seen.erase(0, at + 6);
+          if (::write(c, ":0\r\n", 4) < 0) break;
+        }
+      }
+      endings.push_back(ending);
+      ::close(c);
+    }
+  });
+  {
+    // A timeout the answered batch below keeps on a loaded machine under a sanitizer.
+    auto s = open_redis(port, R"("connections": 1, "timeout_ms": 1500)");
+    const auto w = put(*s, {"abandoned"}, 1 << 20);  // spliced: over zero_copy_min_bytes
+    EXPECT_EQ(w[0].status, IoStatus::kError);
+    EXPECT_NE(w[0].reason.find("timed out"), std::string::npos) << w[0].reason;
+    // The next batch connects again (the second connection) and is answered; destroying the
+    // store with nothing in flight then closes that connection in order.
+    // (Were it not answered, it would time out and reset this connection too.)
+    EXPECT_EQ(s->batch_exists(std::vector<std::string>{"present"}), 0u);
+  }
+  server.join();
+  ::close(listener);
+  ASSERT_EQ(endings.size(), 2u);
+  EXPECT_EQ(endings[0], ECONNRESET) << "the abandoned connection ended with " << endings[0];
+  EXPECT_EQ(endings[1], 0) << "the idle connection ended with " << endings[1];
+}
+
 TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
   start();
   const int port = server_.port();

@@ -5,7 +5,6 @@
 
 #include <memory>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "redis_launcher.h"
@@ -19,25 +18,12 @@ std::string find_redis_cli();
 // Runs redis-cli -p port args... and returns its stdout.
 std::string redis_cli(int port, const std::vector<std::string>& args);
 
-// A plain TCP connection for raw RESP commands (garbage values, DEBUG SLEEP).
-class RawClient {
- public:
-  explicit RawClient(int port);  // connects; ok() says whether it did
-  ~RawClient();
-  RawClient(const RawClient&) = delete;
-  RawClient& operator=(const RawClient&) = delete;
-  bool ok() const { return fd_ >= 0; }
-  bool send(std::string_view bytes);
-  // Sends a command of these arguments and returns the first line of the reply ("" on error).
-  std::string command(const std::vector<std::string>& args);
-
- private:
-  int fd_ = -1;
-};
+// A plain connection for raw RESP commands (bytes bypassing the record format, CLIENT PAUSE,
+// ASKING): the tools' client.
+using RawClient = bench::RespClient;
 
 // A redis-server of the tests: the tools' launcher (tools/bench/redis_launcher.h, which has the
-// kernel kill it when the test process dies, so a crashed test leaves no server behind), with
-// DEBUG enabled for the tests that make the server sleep.
+// kernel kill it when the test process dies, so a crashed test leaves no server behind).
 class RedisServer {
  public:
   // Starts on a free port with `extra` arguments; false with *error otherwise.
