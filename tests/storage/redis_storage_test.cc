@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
@@ -584,46 +585,84 @@ class RedisStorageFaults : public ::testing::Test {
   testing::RedisServer server_;
 };
 
-// A server (here a fake one on a socket of the test's) that answers a GET with an array header
-// of 2^31 - 1 elements: the client refuses to allocate for it, fails the request with the
-// reason, and neither crashes nor hangs; the reply parser's callbacks never let an exception
-// through hiredis's C code.
-TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(listener, 4), 0);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const int port = ntohs(addr.sin_port);
-  std::thread server([listener] {
-    const int c = ::accept(listener, nullptr, nullptr);
-    if (c < 0) return;
+// A fake Redis server on a loopback port of the test's. It accepts `connections` connections one
+// after the other, answers each one's handshake (CONFIG GET proto-max-bulk-len), and hands what
+// follows to `answer(connection, seen, fd)`, which erases from `seen` what it has answered
+// (false: close this connection). join() waits for every connection to end and says how each
+// did: 0 at end of file, otherwise the errno of the read that failed.
+class FakeRedisServer {
+ public:
+  using Answer = std::function<bool(int connection, std::string& seen, int fd)>;
+  FakeRedisServer(int connections, Answer answer) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (listener_ < 0 || ::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return;  // port() stays 0
+    }
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, connections, answer = std::move(answer)] {
+      for (int conn = 0; conn < connections; ++conn) {
+        const int c = ::accept(listener_, nullptr, nullptr);
+        if (c < 0) return;
+        endings_.push_back(serve(conn, c, answer));
+        ::close(c);
+      }
+    });
+  }
+  ~FakeRedisServer() {
+    join();
+    if (listener_ >= 0) ::close(listener_);
+  }
+  int port() const { return port_; }
+  std::vector<int> join() {
+    if (thread_.joinable()) thread_.join();
+    return endings_;
+  }
+
+ private:
+  static int serve(int conn, int c, const Answer& answer) {
     std::string seen;
-    char buf[4096];
+    std::vector<char> buf(1 << 16);
     bool configured = false;
     for (;;) {
-      const ssize_t n = ::read(c, buf, sizeof buf);
-      if (n <= 0) break;
-      seen.append(buf, static_cast<std::size_t>(n));
+      const ssize_t n = ::read(c, buf.data(), buf.size());
+      if (n <= 0) return n == 0 ? 0 : errno;
+      seen.append(buf.data(), static_cast<std::size_t>(n));
       if (!configured && seen.find("proto-max-bulk-len\r\n") != std::string::npos) {
         configured = true;
         seen.clear();
         const std::string reply = "*2\r\n$18\r\nproto-max-bulk-len\r\n$9\r\n536870912\r\n";
-        if (::write(c, reply.data(), reply.size()) < 0) break;
-      } else if (configured && seen.find("GET") != std::string::npos) {
-        seen.clear();
-        const std::string reply = "*2147483647\r\n";
-        if (::write(c, reply.data(), reply.size()) < 0) break;
+        if (::write(c, reply.data(), reply.size()) < 0) return errno;
+      } else if (configured && !answer(conn, seen, c)) {
+        return -1;
       }
     }
-    ::close(c);
+  }
+
+  int listener_ = -1;
+  int port_ = 0;
+  std::vector<int> endings_;
+  std::thread thread_;
+};
+
+// A server that answers a GET with an array header of 2^31 - 1 elements: the client refuses to
+// allocate for it, fails the request with the reason, and neither crashes nor hangs; the reply
+// parser's callbacks never let an exception through hiredis's C code.
+TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
+  FakeRedisServer server(1, [](int, std::string& seen, int fd) {
+    if (seen.find("GET") == std::string::npos) return true;
+    seen.clear();
+    const std::string reply = "*2147483647\r\n";
+    return ::write(fd, reply.data(), reply.size()) >= 0;
   });
+  ASSERT_NE(server.port(), 0);
   {
-    auto s = open_redis(port, R"("connections": 1, "timeout_ms": 10000)");
+    auto s = open_redis(server.port(), R"("connections": 1, "timeout_ms": 10000)");
     const auto t0 = Clock::now();
     const auto r = get(*s, {"k"}, 4096);
     ASSERT_EQ(r.size(), 1u);
@@ -632,8 +671,7 @@ TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
         << r[0].reason;
     EXPECT_LT(Clock::now() - t0, 5s) << "failed at once, not at the timeout";
   }  // the store closes its connection: the fake server's read ends
-  server.join();
-  ::close(listener);
+  EXPECT_EQ(server.join().size(), 1u);
 }
 
 // A connection abandoned with requests in flight is reset, not closed: the kernel drops what it
@@ -643,53 +681,19 @@ TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
 // orderly close would give it the rest of the bytes and then end of file. A connection closed
 // with nothing in flight (the store destroyed) is closed in order.
 TEST(RedisStorageFakeServer, AConnectionAbandonedMidBatchIsResetAndAnIdleOneClosedInOrder) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(listener, 4), 0);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const int port = ntohs(addr.sin_port);
-  // How each accepted connection ended: the errno of the read that ended it (0: end of file).
-  std::vector<int> endings;
-  std::thread server([listener, &endings] {
-    for (int conn = 0; conn < 2; ++conn) {
-      const int c = ::accept(listener, nullptr, nullptr);
-      if (c < 0) return;
-      std::string seen;
-      char buf[65536];
-      bool configured = false;
-      int ending = -1;
-      for (;;) {
-        const ssize_t n = ::read(c, buf, sizeof buf);
-        if (n <= 0) {
-          ending = n == 0 ? 0 : errno;
-          break;
-        }
-        seen.append(buf, static_cast<std::size_t>(n));
-        if (!configured && seen.find("proto-max-bulk-len\r\n") != std::string::npos) {
-          configured = true;
-          seen.clear();
-          const std::string reply = "*2\r\n$18\r\nproto-max-bulk-len\r\n$9\r\n536870912\r\n";
-          if (::write(c, reply.data(), reply.size()) < 0) break;
-        }
-        // After the handshake, the first connection answers nothing; the second answers each
-        // EXISTS with 0.
-        for (std::size_t at; conn == 1 && (at = seen.find("EXISTS")) != std::string::npos;) {
-          seen.erase(0, at + 6);
-          if (::write(c, ":0\r\n", 4) < 0) break;
-        }
-      }
-      endings.push_back(ending);
-      ::close(c);
+  // The first connection answers nothing after the handshake; the second answers each EXISTS
+  // with 0.
+  FakeRedisServer server(2, [](int conn, std::string& seen, int fd) {
+    for (std::size_t at; conn == 1 && (at = seen.find("EXISTS")) != std::string::npos;) {
+      seen.erase(0, at + 6);
+      if (::write(fd, ":0\r\n", 4) < 0) return false;
     }
+    return true;
   });
+  ASSERT_NE(server.port(), 0);
   {
     // A timeout the answered batch below keeps on a loaded machine under a sanitizer.
-    auto s = open_redis(port, R"("connections": 1, "timeout_ms": 1500)");
+    auto s = open_redis(server.port(), R"("connections": 1, "timeout_ms": 1500)");
     const auto w = put(*s, {"abandoned"}, 1 << 20);  // spliced: over zero_copy_min_bytes
     EXPECT_EQ(w[0].status, IoStatus::kError);
     EXPECT_NE(w[0].reason.find("timed out"), std::string::npos) << w[0].reason;
@@ -698,8 +702,7 @@ TEST(RedisStorageFakeServer, AConnectionAbandonedMidBatchIsResetAndAnIdleOneClos
     // (Were it not answered, it would time out and reset this connection too.)
     EXPECT_EQ(s->batch_exists(std::vector<std::string>{"present"}), 0u);
   }
-  server.join();
-  ::close(listener);
+  const std::vector<int> endings = server.join();
   ASSERT_EQ(endings.size(), 2u);
   EXPECT_EQ(endings[0], ECONNRESET) << "the abandoned connection ended with " << endings[0];
   EXPECT_EQ(endings[1], 0) << "the idle connection ended with " << endings[1];
