@@ -129,6 +129,20 @@ std::string record_of(const std::string& key, std::span<const std::byte> payload
 
 // ---- configuration and cluster helpers (no server) ----
 
+// A port taken by another server between the pick and our server's bind: the launcher must not
+// take that server's answer for its own child's (a test would then flush or kill another test's
+// data).
+TEST(RedisTestServers, AServerOnThePortThatIsNotOurChildIsAFailure) {
+  if (testing::find_redis_server().empty()) GTEST_SKIP() << "redis-server is not installed";
+  bench::RedisProcess first, second;
+  std::string error;
+  ASSERT_TRUE(first.start({}, &error)) << error;
+  EXPECT_FALSE(second.start_on(first.port(), {}, &error));
+  EXPECT_NE(error.find(str_cat("port ", first.port())), std::string::npos) << error;
+  EXPECT_FALSE(second.running());
+  EXPECT_EQ(RawClient(first.port()).command({"PING"}), "+PONG") << "the first server is untouched";
+}
+
 TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
   const auto c = RedisConfig::from_json_text(
       R"({"backend": "redis", "host": "10.0.0.1", "port": 7000, "connections": 2,

@@ -222,15 +222,19 @@ std::string RespClient::command(const std::vector<std::string_view>& args) {
   return body;
 }
 
-bool RedisProcess::start(const std::vector<std::string>& extra, std::string* error) {
+bool RedisProcess::make_dir(std::string* error) {
   if (dir_.empty()) {
     char tmpl[] = "/tmp/hicache-redis-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) {
-      *error = "mkdtemp failed";
+      *error = std::string("mkdtemp: ") + std::strerror(errno);
       return false;
     }
     dir_ = tmpl;
   }
+  return true;
+}
+
+bool RedisProcess::start(const std::vector<std::string>& extra, std::string* error) {
   for (int attempt = 0; attempt < 5; ++attempt) {
     const int p = pick_server_port();
     if (p != 0 && start_on(p, extra, error)) return true;
@@ -250,6 +254,7 @@ bool RedisProcess::restart(std::string* error) {
 
 bool RedisProcess::start_on(int port, const std::vector<std::string>& extra, std::string* error) {
   stop();
+  if (!make_dir(error)) return false;
   extra_ = extra;
   const std::string server = find_binary("redis-server");
   std::vector<std::string> args = {server,
@@ -307,6 +312,16 @@ bool RedisProcess::start_on(int port, const std::vector<std::string>& extra, std
     }
     RespClient c(port);
     const std::string pong = c.ok() ? c.command({"PING"}) : std::string();
+    // The port was free when picked, but another process may have taken it since, with our
+    // server failing to bind: an answer counts only when it comes from our child. (A server
+    // with a password cannot be asked; its NOAUTH answer is taken as it is.)
+    if (pong == "+PONG" &&
+        c.command({"INFO", "server"}).find("process_id:" + std::to_string(pid_) + "\r\n") ==
+            std::string::npos) {
+      stop();
+      *error = "port " + std::to_string(port) + " is answered by another redis-server";
+      return false;
+    }
     if (pong == "+PONG" || pong.rfind("-NOAUTH", 0) == 0) return true;  // answering
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

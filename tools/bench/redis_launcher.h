@@ -70,6 +70,9 @@ class RedisProcess {
   // arguments, and waits until it answers PING (a NOAUTH error counts: a server with
   // --requirepass); false with *error otherwise.
   bool start(const std::vector<std::string>& extra, std::string* error);
+  // The same on this port. A server that answers there but is not this one's child (another
+  // process took the port first) is a failure, never taken for ours.
+  bool start_on(int port, const std::vector<std::string>& extra, std::string* error);
   void stop();  // SIGKILL + waitpid; idempotent
   // SIGKILL, then a new server on the same port with the same arguments (an empty dataset: the
   // servers run without persistence). False with *error when it does not come back.
@@ -78,7 +81,7 @@ class RedisProcess {
   bool running() const { return pid_ > 0; }
 
  private:
-  bool start_on(int port, const std::vector<std::string>& extra, std::string* error);
+  bool make_dir(std::string* error);
   pid_t pid_ = -1;
   int port_ = 0;
   std::string dir_;
