@@ -895,7 +895,7 @@ class RedisClusterTest : public ::testing::Test {
   static void SetUpTestSuite() {
     if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
     cluster_ = new testing::RedisCluster();
-    if (!cluster_->start(3, &start_error_)) {
+    if (!cluster_->start(3, /*cluster=*/true, &start_error_)) {
       delete cluster_;
       cluster_ = nullptr;
     }

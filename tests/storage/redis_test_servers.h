@@ -3,7 +3,6 @@
 // when the test process dies).
 #pragma once
 
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,33 +21,9 @@ std::string redis_cli(int port, const std::vector<std::string>& args);
 // ASKING): the tools' client.
 using RawClient = bench::RespClient;
 
-// A redis-server of the tests: the tools' launcher (tools/bench/redis_launcher.h, which has the
-// kernel kill it when the test process dies, so a crashed test leaves no server behind).
-class RedisServer {
- public:
-  // Starts on a free port with `extra` arguments; false with *error otherwise.
-  bool start(std::vector<std::string> extra = {}, std::string* error = nullptr);
-  // Same port and arguments as the last start.
-  bool restart(std::string* error = nullptr);
-  // SIGKILL + waitpid; idempotent.
-  void stop() { process_.stop(); }
-  int port() const { return process_.port(); }
-  bool running() const { return process_.running(); }
-
- private:
-  bench::RedisProcess process_;
-};
-
-// A 3-master cluster; false with *error when it could not be formed.
-class RedisCluster {
- public:
-  bool start(int nodes, std::string* error);
-  std::vector<int> ports() const;
-  RedisServer& node(std::size_t i) { return *servers_[i]; }
-  std::size_t size() const { return servers_.size(); }
-
- private:
-  std::vector<std::unique_ptr<RedisServer>> servers_;
-};
+// The tests' redis-servers and 3-master cluster are the tools' (tools/bench/redis_launcher.h):
+// the kernel kills them when the test process dies, so a crashed test leaves no server behind.
+using RedisServer = bench::RedisProcess;
+using RedisCluster = bench::RedisDeployment;
 
 }  // namespace hicache::testing
