@@ -2,7 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <set>
+#include <sstream>
 
 #include "storage/json_fields.h"
 #include "transfer/errors.h"
@@ -63,7 +65,8 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
                   "storage_batch_pages", "host_tier", "eviction_policy",
                   "write_through_threshold", "load_back_min_tokens",
                   "recompute_seconds_per_token", "demote_low_watermark",
-                  "demote_high_watermark"},
+                  "demote_high_watermark", "tp_rank", "tp_size", "tp_store_dir", "tp_hostname",
+                  "tp_timeout_ms", "tp_connect_timeout_ms"},
                  "");
   HiCacheConfig c;
   c.device = get<std::string>(root, "device", "auto");
@@ -125,9 +128,6 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
   s.mla = c.geometry.attention == AttentionKind::kMLA;
   RadixCacheConfig& r = c.radix;
   r.host_tier = get<bool>(root, "host_tier", r.host_tier);
-  if (!r.host_tier && !c.storage.empty()) {
-    throw InvalidArgument("config: host_tier false (a device-only cache) takes no 'storage'");
-  }
   r.eviction_policy = parse_eviction_policy(get<std::string>(root, "eviction_policy", "lru"));
   r.write_through_threshold = static_cast<std::int32_t>(json_fields::get_int(
       root, "write_through_threshold", r.write_through_threshold, 1, INT32_MAX, "config"));
@@ -137,12 +137,65 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
       get<double>(root, "recompute_seconds_per_token", r.recompute_seconds_per_token);
   r.demote_low_watermark = get<double>(root, "demote_low_watermark", r.demote_low_watermark);
   r.demote_high_watermark = get<double>(root, "demote_high_watermark", r.demote_high_watermark);
+  TensorParallelConfig& tp = c.tp;
+  tp.rank = get_int32(root, "tp_rank", tp.rank);
+  tp.size = get_int32(root, "tp_size", tp.size);
+  tp.store_dir = get<std::string>(root, "tp_store_dir", tp.store_dir);
+  tp.hostname = get<std::string>(root, "tp_hostname", tp.hostname);
+  tp.timeout = std::chrono::milliseconds(
+      json_fields::get_int(root, "tp_timeout_ms", tp.timeout.count(), 1, INT32_MAX, "config"));
+  tp.connect_timeout = std::chrono::milliseconds(json_fields::get_int(
+      root, "tp_connect_timeout_ms", tp.connect_timeout.count(), 1, INT32_MAX, "config"));
+  c.validate();
+  return c;
+}
+
+HiCacheConfig HiCacheConfig::from_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InvalidArgument(str_cat("config: cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
   try {
-    r.validate();
+    return from_json_text(text.str());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(str_cat(path, ": ", e.what()));
+  }
+}
+
+void HiCacheConfig::validate() const {
+  if (device != "auto" && device != "host" && device != "cuda") {
+    throw InvalidArgument(str_cat("config: device '", device, "': valid are auto, cuda, host"));
+  }
+  check_token_count(geometry, device_tokens, "config: device_tokens");
+  try {
+    radix.validate();
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(str_cat("config: ", e.what()));
   }
-  return c;
+  if (!radix.host_tier && !storage.empty()) {
+    throw InvalidArgument("config: host_tier false (a device-only cache) takes no 'storage'");
+  }
+  if (radix.host_tier) {
+    const std::int64_t host = host_tokens();
+    if (host < device_tokens) {
+      // As SGLang: every device page must find room on the host when it is written back.
+      throw InvalidArgument(str_cat("config: the host pool (", host, " tokens, host_ratio ",
+                                    host_size.ratio, " / host_bytes ", host_size.bytes,
+                                    " / host_tokens ", host_size.tokens,
+                                    ") is smaller than the device pool (device_tokens ",
+                                    device_tokens, "); give a host pool at least as large"));
+    }
+  }
+  if (tp.size < 1) throw InvalidArgument(str_cat("config: tp_size must be >= 1, got ", tp.size));
+  if (tp.rank < 0 || tp.rank >= tp.size) {
+    throw InvalidArgument(str_cat("config: tp_rank ", tp.rank, " is outside [0, tp_size ",
+                                  tp.size, ")"));
+  }
+  if (storage_controller.prefetch_budget_tokens < geometry.page_size) {
+    throw InvalidArgument(str_cat("config: prefetch_budget_tokens ",
+                                  storage_controller.prefetch_budget_tokens,
+                                  " is less than one page (", geometry.page_size, ")"));
+  }
 }
 
 }  // namespace hicache

@@ -23,6 +23,7 @@
 // (0 / 0: off).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -36,6 +37,17 @@
 
 namespace hicache {
 
+// Tensor parallelism: this rank and the group. With size > 1 and no collectives passed to
+// HiCache, the ranks meet through Gloo over TCP, rendezvous in `store_dir` (shared by the ranks).
+struct TensorParallelConfig {
+  int rank = 0;
+  int size = 1;
+  std::string store_dir;
+  std::string hostname = "127.0.0.1";                // the address this rank listens on
+  std::chrono::milliseconds timeout{30000};          // each agreement call
+  std::chrono::milliseconds connect_timeout{120000};  // the rendezvous
+};
+
 struct HiCacheConfig {
   std::string device = "auto";
   KVGeometry geometry;
@@ -48,9 +60,16 @@ struct HiCacheConfig {
   std::string model_fingerprint = "unversioned";
   StorageControllerConfig storage_controller;
   RadixCacheConfig radix;
+  TensorParallelConfig tp;
 
   // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
   static HiCacheConfig from_json_text(std::string_view text);
+  // The same, from a file; also names the file when it cannot be read.
+  static HiCacheConfig from_json_file(const std::string& path);
+  // Checks every value and the rules between them (a host pool smaller than the device pool, a
+  // store without the host tier, a TP rank outside the group); throws InvalidArgument naming
+  // the values. HiCache calls it before it builds anything.
+  void validate() const;
   // The host pool's token count this configuration resolves to.
   std::int64_t host_tokens() const { return host_size.resolve_tokens(geometry, device_tokens); }
 };

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the build tree into a temporary prefix, then configures, builds and runs the
-# consumer project against it with find_package(hicache).
+# consumer project against it with find_package(hicache), on a HiCache config with a file store.
 set -euo pipefail
 build=${1:?build dir} work=${2:?work dir} src=${3:?consumer source}
 rm -rf "$work" && mkdir -p "$work"
@@ -8,4 +8,10 @@ cmake --install "$build" --prefix "$work/prefix" >/dev/null
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
   -DCMAKE_BUILD_RPATH="$work/prefix/lib" >/dev/null
 cmake --build "$work/build" >/dev/null
-LD_LIBRARY_PATH="$work/prefix/lib:${LD_LIBRARY_PATH:-}" "$work/build/consumer"
+cat >"$work/hicache.json" <<JSON
+{"device": "host", "page_size": 16, "device_tokens": 512,
+ "model": {"attention": "mha", "layers": 4, "kv_heads": 2, "head_dim": 32, "dtype": "bf16"},
+ "host_ratio": 2.0, "write_policy": "write_through", "prefetch_policy": "wait_complete",
+ "model_name": "consumer", "storage": {"backend": "file", "root": "$work/store"}}
+JSON
+LD_LIBRARY_PATH="$work/prefix/lib:${LD_LIBRARY_PATH:-}" "$work/build/consumer" "$work/hicache.json"

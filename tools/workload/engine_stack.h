@@ -1,28 +1,16 @@
-// One simulated engine instance with all its tiers, as hicache-bench and hicache-stress build it:
-// device backend, device and host KV pools, HiCacheController, optional L3 (a StorageBackend
-// from make_storage's JSON, a StorageController over local collectives), HiRadixCache and the
-// SimulatedEngine main loop. Members are declared in dependency order, so destruction stops the
-// engine's threads before the pools and the store go.
+// One simulated engine instance, as hicache-bench and hicache-stress run it: the HiCache the
+// library assembles from the configuration, and the SimulatedEngine main loop over it.
 #pragma once
 
 #include <memory>
-#include <string>
 
 #include "controller/config.h"
-#include "controller/hi_radix_cache.h"
-#include "controller/simulated_engine.h"
-#include "controller/storage_controller.h"
-#include "pools/device_kv_pool.h"
-#include "pools/host_kv_pool.h"
-#include "storage/collective.h"
-#include "storage/storage_backend.h"
-#include "transfer/device.h"
+#include "controller/hicache.h"
+#include "tools/workload/simulated_engine.h"
 
 namespace hicache::workload {
 
 struct StackConfig {
-  // Pools, controller, storage controller, radix cache (cache.storage: L3 JSON;
-  // cache.radix.host_tier false: device only, cache.storage must be empty).
   HiCacheConfig cache;
   SimulatedEngineConfig engine;
 };
@@ -36,27 +24,20 @@ class EngineStack {
   EngineStack(const EngineStack&) = delete;
   EngineStack& operator=(const EngineStack&) = delete;
 
-  Device& device() { return *device_; }
-  DeviceKVPool& device_pool() { return device_pool_; }
-  HostKVPool& host_pool() { return host_pool_; }
-  HiCacheController& controller() { return controller_; }
-  StorageBackend* storage() { return storage_.get(); }
-  StorageController* storage_controller() { return storage_controller_.get(); }
-  HiRadixCache& cache() { return *cache_; }
+  HiCache& hicache() { return hicache_; }
+  Device& device() { return hicache_.device(); }
+  DeviceKVPool& device_pool() { return hicache_.device_pool(); }
+  HostKVPool& host_pool() { return hicache_.host_pool(); }
+  HiCacheController& controller() { return hicache_.controller(); }
+  StorageBackend* storage() { return hicache_.storage(); }
+  StorageController* storage_controller() { return hicache_.storage_controller(); }
+  HiRadixCache& cache() { return hicache_.cache(); }
   SimulatedEngine& engine() { return *engine_; }
-  const KeyNamespace& key_namespace() const { return ns_; }
+  const KeyNamespace& key_namespace() const { return hicache_.key_namespace(); }
 
  private:
-  std::unique_ptr<Device> device_;
-  DeviceKVPool device_pool_;
-  HostKVPool host_pool_;
-  HiCacheController controller_;
-  std::unique_ptr<StorageBackend> storage_;
-  LocalCollective local_;
-  KeyNamespace ns_;
-  std::unique_ptr<StorageController> storage_controller_;
-  std::unique_ptr<HiRadixCache> cache_;
-  std::unique_ptr<SimulatedEngine> engine_;
+  HiCache hicache_;
+  std::unique_ptr<SimulatedEngine> engine_;  // goes first: it drives the cache
 };
 
 }  // namespace hicache::workload

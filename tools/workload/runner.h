@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "controller/simulated_engine.h"
+#include "tools/workload/simulated_engine.h"
 #include "tools/workload/engine_stack.h"
 #include "tools/workload/workload.h"
 

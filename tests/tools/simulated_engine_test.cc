@@ -1,4 +1,4 @@
-#include "controller/simulated_engine.h"
+#include "tools/workload/simulated_engine.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,0 +1,132 @@
+#include "controller/hicache.h"
+
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+KeyNamespace derive_namespace(const HiCacheConfig& c) {
+  KeyNamespace ns{.model = c.model_name,
+                  .fingerprint = c.model_fingerprint,
+                  .dtype = std::string(to_string(c.geometry.dtype)),
+                  .layout = std::string(to_string(c.host_layout)),
+                  .page_size = c.geometry.page_size,
+                  .tp_rank = c.tp.rank,
+                  .tp_size = c.tp.size,
+                  .mla = c.geometry.attention == AttentionKind::kMLA};
+  (void)ns.prefix();  // names an empty field now, before anything starts
+  return ns;
+}
+
+void check_collectives(const HiCacheCollectives& given, const TensorParallelConfig& tp) {
+  Collective* all[] = {given.prefetch, given.backup, given.main};
+  const char* names[] = {"prefetch", "backup", "main"};
+  for (int i = 0; i < 3; ++i) {
+    if (all[i] == nullptr) {
+      throw InvalidArgument(str_cat("HiCache: the ", names[i],
+                                    " collective is missing (give all three, or none)"));
+    }
+    if (all[i]->rank() != tp.rank || all[i]->size() != tp.size) {
+      throw InvalidArgument(str_cat("HiCache: the ", names[i], " collective is rank ",
+                                    all[i]->rank(), " of ", all[i]->size(),
+                                    ", the config says tp_rank ", tp.rank, " of tp_size ",
+                                    tp.size));
+    }
+  }
+  if (tp.size > 1 && (given.prefetch == given.backup || given.prefetch == given.main ||
+                      given.backup == given.main)) {
+    throw InvalidArgument(
+        "HiCache: the prefetch, backup and main collectives must be separate groups with more "
+        "than one rank (each thread agrees on its own stream of calls)");
+  }
+}
+
+}  // namespace
+
+HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
+    : config_(config), device_(parts.device), storage_(std::move(parts.storage)) {
+  // Everything that can be refused is refused before a thread starts.
+  config_.validate();
+  if (storage_ && !config_.radix.host_tier) {
+    throw InvalidArgument("HiCache: a storage tier needs the host tier (host_tier is false)");
+  }
+  ns_ = derive_namespace(config_);
+  const bool any_collective = parts.collectives.prefetch || parts.collectives.backup ||
+                              parts.collectives.main;
+  if (any_collective) check_collectives(parts.collectives, config_.tp);
+  if (!any_collective && config_.tp.size > 1) {
+    validate_group_config("config: tp", config_.tp.rank, config_.tp.size, config_.tp.store_dir,
+                          config_.tp.timeout);
+  }
+
+  if (device_ == nullptr) {
+    owned_device_ = Device::create(config_.device);
+    device_ = owned_device_.get();
+  }
+  if (!storage_ && !config_.storage.empty()) storage_ = make_storage(config_.storage);
+
+  if (any_collective) {
+    collectives_ = parts.collectives;
+  } else if (config_.tp.size == 1) {
+    // A collective of one rank never waits: one serves every role.
+    owned_collectives_[0] = std::make_unique<LocalCollective>();
+    collectives_ = {owned_collectives_[0].get(), owned_collectives_[0].get(),
+                    owned_collectives_[0].get()};
+  } else {
+    const char* roles[] = {"prefetch", "backup", "main"};
+    for (int i = 0; i < 3; ++i) {
+      owned_collectives_[i] = make_gloo_collective(
+          GlooConfig{.rank = config_.tp.rank,
+                     .size = config_.tp.size,
+                     .store_dir = config_.tp.store_dir,
+                     .prefix = str_cat("hicache.", ns_.prefix(), ".", roles[i]),
+                     .hostname = config_.tp.hostname,
+                     .timeout = config_.tp.timeout,
+                     .connect_timeout = config_.tp.connect_timeout});
+    }
+    collectives_ = {owned_collectives_[0].get(), owned_collectives_[1].get(),
+                    owned_collectives_[2].get()};
+  }
+
+  const auto& g = config_.geometry;
+  device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens);
+  host_pool_ = std::make_unique<HostKVPool>(
+      *device_, g, config_.host_layout,
+      config_.radix.host_tier ? config_.host_tokens() : g.page_size);
+  controller_ = std::make_unique<HiCacheController>(*device_, *device_pool_, *host_pool_,
+                                                    config_.controller);
+  try {
+    if (storage_) {
+      auto sc = config_.storage_controller;
+      sc.mla = g.attention == AttentionKind::kMLA;
+      storage_controller_ = std::make_unique<StorageController>(
+          *host_pool_, *storage_, ns_, *collectives_.prefetch, *collectives_.backup,
+          *collectives_.main, sc);
+    }
+    cache_ = std::make_unique<HiRadixCache>(
+        *controller_, *device_pool_, *host_pool_, config_.radix, storage_controller_.get(),
+        storage_controller_ ? &ns_ : nullptr, config_.tp.size > 1 ? collectives_.main : nullptr);
+  } catch (...) {
+    stop();
+    throw;
+  }
+}
+
+HiCache::~HiCache() {
+  stop();
+  cache_.reset();
+  storage_controller_.reset();
+  controller_.reset();
+  host_pool_.reset();
+  device_pool_.reset();
+  storage_.reset();
+}
+
+void HiCache::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  if (storage_controller_) storage_controller_->stop();
+  if (controller_) controller_->stop();
+}
+
+}  // namespace hicache

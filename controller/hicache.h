@@ -1,0 +1,105 @@
+// HiCache: the front door. Built from one HiCacheConfig, it owns and wires every part an engine
+// needs below its scheduler: the device runtime (or the engine's own), the device and host KV
+// pools, HiCacheController, the L3 store (make_storage), the page-key namespace, the TP
+// collectives, StorageController and HiRadixCache. The engine's main loop then drives cache()
+// each step (see hi_radix_cache.h) and uses device_pool() as its KV memory.
+//
+//   auto config = hicache::HiCacheConfig::from_json_file("hicache.json");
+//   hicache::HiCache hc(config);
+//   auto m = hc.cache().match_prefix(tokens);
+//   ...
+//
+// Construction validates the whole configuration (each key's range, and the rules between keys:
+// a host pool smaller than the device pool, a store without a host tier, a TP rank outside the
+// group) and opens the store before any thread starts; a bad value throws InvalidArgument
+// naming it, a store that cannot be opened throws its error, and nothing is left running.
+// The destructor stops every thread, then releases the parts in the reverse order of their
+// construction.
+//
+// The key namespace is derived here and nowhere else: model name and fingerprint, KV dtype,
+// host layout, page size, TP rank and size, and MLA (one namespace for every rank, since every
+// rank holds the same KV).
+//
+// Threading: as HiRadixCache, the engine's main loop owns it.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "controller/config.h"
+#include "controller/hi_radix_cache.h"
+#include "controller/hicache_controller.h"
+#include "controller/storage_controller.h"
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+#include "storage/collective.h"
+#include "storage/page_key.h"
+#include "storage/storage_backend.h"
+#include "transfer/device.h"
+
+namespace hicache {
+
+// The collectives of one TP rank (all three null, or all three set, each a separate group:
+// the prefetch thread, the backup thread and the main loop each agree on their own stream of
+// calls). They must outlive the HiCache.
+struct HiCacheCollectives {
+  Collective* prefetch = nullptr;
+  Collective* backup = nullptr;
+  Collective* main = nullptr;
+};
+
+// What an embedding engine (or a test) passes in instead of letting HiCache build it.
+struct HiCacheParts {
+  // The engine's device runtime; null: Device::create(config.device). Must outlive the HiCache.
+  Device* device = nullptr;
+  // A store to use instead of make_storage(config.storage) (a fault injector, a store the engine
+  // shares); requires the host tier.
+  std::unique_ptr<StorageBackend> storage;
+  // TP collectives; none: one LocalCollective for tp_size 1, Gloo groups from config.tp for
+  // more ranks.
+  HiCacheCollectives collectives;
+};
+
+class HiCache {
+ public:
+  // Throws InvalidArgument naming a bad value (state unchanged: nothing started), Error when
+  // the store or the TP rendezvous fails, DeviceError when pool memory is refused.
+  explicit HiCache(const HiCacheConfig& config, HiCacheParts parts = {});
+  ~HiCache();
+  HiCache(const HiCache&) = delete;
+  HiCache& operator=(const HiCache&) = delete;
+
+  const HiCacheConfig& config() const { return config_; }
+  Device& device() { return *device_; }
+  DeviceKVPool& device_pool() { return *device_pool_; }
+  HostKVPool& host_pool() { return *host_pool_; }
+  HiCacheController& controller() { return *controller_; }
+  HiRadixCache& cache() { return *cache_; }
+  // Null without L3.
+  StorageBackend* storage() { return storage_.get(); }
+  StorageController* storage_controller() { return storage_controller_.get(); }
+  // The namespace every page key of this cache carries (also without L3).
+  const KeyNamespace& key_namespace() const { return ns_; }
+
+  // Stops every thread (storage threads first, then the controller's); idempotent. The parts
+  // stay readable; the cache takes no more work.
+  void stop();
+
+ private:
+  HiCacheConfig config_;
+  std::unique_ptr<Device> owned_device_;
+  Device* device_ = nullptr;
+  std::unique_ptr<StorageBackend> storage_;
+  KeyNamespace ns_;
+  // TP: local for one rank, owned Gloo groups for several, or the engine's.
+  std::unique_ptr<Collective> owned_collectives_[3];
+  HiCacheCollectives collectives_;
+  std::unique_ptr<DeviceKVPool> device_pool_;
+  std::unique_ptr<HostKVPool> host_pool_;
+  std::unique_ptr<HiCacheController> controller_;
+  std::unique_ptr<StorageController> storage_controller_;
+  std::unique_ptr<HiRadixCache> cache_;
+  bool stopped_ = false;
+};
+
+}  // namespace hicache

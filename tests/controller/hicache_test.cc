@@ -1,0 +1,171 @@
+#include "controller/hicache.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "pools/kv_pattern.h"
+#include "storage/file_storage.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A small model on the host backend; `extra` adds keys ("" for none).
+std::string config_json(const std::string& extra) {
+  return str_cat(R"({"device": "host", "page_size": 4, "device_tokens": 64,
+    "model": {"attention": "mha", "layers": 2, "kv_heads": 1, "head_dim": 8},
+    "model_name": "m", "model_fingerprint": "f")",
+                 extra.empty() ? "" : ", ", extra, "}");
+}
+
+struct TempDir {
+  fs::path path = fs::temp_directory_path() / str_cat("hicache-front-", ::getpid(), "-", ++count);
+  TempDir() { fs::remove_all(path); }
+  ~TempDir() { fs::remove_all(path); }
+  static inline int count = 0;
+};
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(HiCache, BuildsEveryTierFromOneConfig) {
+  TempDir dir;
+  HiCache hc(HiCacheConfig::from_json_text(config_json(str_cat(
+      R"("host_ratio": 3, "storage": {"backend": "file", "root": ")", dir.path.string(), R"("})"))));
+  EXPECT_EQ(hc.device_pool().allocator().capacity_tokens(), 64);
+  EXPECT_EQ(hc.host_pool().capacity_tokens(), 192);
+  ASSERT_NE(hc.storage(), nullptr);
+  ASSERT_NE(hc.storage_controller(), nullptr);
+  EXPECT_TRUE(fs::is_directory(dir.path)) << "the store was not opened";
+  EXPECT_EQ(hc.key_namespace().prefix(), "m.f.fp16.layer_first.p4.tp0of1");
+  EXPECT_EQ(hc.cache().page_size(), 4);
+}
+
+TEST(HiCache, WithoutStorageHasNoStorageController) {
+  HiCache hc(HiCacheConfig::from_json_text(config_json("")));
+  EXPECT_EQ(hc.storage(), nullptr);
+  EXPECT_EQ(hc.storage_controller(), nullptr);
+  EXPECT_EQ(hc.host_pool().capacity_tokens(), 128);  // host_ratio 2 by default
+}
+
+TEST(HiCache, DerivesTheKeyNamespaceOfAnMlaModelForEveryRank) {
+  auto c = HiCacheConfig::from_json_text(R"({"device": "host", "page_size": 4,
+    "device_tokens": 64, "model": {"attention": "mla", "layers": 2, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8, "dtype": "bf16"}, "model_name": "ds", "host_layout": "page_first"})");
+  HiCache hc(c);
+  EXPECT_EQ(hc.key_namespace().prefix(), "ds.unversioned.bf16.page_first.p4.mla");
+}
+
+TEST(HiCache, RefusesAHostPoolSmallerThanTheDevicePool) {
+  const std::string e =
+      error_of([] { (void)HiCacheConfig::from_json_text(config_json(R"("host_ratio": 0.5)")); });
+  EXPECT_NE(e.find("host pool (32 tokens"), std::string::npos) << e;
+  EXPECT_NE(e.find("host_ratio 0.5"), std::string::npos) << e;
+  EXPECT_NE(e.find("device_tokens 64"), std::string::npos) << e;
+  // The same rule when the config is built in code and handed to HiCache.
+  auto c = HiCacheConfig::from_json_text(config_json(""));
+  c.host_size = HostPoolSize{.tokens = 32};
+  EXPECT_THROW(HiCache{c}, InvalidArgument);
+}
+
+TEST(HiCache, ADeviceOnlyCacheTakesNoStore) {
+  auto c = HiCacheConfig::from_json_text(config_json(R"("host_tier": false)"));
+  TempDir dir;
+  HiCacheParts parts;
+  parts.storage = std::make_unique<FileStorage>(FileStorageConfig{.root = dir.path.string()});
+  const std::string e = error_of([&] { HiCache hc(c, std::move(parts)); });
+  EXPECT_NE(e.find("needs the host tier"), std::string::npos) << e;
+  EXPECT_NE(error_of([] {
+              (void)HiCacheConfig::from_json_text(
+                  config_json(R"("host_tier": false, "storage": {"backend": "file", "root": "x"})"));
+            }).find("takes no 'storage'"),
+            std::string::npos);
+}
+
+TEST(HiCache, RefusesATpRankOutsideTheGroup) {
+  const std::string e = error_of(
+      [] { (void)HiCacheConfig::from_json_text(config_json(R"("tp_rank": 2, "tp_size": 2)")); });
+  EXPECT_NE(e.find("tp_rank 2 is outside [0, tp_size 2)"), std::string::npos) << e;
+}
+
+TEST(HiCache, SeveralRanksWithoutCollectivesNeedARendezvousDirectory) {
+  const std::string e = error_of([] {
+    HiCache hc(HiCacheConfig::from_json_text(config_json(R"("tp_rank": 0, "tp_size": 2)")));
+  });
+  EXPECT_NE(e.find("tp"), std::string::npos) << e;
+  EXPECT_NE(e.find("store_dir"), std::string::npos) << e;
+}
+
+TEST(HiCache, RefusesCollectivesThatDisagreeWithTheConfig) {
+  auto ranks = InProcessGroup::make_ranks(2);
+  auto c = HiCacheConfig::from_json_text(config_json(""));  // tp_size 1
+  HiCacheParts parts;
+  parts.collectives = {ranks[0].get(), ranks[0].get(), ranks[0].get()};
+  const std::string e = error_of([&] { HiCache hc(c, std::move(parts)); });
+  EXPECT_NE(e.find("rank 0 of 2, the config says tp_rank 0 of tp_size 1"), std::string::npos) << e;
+
+  c.tp = {.rank = 0, .size = 2};
+  HiCacheParts shared;
+  shared.collectives = {ranks[0].get(), ranks[0].get(), ranks[0].get()};
+  EXPECT_NE(error_of([&] { HiCache hc(c, std::move(shared)); }).find("separate groups"),
+            std::string::npos);
+  HiCacheParts partial;
+  partial.collectives.main = ranks[0].get();
+  EXPECT_NE(error_of([&] { HiCache hc(c, std::move(partial)); }).find("prefetch collective is missing"),
+            std::string::npos);
+}
+
+TEST(HiCache, AStoreThatCannotBeOpenedIsAnErrorAtConstruction) {
+  TempDir dir;
+  std::ofstream(dir.path.string() + ".file") << "not a directory";
+  const std::string root = dir.path.string() + ".file/store";
+  const std::string e = error_of([&] {
+    HiCache hc(HiCacheConfig::from_json_text(
+        config_json(str_cat(R"("storage": {"backend": "file", "root": ")", root, R"("})"))));
+  });
+  fs::remove(dir.path.string() + ".file");
+  EXPECT_NE(e.find(root), std::string::npos) << e;
+}
+
+TEST(HiCache, UsesTheEnginesDevice) {
+  auto device = Device::create("host");
+  HiCacheParts parts;
+  parts.device = device.get();
+  HiCache hc(HiCacheConfig::from_json_text(config_json("")), std::move(parts));
+  EXPECT_EQ(&hc.device(), device.get());
+  hc.stop();
+  hc.stop();  // idempotent
+}
+
+TEST(HiCacheConfig, ReadsAConfigFileAndNamesItInErrors) {
+  TempDir dir;
+  fs::create_directories(dir.path);
+  const std::string good = (dir.path / "good.json").string();
+  const std::string bad = (dir.path / "bad.json").string();
+  std::ofstream(good) << config_json(R"("tp_size": 4, "tp_rank": 3)");
+  std::ofstream(bad) << config_json(R"("page_size": 0)");
+  const auto c = HiCacheConfig::from_json_file(good);
+  EXPECT_EQ(c.tp.rank, 3);
+  EXPECT_EQ(c.tp.size, 4);
+  EXPECT_NE(error_of([&] { (void)HiCacheConfig::from_json_file(bad); }).find(bad),
+            std::string::npos);
+  const std::string missing = (dir.path / "missing.json").string();
+  EXPECT_NE(error_of([&] { (void)HiCacheConfig::from_json_file(missing); })
+                .find("cannot read '" + missing + "'"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hicache
