@@ -2,10 +2,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
+#include <vector>
 
+#include "controller/config_schema.h"
 #include "storage/json_fields.h"
 #include "transfer/errors.h"
 
@@ -14,138 +20,613 @@ namespace {
 
 using nlohmann::json;
 
-void reject_unknown(const json& object, const std::set<std::string>& known, std::string_view where) {
-  json_fields::reject_unknown(object, known, str_cat("config", where));
+// What parsing fills before the geometry can be built.
+struct Draft {
+  HiCacheConfig c;
+  std::string attention, dtype;
+  std::int64_t page_size = 0, layers = 0, kv_heads = 0, head_dim = 0, kv_lora_rank = 0,
+               qk_rope_head_dim = 0;
+  double host_ratio = 0;
+  std::int64_t host_bytes = 0, host_tokens = 0;
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kMaxInt32 = 2147483647.0;
+
+struct Key {
+  ConfigKeyInfo info;
+  double lo = -kInf, hi = kInf;  // numbers: the allowed range, inclusive
+  bool lo_open = false;          // lo itself is not allowed
+  void (*set)(Draft&, const json&);
+};
+
+std::int64_t as_int(const json& v) { return v.get<std::int64_t>(); }
+std::int32_t as_int32(const json& v) { return static_cast<std::int32_t>(v.get<std::int64_t>()); }
+std::chrono::milliseconds as_ms(const json& v) { return std::chrono::milliseconds(as_int(v)); }
+
+// The one table. Defaults are JSON text, applied through the same setters as a user's values.
+const std::vector<Key>& keys() {
+  using T = ConfigType;
+  static const std::vector<Key> kKeys = {
+      {{"device", "device", T::kString, R"("auto")", "auto | host | cuda",
+        "device runtime: cuda, the host emulation, or cuda when a GPU answers", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         const auto s = v.get<std::string>();
+         if (s != "auto" && s != "host" && s != "cuda") throw InvalidArgument("not a device");
+         d.c.device = s;
+       }},
+      {{"page_size", "page-size", T::kInteger, "64", ">= 1",
+        "tokens per page: the unit of every copy, L3 record and key", "--page-size",
+        "SGLang's default is 1; its HiCache guide recommends 64, which makes each L3 record and "
+        "each copy large enough to run at disk and copy-engine speed"},
+       1, 1 << 20, false, [](Draft& d, const json& v) { d.page_size = as_int(v); }},
+      {{"device_tokens", "device-tokens", T::kInteger, "", "a positive multiple of page_size",
+        "device KV pool, tokens (required)", "", ""},
+       1, kInf, false, [](Draft& d, const json& v) { d.c.device_tokens = as_int(v); }},
+      {{"model.attention", "attention", T::kString, R"("mha")", "mha | mla",
+        "attention kind: per-layer K and V (mha), or one latent buffer per layer (mla)", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         const auto s = v.get<std::string>();
+         if (s != "mha" && s != "mla") throw InvalidArgument("not an attention kind");
+         d.attention = s;
+       }},
+      {{"model.layers", "layers", T::kInteger, "", ">= 1", "model layers (required)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.layers = as_int(v); }},
+      {{"model.kv_heads", "kv-heads", T::kInteger, "", ">= 1",
+        "KV heads of this rank (mha; required there)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.kv_heads = as_int(v); }},
+      {{"model.head_dim", "head-dim", T::kInteger, "", ">= 1", "head dim (mha; required there)",
+        "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.head_dim = as_int(v); }},
+      {{"model.kv_lora_rank", "kv-lora-rank", T::kInteger, "", ">= 1",
+        "latent width (mla; required there)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.kv_lora_rank = as_int(v); }},
+      {{"model.qk_rope_head_dim", "qk-rope-head-dim", T::kInteger, "", ">= 1",
+        "rope width (mla; required there)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.qk_rope_head_dim = as_int(v); }},
+      {{"model.dtype", "dtype", T::kString, R"("fp16")", "fp16 | bf16 | fp8 | fp32",
+        "KV dtype", "--kv-cache-dtype", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.dtype = std::string(to_string(parse_dtype(v.get<std::string>())));
+       }},
+      {{"host_ratio", "host-ratio", T::kNumber, "2.0", "> 0, the host pool >= the device pool",
+        "host pool size as a multiple of the device pool (one of host_ratio, host_bytes, "
+        "host_tokens)",
+        "--hicache-ratio", ""},
+       0, kInf, true, [](Draft& d, const json& v) { d.host_ratio = v.get<double>(); }},
+      {{"host_bytes", "host-bytes", T::kInteger, "", "> 0",
+        "host pool size in bytes, rounded down to whole pages (replaces host_ratio)",
+        "--hicache-size (GB there)", ""},
+       0, kInf, true, [](Draft& d, const json& v) { d.host_bytes = as_int(v); }},
+      {{"host_tokens", "host-tokens", T::kInteger, "", "a positive multiple of page_size",
+        "host pool size in tokens (replaces host_ratio)", "", ""},
+       0, kInf, true, [](Draft& d, const json& v) { d.host_tokens = as_int(v); }},
+      {{"host_layout", "host-layout", T::kString, R"("layer_first")",
+        "layer_first | page_first | page_first_direct",
+        "host pool layout (part of the L3 key namespace)", "--hicache-mem-layout", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.host_layout = parse_host_layout(v.get<std::string>()); }},
+      {{"io_backend", "io-backend", T::kString, R"("direct")", "direct | kernel",
+        "host <-> device copies: copy-engine batches (direct) or the gather/scatter kernel",
+        "--hicache-io-backend",
+        "SGLang's default is kernel. On an H100, direct (one cudaMemcpyBatchAsync per batch) "
+        "reached 0.87-1.07 of the copy engine's rate, tied kernel from 16 pages up and beat it "
+        "for single pages and layers, and leaves the SMs to the model (page_first needs "
+        "kernel, and is refused with direct on CUDA)"},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.controller.io_backend = parse_io_backend(v.get<std::string>());
+       }},
+      {{"write_policy", "write-policy", T::kString, R"("write_through")",
+        "write_through | write_through_selective | write_back",
+        "when device pages are written to the host: at insert, after write_through_threshold "
+        "hits, or at eviction",
+        "--hicache-write-policy", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.controller.write_policy = parse_write_policy(v.get<std::string>());
+       }},
+      {{"layer_slots", "layer-slots", T::kInteger, "3", ">= 1",
+        "load batches in flight at once (LayerDoneCounter slots)", "", ""},
+       1, 64, false, [](Draft& d, const json& v) { d.c.controller.layer_slots = as_int32(v); }},
+      {{"queue_capacity", "queue-capacity", T::kInteger, "4096", ">= 1",
+        "write and load ops queued before write()/load() push back", "", ""},
+       1, 1 << 24, false,
+       [](Draft& d, const json& v) {
+         d.c.controller.queue_capacity = static_cast<std::size_t>(as_int(v));
+       }},
+      {{"kernel_max_blocks", "kernel-max-blocks", T::kInteger, "0", ">= 0",
+        "CUDA blocks of the kernel io path at most (0: no cap)", "", ""},
+       0, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.controller.kernel_max_blocks = as_int32(v); }},
+      {{"host_tier", "host-tier", T::kBool, "true", "true | false",
+        "false: a device-only prefix cache (no host pool to speak of, no storage)", "", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.radix.host_tier = v.get<bool>(); }},
+      {{"eviction_policy", "eviction-policy", T::kString, R"("lru")", "lru | lfu",
+        "which unlocked node eviction takes first, on both tiers", "--radix-eviction-policy",
+        ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.radix.eviction_policy = parse_eviction_policy(v.get<std::string>());
+       }},
+      {{"write_through_threshold", "write-through-threshold", T::kInteger, "2", ">= 1",
+        "hits before write_through_selective writes a node to the host", "", ""},
+       1, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.radix.write_through_threshold = as_int32(v); }},
+      {{"load_back_min_tokens", "load-back-min-tokens", T::kInteger, "0", ">= 0",
+        "host hits shorter than this are recomputed instead of loaded (0: one page)", "", ""},
+       0, kInf, false, [](Draft& d, const json& v) { d.c.radix.load_back_min_tokens = as_int(v); }},
+      {{"recompute_seconds_per_token", "recompute-seconds-per-token", T::kNumber, "0", ">= 0",
+        "cost-aware tiers: the engine's prefill cost per token; a host or L3 hit slower to "
+        "move than to recompute is recomputed (0: off)",
+        "", ""},
+       0, kInf, false,
+       [](Draft& d, const json& v) { d.c.radix.recompute_seconds_per_token = v.get<double>(); }},
+      {{"demote_low_watermark", "demote-low-watermark", T::kNumber, "0", "[0, 1)",
+        "demotion starts when less than this fraction of the device is free (0: off)", "", ""},
+       0, 1, false,
+       [](Draft& d, const json& v) { d.c.radix.demote_low_watermark = v.get<double>(); }},
+      {{"demote_high_watermark", "demote-high-watermark", T::kNumber, "0",
+        "[0, 1], above demote_low_watermark when that is on",
+        "... and frees nodes until this fraction would be free", "", ""},
+       0, 1, false,
+       [](Draft& d, const json& v) { d.c.radix.demote_high_watermark = v.get<double>(); }},
+      {{"storage", "storage", T::kObject, "",
+        R"({"backend": "file", "root": DIR, ...} | {"backend": "redis", ...})",
+        "the L3 store (none: no L3); the backend's own keys are its reference",
+        "--hicache-storage-backend", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.storage = v.dump(); }},
+      {{"model_name", "model-name", T::kString, R"("model")", "non-empty",
+        "the model, in every page key's namespace", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.model_name = v.get<std::string>(); }},
+      {{"model_fingerprint", "model-fingerprint", T::kString, R"("unversioned")", "non-empty",
+        "the weights revision, in every page key's namespace: a new revision never reads old "
+        "pages",
+        "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.model_fingerprint = v.get<std::string>(); }},
+      {{"prefetch_policy", "prefetch-policy", T::kString, R"("best_effort")",
+        "best_effort | wait_complete | timeout",
+        "when the scheduler may end a prefetch: at once, when it completed, or after its "
+        "timeout",
+        "--hicache-storage-prefetch-policy", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.storage_controller.policy = parse_prefetch_policy(v.get<std::string>());
+       }},
+      {{"prefetch_threshold_tokens", "prefetch-threshold-tokens", T::kInteger, "256", ">= 0",
+        "L3 hits shorter than this are not prefetched (less than a page: one page)",
+        "prefetch_threshold (extra config)", ""},
+       0, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.storage_controller.prefetch_threshold_tokens = as_int(v);
+       }},
+      {{"prefetch_budget_tokens", "prefetch-budget-tokens", T::kInteger, "1099511627776",
+        ">= page_size", "host tokens prefetches may hold at once (default: no limit)", "", ""},
+       1, kInf, false,
+       [](Draft& d, const json& v) { d.c.storage_controller.prefetch_budget_tokens = as_int(v); }},
+      {{"prefetch_timeout_base_ms", "prefetch-timeout-base-ms", T::kInteger, "100", ">= 0",
+        "timeout policy: a prefetch may take base + per_page x pages, at most cap",
+        "prefetch_timeout_base (extra config, s)",
+        "SGLang's default is 1 s; hicache's scheduler admits other requests while one waits, "
+        "and its L3 reads run at disk or network speed, so the budget is per page"},
+       0, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.storage_controller.timeout_base = as_ms(v); }},
+      {{"prefetch_timeout_per_page_ms", "prefetch-timeout-per-page-ms", T::kInteger, "2",
+        ">= 0", "timeout policy: per page", "prefetch_timeout_per_ki_token (extra config, s)",
+        "SGLang's default is 0.25 s per 1024 tokens (16 ms per 64-token page)"},
+       0, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.storage_controller.timeout_per_page = as_ms(v); }},
+      {{"prefetch_timeout_cap_ms", "prefetch-timeout-cap-ms", T::kInteger, "5000", ">= 0",
+        "timeout policy: at most", "", ""},
+       0, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.storage_controller.timeout_cap = as_ms(v); }},
+      {{"storage_batch_pages", "storage-batch-pages", T::kInteger, "0", "[0, 1048576]",
+        "pages per storage call (0: the store's preferred batch: 64 MiB for files, ~4 MiB for "
+        "Redis)",
+        "", ""},
+       0, 1 << 20, false,
+       [](Draft& d, const json& v) { d.c.storage_controller.io_batch_pages = as_int(v); }},
+      {{"tp_rank", "tp-rank", T::kInteger, "0", "[0, tp_size)", "this rank", "", ""},
+       0, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.rank = as_int32(v); }},
+      {{"tp_size", "tp-size", T::kInteger, "1", ">= 1", "tensor-parallel ranks", "--tp-size",
+        ""},
+       1, 65536, false, [](Draft& d, const json& v) { d.c.tp.size = as_int32(v); }},
+      {{"tp_store_dir", "tp-store-dir", T::kString, R"("")", "a directory every rank reaches",
+        "Gloo rendezvous of the ranks (tp_size > 1 without an engine's collectives)", "", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.tp.store_dir = v.get<std::string>(); }},
+      {{"tp_hostname", "tp-hostname", T::kString, R"("127.0.0.1")", "an address of this host",
+        "the address this rank listens on for Gloo", "", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.tp.hostname = v.get<std::string>(); }},
+      {{"tp_timeout_ms", "tp-timeout-ms", T::kInteger, "30000", ">= 1",
+        "an agreement call that waits longer fails (a dead or diverged rank)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.timeout = as_ms(v); }},
+      {{"tp_connect_timeout_ms", "tp-connect-timeout-ms", T::kInteger, "120000", ">= 1",
+        "the rendezvous of every rank (ranks start seconds apart)", "", ""},
+       1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.connect_timeout = as_ms(v); }},
+  };
+  return kKeys;
 }
 
-template <typename T>
-T get(const json& object, const char* key, T fallback) {
-  return json_fields::get<T>(object, key, fallback, "config");
+const std::vector<ConfigAliasInfo>& aliases() {
+  static const std::vector<ConfigAliasInfo> kAliases = {
+      {"hicache_ratio", "host_ratio"},
+      {"hicache_size", "host_bytes = GB x 1e9 (0: unset, as in SGLang); replaces host_ratio"},
+      {"hicache_write_policy", "write_policy"},
+      {"hicache_io_backend", "io_backend"},
+      {"hicache_mem_layout", "host_layout"},
+      {"hicache_storage_prefetch_policy", "prefetch_policy"},
+      {"hicache_storage_backend",
+       "storage: \"file\" is the file store (root: the extra config's \"root\", else "
+       "/tmp/hicache, SGLang's directory); \"hicache\" takes the store object from the extra "
+       "config"},
+      {"hicache_storage_backend_extra_config",
+       "a JSON object or JSON text: prefetch_threshold -> prefetch_threshold_tokens, "
+       "prefetch_timeout_base (s) -> prefetch_timeout_base_ms, prefetch_timeout_per_ki_token "
+       "(s per 1024 tokens) -> prefetch_timeout_per_page_ms (rounded to ms); every other key "
+       "goes into the store object"},
+  };
+  return kAliases;
 }
 
-std::int32_t get_int32(const json& object, const char* key, std::int32_t fallback) {
-  const auto v = get<std::int64_t>(object, key, fallback);
-  if (v < INT32_MIN || v > INT32_MAX) {
-    throw InvalidArgument(str_cat("config: key '", key, "' is out of range: ", v));
+const Key* find_key(std::string_view name) {
+  for (const Key& k : keys()) {
+    if (k.info.key == name) return &k;
   }
-  return static_cast<std::int32_t>(v);
+  return nullptr;
 }
 
-KVGeometry parse_model(const json& model, std::int32_t page_size) {
-  if (!model.is_object()) throw InvalidArgument("config: 'model' must be an object");
-  reject_unknown(model,
-                 {"attention", "layers", "kv_heads", "head_dim", "kv_lora_rank",
-                  "qk_rope_head_dim", "dtype"},
-                 ".model");
-  const std::string attention = get<std::string>(model, "attention", "mha");
-  const DType dtype = parse_dtype(get<std::string>(model, "dtype", "fp16"));
-  const std::int32_t layers = get_int32(model, "layers", 0);
-  if (attention == "mha") {
-    return KVGeometry::mha(layers, get_int32(model, "kv_heads", 0),
-                           get_int32(model, "head_dim", 0), dtype, page_size);
+std::string_view type_words(ConfigType t) {
+  switch (t) {
+    case ConfigType::kInteger: return "an integer";
+    case ConfigType::kNumber: return "a number";
+    case ConfigType::kString: return "a string";
+    case ConfigType::kBool: return "true or false";
+    case ConfigType::kObject: return "a JSON object";
   }
-  if (attention == "mla") {
-    return KVGeometry::mla(layers, get_int32(model, "kv_lora_rank", 0),
-                           get_int32(model, "qk_rope_head_dim", 0), dtype, page_size);
+  return "?";
+}
+
+bool has_type(const json& v, ConfigType t) {
+  switch (t) {
+    case ConfigType::kInteger: return v.is_number_integer();
+    case ConfigType::kNumber: return v.is_number();
+    case ConfigType::kString: return v.is_string();
+    case ConfigType::kBool: return v.is_boolean();
+    case ConfigType::kObject: return v.is_object();
   }
-  throw InvalidArgument(str_cat("config: model.attention '", attention, "': valid are mha, mla"));
+  return false;
+}
+
+std::string unknown_key_error(std::string_view name) {
+  const std::string near = nearest_config_key(name);
+  return str_cat("config: unknown key '", name, "'",
+                 near.empty() ? std::string(" (the keys: docs/configuration.md)")
+                              : str_cat("; did you mean '", near, "'?"));
+}
+
+void apply(Draft& d, const Key& k, const json& v) {
+  if (!has_type(v, k.info.type)) {
+    throw InvalidArgument(str_cat("config: key '", k.info.key, "' is ", v.dump(), "; it must be ",
+                                  type_words(k.info.type)));
+  }
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgument(str_cat("config: key '", k.info.key, "' is ", v.dump(), "; allowed: ",
+                                   k.info.allowed, why.empty() ? "" : " (", why,
+                                   why.empty() ? "" : ")"));
+  };
+  if (v.is_number()) {
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || x < k.lo || x > k.hi || (k.lo_open && x == k.lo)) throw bad("");
+  }
+  try {
+    k.set(d, v);
+  } catch (const InvalidArgument& e) {
+    throw bad(e.what());
+  } catch (const json::exception& e) {
+    throw bad(e.what());
+  }
+}
+
+// SGLang's names -> ours, in place. An alias and the key it stands for, both given, are refused.
+void expand_aliases(json& root) {
+  const auto take = [&](const char* alias, const char* key) {
+    if (!root.contains(alias)) return;
+    if (root.contains(key)) {
+      throw InvalidArgument(str_cat("config: '", alias, "' (SGLang's name) and '", key,
+                                    "' both given; give one"));
+    }
+    root[key] = root[alias];
+    root.erase(alias);
+  };
+  take("hicache_ratio", "host_ratio");
+  take("hicache_write_policy", "write_policy");
+  take("hicache_io_backend", "io_backend");
+  take("hicache_mem_layout", "host_layout");
+  take("hicache_storage_prefetch_policy", "prefetch_policy");
+  if (root.contains("hicache_size")) {
+    const json gb = root["hicache_size"];
+    root.erase("hicache_size");
+    if (!gb.is_number() || !(gb.get<double>() >= 0) || !std::isfinite(gb.get<double>())) {
+      throw InvalidArgument(str_cat("config: key 'hicache_size' is ", gb.dump(),
+                                    "; allowed: GB >= 0 (0: unset)"));
+    }
+    if (gb.get<double>() > 0) {
+      if (root.contains("host_bytes")) {
+        throw InvalidArgument("config: 'hicache_size' (SGLang's name) and 'host_bytes' both given");
+      }
+      root["host_bytes"] = static_cast<std::int64_t>(gb.get<double>() * 1e9);
+      root.erase("host_ratio");  // SGLang: the size overrides the ratio
+    }
+  }
+  json extra = json::object();
+  if (root.contains("hicache_storage_backend_extra_config")) {
+    extra = root["hicache_storage_backend_extra_config"];
+    root.erase("hicache_storage_backend_extra_config");
+    if (extra.is_string()) extra = json_fields::parse_object(extra.get<std::string>(),
+                                                             "config: hicache_storage_backend_extra_config");
+    if (!extra.is_object()) {
+      throw InvalidArgument(str_cat("config: key 'hicache_storage_backend_extra_config' is ",
+                                    extra.dump(), "; it must be a JSON object or its text"));
+    }
+    if (!root.contains("hicache_storage_backend")) {
+      throw InvalidArgument(
+          "config: 'hicache_storage_backend_extra_config' needs 'hicache_storage_backend'");
+    }
+  }
+  if (!root.contains("hicache_storage_backend")) return;
+  const json backend = root["hicache_storage_backend"];
+  root.erase("hicache_storage_backend");
+  if (root.contains("storage")) {
+    throw InvalidArgument("config: 'hicache_storage_backend' (SGLang's name) and 'storage' both given");
+  }
+  const auto move_seconds = [&](const char* from, const char* to, double scale) {
+    if (!extra.contains(from)) return;
+    if (!extra[from].is_number() || !(extra[from].get<double>() >= 0)) {
+      throw InvalidArgument(str_cat("config: hicache_storage_backend_extra_config: '", from,
+                                    "' is ", extra[from].dump(), "; allowed: seconds >= 0"));
+    }
+    if (root.contains(to)) {
+      throw InvalidArgument(str_cat("config: '", from, "' (SGLang's extra config) and '", to,
+                                    "' both given"));
+    }
+    root[to] = static_cast<std::int64_t>(std::llround(extra[from].get<double>() * scale));
+    extra.erase(from);
+  };
+  if (extra.contains("prefetch_threshold")) {
+    if (root.contains("prefetch_threshold_tokens")) {
+      throw InvalidArgument(
+          "config: 'prefetch_threshold' (SGLang's extra config) and 'prefetch_threshold_tokens' "
+          "both given");
+    }
+    root["prefetch_threshold_tokens"] = extra["prefetch_threshold"];
+    extra.erase("prefetch_threshold");
+  }
+  const double page = root.contains("page_size") && root["page_size"].is_number_integer()
+                          ? root["page_size"].get<double>()
+                          : 64.0;
+  move_seconds("prefetch_timeout_base", "prefetch_timeout_base_ms", 1000.0);
+  move_seconds("prefetch_timeout_per_ki_token", "prefetch_timeout_per_page_ms",
+               1000.0 * page / 1024.0);
+  // SGLang's own switches that are not the store's.
+  for (const char* k : {"backend_name", "module_path", "class_name", "interface_v1",
+                        "hicache_storage_pass_prefix_keys"}) {
+    extra.erase(k);
+  }
+  const std::string name = backend.is_string() ? backend.get<std::string>() : backend.dump();
+  if (name == "file") {
+    json store = {{"backend", "file"}, {"root", "/tmp/hicache"}};
+    for (const auto& [k, v] : extra.items()) store[k] = v;
+    root["storage"] = store;
+  } else if (name == "hicache") {
+    root["storage"] = extra;
+  } else {
+    throw InvalidArgument(str_cat("config: key 'hicache_storage_backend' is '", name,
+                                  "'; allowed: file | hicache (hicache: the store object in the "
+                                  "extra config, e.g. {\"backend\": \"redis\", ...})"));
+  }
+}
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string default_text(const ConfigKeyInfo& k) {
+  if (k.default_json.empty()) return "";
+  const json v = json::parse(k.default_json);
+  return v.is_string() ? v.get<std::string>() : v.dump();
 }
 
 }  // namespace
 
+std::span<const ConfigKeyInfo> config_keys() {
+  static const std::vector<ConfigKeyInfo> kInfos = [] {
+    std::vector<ConfigKeyInfo> out;
+    for (const Key& k : keys()) out.push_back(k.info);
+    return out;
+  }();
+  return kInfos;
+}
+
+std::span<const ConfigAliasInfo> config_aliases() { return aliases(); }
+
+const ConfigKeyInfo* find_config_flag(std::string_view flag) {
+  for (const ConfigKeyInfo& k : config_keys()) {
+    if (k.flag == flag) return &k;
+  }
+  return nullptr;
+}
+
+std::string config_flag_json(const ConfigKeyInfo& key, std::string_view text) {
+  const std::string t(text);
+  const auto bad = [&] {
+    return InvalidArgument(str_cat("--", key.flag, ": '", text, "' is not ", type_words(key.type)));
+  };
+  switch (key.type) {
+    case ConfigType::kInteger: {
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(t.c_str(), &end, 10);
+      if (errno != 0 || end == t.c_str() || *end != '\0') throw bad();
+      return json(static_cast<std::int64_t>(v)).dump();
+    }
+    case ConfigType::kNumber: {
+      char* end = nullptr;
+      const double v = std::strtod(t.c_str(), &end);
+      if (end == t.c_str() || *end != '\0' || !std::isfinite(v)) throw bad();
+      return json(v).dump();
+    }
+    case ConfigType::kBool:
+      if (t == "true" || t == "1") return "true";
+      if (t == "false" || t == "0") return "false";
+      throw bad();
+    case ConfigType::kString:
+      return json(t).dump();
+    case ConfigType::kObject: {
+      const json v = json::parse(t, nullptr, false);
+      if (v.is_discarded() || !v.is_object()) throw bad();
+      return v.dump();
+    }
+  }
+  throw bad();
+}
+
+std::string config_flags_usage() {
+  std::string out;
+  for (const ConfigKeyInfo& k : config_keys()) {
+    std::string left = str_cat("  --", k.flag, k.type == ConfigType::kBool ? "" : " V");
+    if (left.size() < 34) left += std::string(34 - left.size(), ' ');
+    const std::string d = default_text(k);
+    out += str_cat(left, " ", k.help, d.empty() ? "" : str_cat(" (", d, ")"), "\n");
+  }
+  return out;
+}
+
+std::string config_reference_markdown() {
+  std::string out =
+      "| key | flag | type | default | allowed | SGLang | what |\n"
+      "| --- | --- | --- | --- | --- | --- | --- |\n";
+  const auto cell = [](std::string_view s) {
+    std::string r;
+    for (char c : s) r += c == '|' ? std::string("\\|") : std::string(1, c);
+    return r;
+  };
+  for (const ConfigKeyInfo& k : config_keys()) {
+    const std::string d = default_text(k);
+    out += str_cat("| `", k.key, "` | `--", k.flag, "` | ", type_words(k.type), " | ",
+                   d.empty() ? std::string("-") : str_cat("`", d, "`"), " | ", cell(k.allowed),
+                   " | ", k.sglang.empty() ? std::string("-") : str_cat("`", k.sglang, "`"),
+                   " | ", cell(k.help), " |\n");
+  }
+  out += "\nWhere a default differs from SGLang's:\n\n";
+  for (const ConfigKeyInfo& k : config_keys()) {
+    if (!k.differs.empty()) out += str_cat("- `", k.key, "`: ", k.differs, ".\n");
+  }
+  out += "\nSGLang's names, accepted as aliases (an alias and its key both given are refused):\n\n"
+         "| SGLang key | sets |\n| --- | --- |\n";
+  for (const ConfigAliasInfo& a : config_aliases()) {
+    out += str_cat("| `", a.alias, "` | ", cell(a.maps_to), " |\n");
+  }
+  return out;
+}
+
+std::string nearest_config_key(std::string_view unknown) {
+  std::string best;
+  std::size_t best_distance = std::max<std::size_t>(2, unknown.size() / 3) + 1;
+  const auto consider = [&](std::string_view name) {
+    const std::size_t dist = edit_distance(unknown, name);
+    if (dist < best_distance) {
+      best_distance = dist;
+      best = name;
+    }
+  };
+  for (const ConfigKeyInfo& k : config_keys()) consider(k.key);
+  for (const ConfigAliasInfo& a : config_aliases()) consider(a.alias);
+  return best;
+}
+
 HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
-  const json root = json_fields::parse_object(text, "config");
-  reject_unknown(root,
-                 {"device", "page_size", "device_tokens", "model", "host_ratio", "host_bytes",
-                  "host_tokens", "host_layout", "io_backend", "write_policy", "layer_slots",
-                  "queue_capacity", "kernel_max_blocks", "storage", "model_name",
-                  "model_fingerprint", "prefetch_policy", "prefetch_threshold_tokens",
-                  "prefetch_budget_tokens", "prefetch_timeout_base_ms",
-                  "prefetch_timeout_per_page_ms", "prefetch_timeout_cap_ms",
-                  "storage_batch_pages", "host_tier", "eviction_policy",
-                  "write_through_threshold", "load_back_min_tokens",
-                  "recompute_seconds_per_token", "demote_low_watermark",
-                  "demote_high_watermark", "tp_rank", "tp_size", "tp_store_dir", "tp_hostname",
-                  "tp_timeout_ms", "tp_connect_timeout_ms"},
-                 "");
-  HiCacheConfig c;
-  c.device = get<std::string>(root, "device", "auto");
-  if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
-    throw InvalidArgument(str_cat("config: device '", c.device, "': valid are auto, cuda, host"));
+  json root = json_fields::parse_object(text, "config");
+  expand_aliases(root);
+  Draft d;
+  for (const Key& k : keys()) {
+    if (!k.info.default_json.empty()) k.set(d, json::parse(k.info.default_json));
   }
-  if (!root.contains("model")) throw InvalidArgument("config: 'model' is required");
-  c.geometry = parse_model(root["model"], get_int32(root, "page_size", 64));
-  c.device_tokens = get<std::int64_t>(root, "device_tokens", 0);
-  check_token_count(c.geometry, c.device_tokens, "config: device_tokens");
-  if (root.contains("host_ratio") || root.contains("host_bytes") || root.contains("host_tokens")) {
-    c.host_size = HostPoolSize{.ratio = get<double>(root, "host_ratio", 0),
-                               .bytes = get<std::int64_t>(root, "host_bytes", 0),
-                               .tokens = get<std::int64_t>(root, "host_tokens", 0)};
+  std::set<std::string> given;
+  for (const auto& [name, value] : root.items()) {
+    if (name == "model") {
+      if (!value.is_object()) {
+        throw InvalidArgument(str_cat("config: key 'model' is ", value.dump(),
+                                      "; it must be a JSON object"));
+      }
+      for (const auto& [inner, v] : value.items()) {
+        const std::string full = str_cat("model.", inner);
+        const Key* k = find_key(full);
+        if (k == nullptr) throw InvalidArgument(unknown_key_error(full));
+        apply(d, *k, v);
+        given.insert(full);
+      }
+      continue;
+    }
+    const Key* k = find_key(name);
+    if (k == nullptr || name.rfind("model.", 0) == 0) throw InvalidArgument(unknown_key_error(name));
+    apply(d, *k, value);
+    given.insert(name);
   }
-  c.host_tokens();  // validates the host size
-  c.host_layout = parse_host_layout(get<std::string>(root, "host_layout", "layer_first"));
-  c.controller.io_backend = parse_io_backend(get<std::string>(root, "io_backend", "direct"));
-  c.controller.write_policy =
-      parse_write_policy(get<std::string>(root, "write_policy", "write_through_selective"));
-  c.controller.layer_slots = get_int32(root, "layer_slots", 3);
-  if (c.controller.layer_slots < 1) {
-    throw InvalidArgument(str_cat("config: layer_slots must be >= 1, got ", c.controller.layer_slots));
+  const auto require = [&](const char* key, const char* what) {
+    if (given.count(key) == 0) {
+      throw InvalidArgument(str_cat("config: key '", key, "' is required (", what, ")"));
+    }
+  };
+  const auto refuse = [&](const char* key, std::string_view attention) {
+    if (given.count(key) != 0) {
+      throw InvalidArgument(str_cat("config: key '", key, "' does not apply to model.attention '",
+                                    attention, "'"));
+    }
+  };
+  require("model.layers", "the model's layer count");
+  require("device_tokens", "the device KV pool's size in tokens");
+  const DType dtype = parse_dtype(d.dtype);
+  const auto page = static_cast<std::int32_t>(d.page_size);
+  HiCacheConfig c = std::move(d.c);
+  if (d.attention == "mha") {
+    require("model.kv_heads", "an mha model's KV heads");
+    require("model.head_dim", "an mha model's head dim");
+    refuse("model.kv_lora_rank", "mha");
+    refuse("model.qk_rope_head_dim", "mha");
+    c.geometry = KVGeometry::mha(static_cast<std::int32_t>(d.layers),
+                                 static_cast<std::int32_t>(d.kv_heads),
+                                 static_cast<std::int32_t>(d.head_dim), dtype, page);
+  } else {
+    require("model.kv_lora_rank", "an mla model's latent width");
+    require("model.qk_rope_head_dim", "an mla model's rope width");
+    refuse("model.kv_heads", "mla");
+    refuse("model.head_dim", "mla");
+    c.geometry = KVGeometry::mla(static_cast<std::int32_t>(d.layers),
+                                 static_cast<std::int32_t>(d.kv_lora_rank),
+                                 static_cast<std::int32_t>(d.qk_rope_head_dim), dtype, page);
   }
-  const auto capacity = get<std::int64_t>(root, "queue_capacity", 4096);
-  if (capacity < 1) throw InvalidArgument(str_cat("config: queue_capacity must be >= 1, got ", capacity));
-  c.controller.queue_capacity = static_cast<std::size_t>(capacity);
-  c.controller.kernel_max_blocks = get_int32(root, "kernel_max_blocks", 0);
-  if (c.controller.kernel_max_blocks < 0) {
-    throw InvalidArgument(str_cat("config: kernel_max_blocks must be >= 0, got ",
-                                  c.controller.kernel_max_blocks));
-  }
-  // L3: the backend's own object is validated by make_storage when the engine builds it; here it
-  // only has to be an object.
-  if (root.contains("storage")) {
-    if (!root["storage"].is_object()) throw InvalidArgument("config: 'storage' must be an object");
-    c.storage = root["storage"].dump();
-  }
-  c.model_name = get<std::string>(root, "model_name", c.model_name);
-  c.model_fingerprint = get<std::string>(root, "model_fingerprint", c.model_fingerprint);
-  auto& s = c.storage_controller;
-  s.policy = parse_prefetch_policy(get<std::string>(root, "prefetch_policy", "best_effort"));
-  const auto page = static_cast<std::int64_t>(c.geometry.page_size);
-  s.prefetch_threshold_tokens =
-      json_fields::get_int(root, "prefetch_threshold_tokens", page, 0, INT64_MAX, "config");
-  s.prefetch_budget_tokens = json_fields::get_int(root, "prefetch_budget_tokens",
-                                                  s.prefetch_budget_tokens, page, INT64_MAX,
-                                                  "config");
-  s.timeout_base = std::chrono::milliseconds(
-      json_fields::get_int(root, "prefetch_timeout_base_ms", s.timeout_base.count(), 0,
-                           INT32_MAX, "config"));
-  s.timeout_per_page = std::chrono::milliseconds(
-      json_fields::get_int(root, "prefetch_timeout_per_page_ms", s.timeout_per_page.count(), 0,
-                           INT32_MAX, "config"));
-  s.timeout_cap = std::chrono::milliseconds(json_fields::get_int(
-      root, "prefetch_timeout_cap_ms", s.timeout_cap.count(), 0, INT32_MAX, "config"));
-  s.io_batch_pages =
-      json_fields::get_int(root, "storage_batch_pages", s.io_batch_pages, 0, 1 << 20, "config");
-  s.mla = c.geometry.attention == AttentionKind::kMLA;
-  RadixCacheConfig& r = c.radix;
-  r.host_tier = get<bool>(root, "host_tier", r.host_tier);
-  r.eviction_policy = parse_eviction_policy(get<std::string>(root, "eviction_policy", "lru"));
-  r.write_through_threshold = static_cast<std::int32_t>(json_fields::get_int(
-      root, "write_through_threshold", r.write_through_threshold, 1, INT32_MAX, "config"));
-  r.load_back_min_tokens = json_fields::get_int(root, "load_back_min_tokens",
-                                                r.load_back_min_tokens, 0, INT64_MAX, "config");
-  r.recompute_seconds_per_token =
-      get<double>(root, "recompute_seconds_per_token", r.recompute_seconds_per_token);
-  r.demote_low_watermark = get<double>(root, "demote_low_watermark", r.demote_low_watermark);
-  r.demote_high_watermark = get<double>(root, "demote_high_watermark", r.demote_high_watermark);
-  TensorParallelConfig& tp = c.tp;
-  tp.rank = get_int32(root, "tp_rank", tp.rank);
-  tp.size = get_int32(root, "tp_size", tp.size);
-  tp.store_dir = get<std::string>(root, "tp_store_dir", tp.store_dir);
-  tp.hostname = get<std::string>(root, "tp_hostname", tp.hostname);
-  tp.timeout = std::chrono::milliseconds(
-      json_fields::get_int(root, "tp_timeout_ms", tp.timeout.count(), 1, INT32_MAX, "config"));
-  tp.connect_timeout = std::chrono::milliseconds(json_fields::get_int(
-      root, "tp_connect_timeout_ms", tp.connect_timeout.count(), 1, INT32_MAX, "config"));
+  // The ratio is the default size; a size in bytes or tokens replaces it.
+  const bool sized = given.count("host_bytes") != 0 || given.count("host_tokens") != 0;
+  c.host_size = HostPoolSize{.ratio = sized && given.count("host_ratio") == 0 ? 0 : d.host_ratio,
+                             .bytes = d.host_bytes,
+                             .tokens = d.host_tokens};
+  c.storage_controller.mla = c.geometry.attention == AttentionKind::kMLA;
   c.validate();
   return c;
 }
@@ -195,6 +676,10 @@ void HiCacheConfig::validate() const {
     throw InvalidArgument(str_cat("config: prefetch_budget_tokens ",
                                   storage_controller.prefetch_budget_tokens,
                                   " is less than one page (", geometry.page_size, ")"));
+  }
+  if (model_name.empty() || model_fingerprint.empty()) {
+    throw InvalidArgument(str_cat("config: model_name '", model_name, "' and model_fingerprint '",
+                                  model_fingerprint, "' must not be empty"));
   }
 }
 

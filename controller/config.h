@@ -1,26 +1,15 @@
-// HiCacheConfig: everything needed to build the device pool, the host pool and the controller,
-// read from JSON (the keys mirror SGLang's HiCache flags). Unknown keys and bad values are
-// errors that name them. Example:
+// HiCacheConfig: everything HiCache needs to build the device pool, the host pool, the
+// controllers, the store and the radix cache, read from one JSON object. Every key, its type,
+// default, allowed values and SGLang counterpart are in the schema (config_schema.h; the
+// reference is docs/configuration.md). Example:
 //
 //   {"device": "host", "page_size": 64, "device_tokens": 8192,
-//    "model": {"attention": "mha", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "fp16"},
-//    "host_ratio": 2.0, "host_layout": "layer_first", "io_backend": "direct",
-//    "write_policy": "write_through_selective", "layer_slots": 3, "queue_capacity": 4096}
+//    "model": {"attention": "mha", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+//    "host_ratio": 2.0, "write_policy": "write_through",
+//    "storage": {"backend": "file", "root": "/var/cache/hicache"}}
 //
-// Host size: exactly one of host_ratio, host_bytes, host_tokens (host_ratio 2.0 by default).
-//
-// L3 (optional): "storage" is the backend's object for make_storage (e.g. {"backend": "file",
-// "root": "/var/cache/hicache"}); "model_name" and "model_fingerprint" (the weights revision) go
-// into every page key's namespace; "prefetch_policy" (best_effort | wait_complete | timeout),
-// "prefetch_threshold_tokens" (default one page), "prefetch_budget_tokens" (default unlimited,
-// at least one page), "prefetch_timeout_base_ms" / "_per_page_ms" / "_cap_ms" (100 / 2 / 5000),
-// "storage_batch_pages" (0: the store's preferred batch, 64 MiB for files, ~4 MiB for Redis).
-//
-// Radix cache (HiRadixCache, see RadixCacheConfig for each): "host_tier" (true; false: a
-// device-only prefix cache, which takes no "storage"), "eviction_policy" (lru | lfu),
-// "write_through_threshold" (2), "load_back_min_tokens" (0: one page),
-// "recompute_seconds_per_token" (0: off), "demote_low_watermark" / "demote_high_watermark"
-// (0 / 0: off).
+// Unknown keys are errors that suggest the nearest known key; bad values are errors that name
+// the key, the value and what is allowed.
 #pragma once
 
 #include <chrono>
@@ -58,7 +47,7 @@ struct HiCacheConfig {
   std::string storage;  // JSON object for make_storage; empty: no L3
   std::string model_name = "model";
   std::string model_fingerprint = "unversioned";
-  StorageControllerConfig storage_controller;
+  StorageControllerConfig storage_controller{.prefetch_threshold_tokens = 256};
   RadixCacheConfig radix;
   TensorParallelConfig tp;
 

@@ -46,7 +46,7 @@ std::string_view to_string(WritePolicy policy);
 std::string_view to_string(IoBackend io);
 
 struct ControllerConfig {
-  WritePolicy write_policy = WritePolicy::kWriteThroughSelective;  // for the radix cache
+  WritePolicy write_policy = WritePolicy::kWriteThrough;  // for the radix cache
   IoBackend io_backend = IoBackend::kDirect;
   std::int32_t layer_slots = 3;         // LayerDoneCounter slots (batches in flight)
   std::size_t queue_capacity = 4096;    // ops queued per queue before write()/load() push back

@@ -76,6 +76,7 @@ struct StorageControllerConfig {
   bool mla = false;                  // KV identical on every rank: rank 0 alone writes
   std::size_t queue_capacity = 1024;
   // A hit below this many tokens is revoked (at least one page: smaller values mean one page).
+  // The component's default is one page; HiCacheConfig's is 256 tokens (SGLang's).
   std::int64_t prefetch_threshold_tokens = 0;
   // Host tokens that prefetches may hold at once (reserved until terminated); must be >= one
   // page. A prefetch that would exceed it is declined (revoked).

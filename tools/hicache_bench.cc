@@ -6,7 +6,9 @@
 // per round) plus per-tier hits, bytes and bandwidth, queue depths, revokes and errors.
 //
 // Settings come from flags and from a JSON file (--config; the keys are the flag names with '_'
-// for '-'; flags given on the command line win). --compare runs the workload under several
+// for '-'; flags given on the command line win). The cache's own settings are the library's
+// schema (controller/config_schema.h, docs/configuration.md): the same keys, flags and defaults
+// as every HiCache; the main job sets a few of them (kMainJobCache). --compare runs the workload under several
 // configurations (device only, + host, + host + file, + host + redis with --redis) and prints
 // them side by side. --instances N runs N engine processes (fork, before any thread exists),
 // each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
@@ -36,6 +38,7 @@
 #include <string_view>
 #include <vector>
 
+#include "controller/config_schema.h"
 #include "storage/redis_cluster.h"
 #include "tools/workload/engine_stack.h"
 #include "tools/workload/report.h"
@@ -61,17 +64,8 @@ struct Settings {
   double request_rate = 0;
   std::int64_t max_inflight = 0;
   bool barrier = false;
-  // model and pools
-  std::string device = "host";
-  std::int64_t layers = 16, kv_heads = 4, head_dim = 64, page_size = 64;
-  std::string dtype = "fp16";
-  std::int64_t device_tokens = 8192;
-  double host_ratio = 2.0;
-  std::string host_layout = "layer_first", io_backend = "direct", write_policy = "write_through";
-  // radix cache
-  std::string eviction_policy = "lru";
-  std::int64_t write_through_threshold = 2, load_back_min_tokens = 0;
-  double recompute_seconds_per_token = 0, demote_low_watermark = 0, demote_high_watermark = 0;
+  // The cache's settings (HiCacheConfig's JSON keys): the main job's, then the user's.
+  json cache;
   // engine
   std::int64_t max_batch = 8, max_running = 64, max_prefetches = 4;
   double cost_per_token_layer = 3e-6, decode_step_seconds = 0.002, host_free_target = 0.1;
@@ -79,16 +73,22 @@ struct Settings {
   std::string tiers = "file";
   bool compare = false;
   std::string compare_configs = "device,host,file";
-  std::string storage_dir, redis, model_fingerprint;
+  std::string storage_dir, redis;
   bool keep_storage = false;
-  std::string prefetch_policy = "wait_complete";
-  std::int64_t prefetch_threshold_tokens = 256, storage_batch_pages = 0;
   std::int64_t instances = 1;
   double instance_timeout_s = 600;
   // output
   std::string report, plot;
   bool progress = true;
 };
+
+// The main job's cache: a small synthetic model on the host emulation (every page verified by
+// the CPU), and prefetches that wait for their pages (so L3 hits do not depend on timing).
+// Everything else is the library's default.
+const json kMainJobCache = {{"device", "host"},
+                            {"device_tokens", 8192},
+                            {"model", {{"layers", 16}, {"kv_heads", 4}, {"head_dim", 64}}},
+                            {"prefetch_policy", "wait_complete"}};
 
 enum class Kind { kInt, kDouble, kString, kBool };
 
@@ -161,23 +161,6 @@ const std::vector<Option>& options() {
       DBL_OPT(request_rate, 0, "Poisson arrivals, requests/s over all clients; 0: all at once (0)"),
       INT_OPT(max_inflight, 0, "requests in flight at most; 0: no cap (0)"),
       BOOL_OPT(barrier, "round r+1 starts once round r is done (always on with --instances)"),
-      STR_OPT(device, "device backend: host | cuda | auto (host)"),
-      INT_OPT(layers, 1, "model layers (16)"),
-      INT_OPT(kv_heads, 1, "KV heads (4)"),
-      INT_OPT(head_dim, 1, "head dim (64)"),
-      STR_OPT(dtype, "KV dtype: fp16 | bf16 | fp8 | fp32 (fp16)"),
-      INT_OPT(page_size, 1, "tokens per page (64)"),
-      INT_OPT(device_tokens, 1, "device KV pool, tokens (8192)"),
-      DBL_OPT(host_ratio, 0, "host pool size / device pool size (2)"),
-      STR_OPT(host_layout, "layer_first | page_first | page_first_direct (layer_first)"),
-      STR_OPT(io_backend, "direct | kernel (direct)"),
-      STR_OPT(write_policy, "write_through | write_through_selective | write_back (write_through)"),
-      STR_OPT(eviction_policy, "lru | lfu (lru)"),
-      INT_OPT(write_through_threshold, 1, "hits before a selective write (2)"),
-      INT_OPT(load_back_min_tokens, 0, "smaller host hits are recomputed (0: one page)"),
-      DBL_OPT(recompute_seconds_per_token, 0, "cost-aware tiers: recompute cost; 0: off (0)"),
-      DBL_OPT(demote_low_watermark, 0, "demotion starts below this free device fraction; 0: off"),
-      DBL_OPT(demote_high_watermark, 0, "... and frees up to this fraction (0)"),
       INT_OPT(max_batch, 1, "requests admitted per prefill pass (8)"),
       INT_OPT(max_running, 1, "requests prefilling or decoding at once (64)"),
       INT_OPT(max_prefetches, 1, "L3 prefetches in flight (4)"),
@@ -191,11 +174,6 @@ const std::vector<Option>& options() {
       STR_OPT(storage_dir, "file store root (default: a new directory under /tmp, removed)"),
       BOOL_OPT(keep_storage, "keep the file store and a stable key namespace (warm restarts)"),
       STR_OPT(redis, "Redis for the redis tier: HOST:PORT, or HOST:PORT,HOST:PORT,... (cluster)"),
-      STR_OPT(model_fingerprint, "key namespace fingerprint (default: fresh per run, or "
-                                 "'synthetic' with --keep-storage)"),
-      STR_OPT(prefetch_policy, "best_effort | wait_complete | timeout (wait_complete)"),
-      INT_OPT(prefetch_threshold_tokens, 0, "smaller L3 hits are not prefetched (256)"),
-      INT_OPT(storage_batch_pages, 0, "pages per storage call (0: the store's preferred batch)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
       DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
                                      "within this many seconds fails the run; 0: no limit (600)"),
@@ -219,8 +197,15 @@ std::string usage() {
     if (left.size() < 32) left += std::string(32 - left.size(), ' ');
     u += left + " " + o.help + "\n";
   }
-  u += "  --help\n"
-       "JSON config: {\"workload\": \"tree\", \"depth\": 4, ...}: the same names with '_'.\n"
+  u += str_cat("Cache settings (the library's; docs/configuration.md has each key's allowed values;\n"
+               "the main job sets ", kMainJobCache.dump(), ";\n"
+               "the key namespace is model_name hicache-bench and a model_fingerprint fresh per run,\n"
+               "or 'synthetic' with --keep-storage, unless given):\n");
+  u += hicache::config_flags_usage();
+  u += "  --config-reference              print the configuration reference (Markdown) and exit\n"
+       "  --help\n"
+       "JSON config: {\"workload\": \"tree\", \"depth\": 4, \"write_policy\": \"write_back\", ...}: the\n"
+       "same names with '_' (cache keys as in HiCacheConfig's JSON, SGLang's names included).\n"
        "Exit code: 0 all pages verified, 1 a wrong page or a failed instance, 2 bad settings.\n";
   return u;
 }
@@ -237,6 +222,27 @@ const Option* find_option(std::string_view key) {
   return nullptr;
 }
 
+// Sets a cache key of the schema ("model.layers" goes inside "model").
+void set_cache_key(Settings& s, std::string_view key, const json& value) {
+  if (key.rfind("model.", 0) == 0) {
+    s.cache["model"][std::string(key.substr(6))] = value;
+  } else {
+    s.cache[std::string(key)] = value;
+  }
+}
+
+// A key a HiCacheConfig JSON takes at its top level (SGLang's names included).
+bool is_cache_json_key(std::string_view key) {
+  if (key == "model") return true;
+  for (const auto& k : hicache::config_keys()) {
+    if (k.key == key && key.find('.') == std::string_view::npos) return true;
+  }
+  for (const auto& a : hicache::config_aliases()) {
+    if (a.alias == key) return true;
+  }
+  return false;
+}
+
 void apply_json_file(Settings& s, const std::string& path) {
   std::ifstream in(path);
   if (!in) throw InvalidArgument(str_cat("--config: cannot read '", path, "'"));
@@ -251,8 +257,25 @@ void apply_json_file(Settings& s, const std::string& path) {
   if (!j.is_object()) throw InvalidArgument(str_cat("--config '", path, "': not a JSON object"));
   for (const auto& [key, value] : j.items()) {
     const Option* o = find_option(key);
+    if (o == nullptr && key.find('-') == std::string::npos) {
+      // The cache's keys: checked by HiCacheConfig when the stack is built.
+      if (key == "model" && value.is_object()) {
+        for (const auto& [inner, v] : value.items()) s.cache["model"][inner] = v;
+        continue;
+      }
+      if (is_cache_json_key(key)) {
+        s.cache[key] = value;
+        continue;
+      }
+      if (const auto* k = hicache::find_config_flag(flag_name(key.c_str()))) {  // "layers"
+        set_cache_key(s, k->key, value);
+        continue;
+      }
+    }
     if (o == nullptr || key.find('-') != std::string::npos) {
-      throw InvalidArgument(str_cat("--config '", path, "': unknown key '", key, "'"));
+      const std::string near = hicache::nearest_config_key(key);
+      throw InvalidArgument(str_cat("--config '", path, "': unknown key '", key, "'",
+                                    near.empty() ? "" : str_cat("; did you mean '", near, "'?")));
     }
     const bool fits = (o->kind == Kind::kString && value.is_string()) ||
                       (o->kind == Kind::kBool && value.is_boolean()) ||
@@ -269,6 +292,7 @@ void apply_json_file(Settings& s, const std::string& path) {
 
 Settings parse(int argc, char** argv) {
   Settings s;
+  s.cache = kMainJobCache;
   try {
     for (int i = 1; i < argc; ++i) {  // the file first: flags override it
       if (std::string_view(argv[i]) == "--config") {
@@ -286,6 +310,10 @@ Settings parse(int argc, char** argv) {
         ++i;
         continue;
       }
+      if (flag == "--config-reference") {
+        std::fputs(hicache::config_reference_markdown().c_str(), stdout);
+        std::exit(0);
+      }
       if (flag.substr(0, 2) != "--") throw InvalidArgument(str_cat("unexpected argument '", flag, "'"));
       flag.remove_prefix(2);
       bool negated = false;
@@ -297,9 +325,33 @@ Settings parse(int argc, char** argv) {
         }
       }
       if (negated) continue;
+      if (flag.find('_') == std::string_view::npos && find_option(flag) == nullptr) {
+        const auto* k = hicache::find_config_flag(flag);
+        const bool negated_bool = k == nullptr && flag.substr(0, 3) == "no-" &&
+                                  hicache::find_config_flag(flag.substr(3)) != nullptr &&
+                                  hicache::find_config_flag(flag.substr(3))->type ==
+                                      hicache::ConfigType::kBool;
+        if (negated_bool) {
+          set_cache_key(s, hicache::find_config_flag(flag.substr(3))->key, false);
+          continue;
+        }
+        if (k != nullptr && k->type == hicache::ConfigType::kBool) {
+          set_cache_key(s, k->key, true);
+          continue;
+        }
+        if (k != nullptr) {
+          if (i + 1 >= argc) throw InvalidArgument(str_cat("--", flag, ": missing value"));
+          set_cache_key(s, k->key, json::parse(hicache::config_flag_json(*k, argv[++i])));
+          continue;
+        }
+      }
       const Option* o = find_option(flag);
       if (o == nullptr || flag.find('_') != std::string_view::npos) {
-        throw InvalidArgument(str_cat("unknown flag '--", flag, "'"));
+        std::string key(flag);
+        for (char& c : key) c = c == '-' ? '_' : c;
+        const std::string near = hicache::nearest_config_key(key);
+        throw InvalidArgument(str_cat("unknown flag '--", flag, "'",
+                                      near.empty() ? "" : str_cat(" (the key '", near, "'?)")));
       }
       if (o->is_switch) {
         o->set(s, "true");
@@ -317,6 +369,7 @@ Settings parse(int argc, char** argv) {
 json settings_json(const Settings& s) {
   json j = json::object();
   for (const Option& o : options()) j[o.name] = o.get(s);
+  j["cache"] = s.cache;
   return j;
 }
 
@@ -363,41 +416,24 @@ struct TierSetup {
   std::string tier;   // device | host | file | redis
 };
 
-// The stack of one configuration; `storage_root` for the file tier.
+// The stack of one configuration; `storage_root` for the file tier. The cache is the library's
+// HiCacheConfig from the cache settings plus what the tier decides (the store, the host tier).
 wl::StackConfig stack_config(const Settings& s, const std::string& tier,
                              const std::string& storage_root, const std::string& fingerprint) {
   wl::StackConfig c;
-  auto& h = c.cache;
-  h.device = s.device;
-  h.geometry = hicache::KVGeometry::mha(static_cast<int>(s.layers), static_cast<int>(s.kv_heads),
-                                        static_cast<int>(s.head_dim), hicache::parse_dtype(s.dtype),
-                                        static_cast<int>(s.page_size));
-  h.device_tokens = s.device_tokens;
-  h.host_size = hicache::HostPoolSize{.ratio = s.host_ratio};
-  h.host_layout = hicache::parse_host_layout(s.host_layout);
-  h.controller.io_backend = hicache::parse_io_backend(s.io_backend);
-  h.controller.write_policy = hicache::parse_write_policy(s.write_policy);
-  h.model_name = "hicache-bench";
-  h.model_fingerprint = fingerprint;
+  json h = s.cache;
+  if (!h.contains("model_name")) h["model_name"] = "hicache-bench";
+  if (!h.contains("model_fingerprint")) h["model_fingerprint"] = fingerprint;
   if (tier == "file") {
-    h.storage = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances > 1}}.dump();
+    h["storage"] = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances > 1}};
   } else if (tier == "redis") {
     if (s.redis.empty()) throw InvalidArgument("tier redis: --redis HOST:PORT is required");
-    h.storage = redis_json(s.redis).dump();
+    h["storage"] = redis_json(s.redis);
   } else if (tier != "device" && tier != "host") {
     throw InvalidArgument(str_cat("unknown tier '", tier, "': valid are device, host, file, redis"));
   }
-  auto& sc = h.storage_controller;
-  sc.policy = hicache::parse_prefetch_policy(s.prefetch_policy);
-  sc.prefetch_threshold_tokens = s.prefetch_threshold_tokens;
-  sc.io_batch_pages = s.storage_batch_pages;
-  c.cache.radix.host_tier = tier != "device";
-  c.cache.radix.eviction_policy = hicache::parse_eviction_policy(s.eviction_policy);
-  c.cache.radix.write_through_threshold = static_cast<std::int32_t>(s.write_through_threshold);
-  c.cache.radix.load_back_min_tokens = s.load_back_min_tokens;
-  c.cache.radix.recompute_seconds_per_token = s.recompute_seconds_per_token;
-  c.cache.radix.demote_low_watermark = s.demote_low_watermark;
-  c.cache.radix.demote_high_watermark = s.demote_high_watermark;
+  if (tier == "device") h["host_tier"] = false;
+  c.cache = hicache::HiCacheConfig::from_json_text(h.dump());
   c.engine.max_batch = static_cast<int>(s.max_batch);
   c.engine.max_running = static_cast<int>(s.max_running);
   c.engine.max_prefetches = static_cast<int>(s.max_prefetches);
@@ -599,7 +635,6 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
 }
 
 std::string default_fingerprint(const Settings& s) {
-  if (!s.model_fingerprint.empty()) return s.model_fingerprint;
   if (s.keep_storage) return "synthetic";
   return str_cat("run-", ::getpid(), "-",
                  std::chrono::system_clock::now().time_since_epoch().count());

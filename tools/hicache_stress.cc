@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/config_schema.h"
 #include "tools/bench/redis_launcher.h"
 #include "tools/stress/fault_storage.h"
 #include "tools/workload/engine_stack.h"
@@ -67,8 +68,8 @@ struct Settings {
   std::int64_t steps = 0;  // > 0: stop after this many engine steps instead
   std::uint64_t seed = 1;
   std::string storage = "file";
-  std::string device = "host";  // the device backend: host emulation, or a GPU
-  std::string io_backend = "direct";
+  // The cache's settings (HiCacheConfig's JSON keys): the scenario's, then the flags'.
+  nlohmann::json cache;
   std::set<std::string> faults{kFaults.begin(), kFaults.end()};
   double error_rate = 0.02, exists_error_rate = 0.01, slow_rate = 0.05, timeout_rate = 0.005;
   int slow_ms = 20, timeout_ms = 50;
@@ -86,8 +87,6 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --seed N                workload and fault seed (1)
   --storage file|redis    L3: a file store on a tmpfs it mounts (or a temporary directory), or
                           a redis-server it starts on a free loopback port (file)
-  --device host|cuda|auto  device backend (host); on CUDA pages are verified through copies
-  --io-backend direct|kernel  host <-> device copies (direct)
   --faults LIST|all|none  comma list of: error, exists, slow, timeout, corrupt, truncate,
                           disk_full, redis_restart, host_exhaust, reset (all)
   --error-rate P          per key of a get/set (0.02)     --exists-error-rate P  (0.01)
@@ -102,10 +101,31 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --report FILE           also write the table as JSON
   --no-progress           no progress lines on stderr
 Exit code: 0 pass (no wrong byte served, no slot leaked, L3 alive), 1 fail, 2 bad flags.
+Cache settings: the library's (docs/configuration.md), over the scenario's below; on CUDA
+(--device cuda) pages are verified through copies.
 )";
 
+// The scenario: a small model on the host emulation; prefetches wait for their pages up to
+// 20 ms + 2 ms per page (at most 200 ms), then take what landed, so slow and timed-out storage
+// shows as partial prefetches, not stalls.
+const nlohmann::json kStressCache = {
+    {"device", "host"},
+    {"page_size", 16},
+    {"device_tokens", 4096},
+    {"model", {{"layers", 4}, {"kv_heads", 2}, {"head_dim", 32}}},
+    {"model_name", "hicache-stress"},
+    {"prefetch_policy", "timeout"},
+    {"prefetch_timeout_base_ms", 20},
+    {"prefetch_timeout_per_page_ms", 2},
+    {"prefetch_timeout_cap_ms", 200},
+    {"prefetch_threshold_tokens", 32}};
+
+std::string usage() {
+  return str_cat(kUsage, "  scenario: ", kStressCache.dump(), "\n", hicache::config_flags_usage());
+}
+
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "hicache-stress: %s\n%s", message.c_str(), kUsage);
+  std::fprintf(stderr, "hicache-stress: %s\n%s", message.c_str(), usage().c_str());
   std::exit(2);
 }
 
@@ -120,6 +140,7 @@ double number(const std::string& flag, const char* v, double min) {
 
 Settings parse(int argc, char** argv) {
   Settings s;
+  s.cache = kStressCache;
   std::map<std::string, double*> doubles = {
       {"--seconds", &s.seconds},
       {"--error-rate", &s.error_rate},
@@ -137,7 +158,7 @@ Settings parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
+      std::fputs(usage().c_str(), stdout);
       std::exit(0);
     }
     if (flag == "--no-progress") {
@@ -146,6 +167,21 @@ Settings parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
     const char* v = argv[++i];
+    // The cache's flags, but --storage, which is this tool's (it starts its own store).
+    if (const auto* k = hicache::find_config_flag(flag.substr(2));
+        k != nullptr && flag != "--storage") {
+      try {
+        const auto value = nlohmann::json::parse(hicache::config_flag_json(*k, v));
+        if (k->key.rfind("model.", 0) == 0) {
+          s.cache["model"][std::string(k->key.substr(6))] = value;
+        } else {
+          s.cache[std::string(k->key)] = value;
+        }
+      } catch (const InvalidArgument& e) {
+        usage_error(e.what());
+      }
+      continue;
+    }
     if (auto it = doubles.find(flag); it != doubles.end()) {
       *it->second = number(flag, v, 0);
     } else if (flag == "--steps") {
@@ -164,16 +200,6 @@ Settings parse(int argc, char** argv) {
       s.storage = v;
       if (s.storage != "file" && s.storage != "redis") {
         usage_error(str_cat("--storage: '", v, "': valid are file, redis"));
-      }
-    } else if (flag == "--device") {
-      s.device = v;
-      if (s.device != "host" && s.device != "cuda" && s.device != "auto") {
-        usage_error(str_cat("--device: '", v, "': valid are host, cuda, auto"));
-      }
-    } else if (flag == "--io-backend") {
-      s.io_backend = v;
-      if (s.io_backend != "direct" && s.io_backend != "kernel") {
-        usage_error(str_cat("--io-backend: '", v, "': valid are direct, kernel"));
       }
     } else if (flag == "--faults") {
       s.faults.clear();
@@ -197,6 +223,11 @@ Settings parse(int argc, char** argv) {
     if (*doubles[rate] > 1) usage_error(str_cat(rate, ": ", *doubles[rate], " is not a probability"));
   }
   if (s.seconds <= 0 && s.steps == 0) usage_error("--seconds must be > 0 (or give --steps)");
+  try {
+    (void)hicache::HiCacheConfig::from_json_text(s.cache.dump());  // bad cache flags: exit 2
+  } catch (const InvalidArgument& e) {
+    usage_error(e.what());
+  }
   return s;
 }
 
@@ -335,21 +366,9 @@ int run(const Settings& s) {
                           : stress::make_redis_corruptor(redis->port());
 
   workload::StackConfig config;
-  config.cache.device = s.device;
-  config.cache.controller.io_backend = parse_io_backend(s.io_backend);
-  config.cache.geometry = KVGeometry::mha(4, 2, 32, DType::kFloat16, 16);
-  config.cache.device_tokens = 4096;
-  config.cache.host_size = HostPoolSize{.ratio = 2.0};
-  config.cache.controller.write_policy = WritePolicy::kWriteThrough;
-  config.cache.model_name = "hicache-stress";
-  config.cache.model_fingerprint = str_cat("seed", s.seed);
-  // Prefetches wait for their pages up to 20 ms + 2 ms per page (at most 200 ms), then take
-  // what landed: slow and timed-out storage shows as partial prefetches, not stalls.
-  config.cache.storage_controller.policy = PrefetchPolicy::kTimeout;
-  config.cache.storage_controller.timeout_base = std::chrono::milliseconds(20);
-  config.cache.storage_controller.timeout_per_page = std::chrono::milliseconds(2);
-  config.cache.storage_controller.timeout_cap = std::chrono::milliseconds(200);
-  config.cache.storage_controller.prefetch_threshold_tokens = 32;
+  nlohmann::json cache = s.cache;
+  if (!cache.contains("model_fingerprint")) cache["model_fingerprint"] = str_cat("seed", s.seed);
+  config.cache = HiCacheConfig::from_json_text(cache.dump());
   config.engine.max_batch = 8;
   config.engine.max_prefetches = 4;
   workload::EngineStack stack(config, std::move(faulty));
@@ -586,7 +605,8 @@ int run(const Settings& s) {
       {"resets", cs.resets},
       {"pass", pass}};
   std::printf("\nhicache-stress, %s store, %s, %s I/O, seed %llu, faults:", s.storage.c_str(),
-              stack.device().name().c_str(), s.io_backend.c_str(),
+              stack.device().name().c_str(),
+              std::string(to_string(config.cache.controller.io_backend)).c_str(),
               static_cast<unsigned long long>(s.seed));
   for (const auto& f : s.faults) std::printf(" %s", f.c_str());
   std::printf("\n");

@@ -81,6 +81,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/hicache.h"
 #include "controller/hicache_controller.h"
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
@@ -233,17 +234,42 @@ struct Measure {
   }
 };
 
-// Pools and controller of one geometry, reused by every workload of that geometry; each
+// The HiCache the library builds for one geometry (pools, controller, and with `storage_root`
+// a file store and its storage controller), reused by every workload of that geometry; each
 // workload leaves every slot free again.
+std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
+                                               const hicache::KVGeometry& g,
+                                               const std::string& storage_root,
+                                               const std::string& fingerprint) {
+  nlohmann::json c = {
+      {"page_size", g.page_size},
+      {"device_tokens", kDevicePages * g.page_size},
+      {"host_tokens", kHostPages * g.page_size},
+      {"model",
+       {{"layers", g.num_layers}, {"kv_heads", g.num_kv_heads}, {"head_dim", g.head_dim},
+        {"dtype", hicache::to_string(g.dtype)}}},
+      {"write_policy", "write_through"},
+      {"io_backend", "direct"},
+      {"host_layout", "layer_first"},
+      {"model_name", "hicache-opbench"},
+      {"model_fingerprint", fingerprint},
+      {"prefetch_threshold_tokens", kPrefetchThresholdTokens}};
+  if (!storage_root.empty()) c["storage"] = {{"backend", "file"}, {"root", storage_root}};
+  hicache::HiCacheParts parts;
+  parts.device = &device;
+  return std::make_unique<hicache::HiCache>(hicache::HiCacheConfig::from_json_text(c.dump()),
+                                            std::move(parts));
+}
+
 class Rig {
  public:
-  Rig(hicache::Device& device, const hicache::KVGeometry& geometry)
-      : g(geometry),
-        dev(device, geometry, kDevicePages * geometry.page_size),
-        host(device, geometry, hicache::HostLayout::kLayerFirst, kHostPages * geometry.page_size),
-        controller(device, dev, host,
-                   hicache::ControllerConfig{.write_policy = hicache::WritePolicy::kWriteThrough,
-                                             .io_backend = hicache::IoBackend::kDirect}),
+  Rig(hicache::Device& device, const hicache::KVGeometry& geometry,
+      const std::string& storage_root = "", const std::string& fingerprint = "unversioned")
+      : hc(make_hicache(device, geometry, storage_root, fingerprint)),
+        g(geometry),
+        dev(hc->device_pool()),
+        host(hc->host_pool()),
+        controller(hc->controller()),
         device_(device), dev_cpu_(dev.layout()) {
     if (!device.device_memory_is_host_accessible()) {
       mirror_ = device.alloc_host(dev.size_bytes());
@@ -315,10 +341,11 @@ class Rig {
     return s > 0 ? static_cast<double>(chunks * page) / s / 1e9 : 0;
   }
 
+  std::unique_ptr<hicache::HiCache> hc;
   const hicache::KVGeometry g;
-  hicache::DeviceKVPool dev;
-  hicache::HostKVPool host;
-  hicache::HiCacheController controller;
+  hicache::DeviceKVPool& dev;
+  hicache::HostKVPool& host;
+  hicache::HiCacheController& controller;
 
  private:
   void sync_copy(void* dst, const void* src, std::size_t bytes) {
@@ -608,7 +635,7 @@ Measure run_loads(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, s
 }
 
 // ----------------------------------------------------------------------------------------------
-// backup_pP / prefetch_pP: rounds of L2 -> L3 -> L2 through a FileStorage
+// backup_pP / prefetch_pP: rounds of L2 -> L3 -> L2 through the rig's file store
 
 struct StorageSpec {
   std::int64_t pages_per_op;
@@ -620,17 +647,13 @@ struct StorageSpec {
 class StorageRounds {
  public:
   // `next_token` hands out fresh token ids across every round of the run.
-  StorageRounds(Rig& rig, const fs::path& root, const hicache::KeyNamespace& ns,
-                const StorageSpec& spec, std::int32_t& next_token)
+  StorageRounds(Rig& rig, const StorageSpec& spec, std::int32_t& next_token)
       : rig_(rig),
         spec_(spec),
         next_token_(next_token),
-        store_(hicache::FileStorageConfig{.root = root.string()}),
-        controller_(rig.host, store_, ns, prefetch_collective_, backup_collective_,
-                    main_collective_,
-                    hicache::StorageControllerConfig{.prefetch_threshold_tokens =
-                                                         kPrefetchThresholdTokens}),
-        keyer_(ns),
+        store_(dynamic_cast<hicache::FileStorage&>(*rig.hc->storage())),
+        controller_(*rig.hc->storage_controller()),
+        keyer_(rig.hc->key_namespace()),
         ops_(static_cast<std::size_t>(spec.ops_per_round)) {}
 
   // The warm-up round, then the timed rounds; the backup phases go to `backup`, the prefetch
@@ -843,9 +866,8 @@ class StorageRounds {
   Rig& rig_;
   const StorageSpec spec_;
   std::int32_t& next_token_;
-  hicache::FileStorage store_;
-  hicache::LocalCollective prefetch_collective_, backup_collective_, main_collective_;
-  hicache::StorageController controller_;
+  hicache::FileStorage& store_;
+  hicache::StorageController& controller_;
   hicache::PageKeyer keyer_;
   std::vector<Op> ops_;
   std::vector<std::vector<std::string>> backup_keys_;  // moved into write_storage
@@ -888,10 +910,19 @@ int run(const Options& o) {
   auto device = hicache::Device::create(o.device);
   const auto standard_geometry = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
   const auto tiny_geometry = hicache::KVGeometry::mha(1, 1, 8, hicache::DType::kFloat16, 64);
+  // The standard rig carries the file store of the storage workloads.
+  std::optional<TempDir> temp;
+  if (o.storage_dir.empty()) temp.emplace();
+  const fs::path root = o.storage_dir.empty() ? temp->path() : fs::path(o.storage_dir);
+  const std::string fingerprint =
+      str_cat("run-", ::getpid(), "-", Clock::now().time_since_epoch().count());
   std::unique_ptr<Rig> standard, tiny;
   auto rig_for = [&](bool is_tiny) -> Rig& {
     auto& rig = is_tiny ? tiny : standard;
-    if (!rig) rig = std::make_unique<Rig>(*device, is_tiny ? tiny_geometry : standard_geometry);
+    if (!rig) {
+      rig = is_tiny ? std::make_unique<Rig>(*device, tiny_geometry)
+                    : std::make_unique<Rig>(*device, standard_geometry, root.string(), fingerprint);
+    }
     return *rig;
   };
   bool all_ok = true;
@@ -924,23 +955,14 @@ int run(const Options& o) {
       {"backup_p16", "prefetch_p16", {16, 8, 14, 2}},
       {"backup_p4", "prefetch_p4", {4, 40, 10, 3}},
   };
-  std::optional<TempDir> temp;
   std::int32_t next_token = 1;  // fresh tokens for every backed-up op of the run
-  const hicache::KeyNamespace ns{
-      .model = "hicache-opbench",
-      .fingerprint = str_cat("run-", ::getpid(), "-", Clock::now().time_since_epoch().count()),
-      .dtype = "fp16",
-      .layout = "layer_first",
-      .page_size = standard_geometry.page_size};
   for (const StoragePair& p : pairs) {
     if (!wanted(p.backup) && !wanted(p.prefetch)) continue;
-    if (o.storage_dir.empty() && !temp) temp.emplace();
-    const fs::path root = o.storage_dir.empty() ? temp->path() : fs::path(o.storage_dir);
     Rig& rig = rig_for(false);
     StorageSpec spec = p.spec;
     spec.rounds = scaled(spec.rounds);
     Measure backup, prefetch;
-    StorageRounds(rig, root, ns, spec, next_token).run(backup, prefetch);
+    StorageRounds(rig, spec, next_token).run(backup, prefetch);
     const bool clean = rig.clean();
     if (wanted(p.backup)) all_ok &= report(p.backup, rig, backup, clean);
     if (wanted(p.prefetch)) all_ok &= report(p.prefetch, rig, prefetch, clean);

@@ -12,6 +12,7 @@ cat >"$work/hicache.json" <<JSON
 {"device": "host", "page_size": 16, "device_tokens": 512,
  "model": {"attention": "mha", "layers": 4, "kv_heads": 2, "head_dim": 32, "dtype": "bf16"},
  "host_ratio": 2.0, "write_policy": "write_through", "prefetch_policy": "wait_complete",
+ "prefetch_threshold_tokens": 64,
  "model_name": "consumer", "storage": {"backend": "file", "root": "$work/store"}}
 JSON
 LD_LIBRARY_PATH="$work/prefix/lib:${LD_LIBRARY_PATH:-}" "$work/build/consumer" "$work/hicache.json"

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include "controller/config_schema.h"
 #include "transfer/errors.h"
+
+#include <fstream>
+#include <sstream>
 
 namespace hicache {
 namespace {
@@ -56,7 +60,7 @@ TEST(HiCacheConfig, ParsesTheStorageKeys) {
   const HiCacheConfig none = HiCacheConfig::from_json_text(
       R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})");
   EXPECT_EQ(none.storage, "") << "no L3 unless configured";
-  EXPECT_EQ(none.storage_controller.prefetch_threshold_tokens, 64) << "one page by default";
+  EXPECT_EQ(none.storage_controller.prefetch_threshold_tokens, 256) << "SGLang's default";
 }
 
 TEST(HiCacheConfig, ParsesTheRadixKeys) {
@@ -93,7 +97,7 @@ TEST(HiCacheConfig, DefaultsAndMla) {
   EXPECT_EQ(c.geometry.attention, AttentionKind::kMLA);
   EXPECT_EQ(c.geometry.page_size, 64);
   EXPECT_EQ(c.host_tokens(), 100000000 / c.geometry.page_bytes() * 64);
-  EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteThroughSelective);
+  EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteThrough);
   EXPECT_EQ(c.controller.io_backend, IoBackend::kDirect);
 }
 
@@ -103,12 +107,12 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64, "colour": 1})",
        "'colour'"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8, "heads": 2}, "device_tokens": 64})",
-       "'heads'"},
+       "unknown key 'model.heads'; did you mean 'model.kv_heads'?"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 100})", "100"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "fp4"}, "device_tokens": 64})",
        "'fp4'"},
       {R"({"model": {"layers": 0, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64})",
-       "num_layers"},
+       "key 'model.layers' is 0; allowed: >= 1"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "write_policy": "sometimes"})", "'sometimes'"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
@@ -120,10 +124,10 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": "many"})",
        "device_tokens"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
-           "device": "tpu"})", "'tpu'"},
+           "device": "tpu"})", "key 'device' is \"tpu\"; allowed: auto | host | cuda"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "layer_slots": 0})", "layer_slots"},
-      {R"({"device_tokens": 64})", "'model'"},
+      {R"({"device_tokens": 64})", "key 'model.layers' is required"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "prefetch_policy": "eager"})", "'eager'"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
@@ -139,11 +143,11 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "load_back_min_tokens": 1.5})", "load_back_min_tokens"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
-           "recompute_seconds_per_token": -1})", "recompute_seconds_per_token -1"},
+           "recompute_seconds_per_token": -1})", "key 'recompute_seconds_per_token' is -1; allowed: >= 0"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "demote_low_watermark": 0.5, "demote_high_watermark": 0.2})", "low 0.5 high 0.2"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
-           "demote_high_watermark": 1.5})", "high 1.5"},
+           "demote_high_watermark": 1.5})", "key 'demote_high_watermark' is 1.5"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
            "host_tier": "no"})", "host_tier"},
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
@@ -163,6 +167,186 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
           << "message '" << e.what() << "' does not name " << needle;
     }
   }
+}
+
+
+constexpr const char* kModel =
+    R"("device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8})";
+
+HiCacheConfig parse_with(const std::string& extra) {
+  return HiCacheConfig::from_json_text(str_cat("{", kModel, extra.empty() ? "" : ", ", extra, "}"));
+}
+
+std::string error_of(const std::string& extra) {
+  try {
+    parse_with(extra);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+// The struct's own defaults (what code that builds a config by hand gets) are the schema's.
+TEST(ConfigSchema, TheStructDefaultsAreTheSchemaDefaults) {
+  const HiCacheConfig parsed = parse_with("");
+  const HiCacheConfig built;
+  EXPECT_EQ(parsed.device, built.device);
+  EXPECT_EQ(parsed.host_layout, built.host_layout);
+  EXPECT_EQ(parsed.host_size.ratio, built.host_size.ratio);
+  EXPECT_EQ(parsed.controller.write_policy, built.controller.write_policy);
+  EXPECT_EQ(parsed.controller.io_backend, built.controller.io_backend);
+  EXPECT_EQ(parsed.controller.layer_slots, built.controller.layer_slots);
+  EXPECT_EQ(parsed.controller.queue_capacity, built.controller.queue_capacity);
+  EXPECT_EQ(parsed.controller.kernel_max_blocks, built.controller.kernel_max_blocks);
+  EXPECT_EQ(parsed.model_name, built.model_name);
+  EXPECT_EQ(parsed.model_fingerprint, built.model_fingerprint);
+  const auto& ps = parsed.storage_controller;
+  const auto& bs = built.storage_controller;
+  EXPECT_EQ(ps.policy, bs.policy);
+  EXPECT_EQ(ps.prefetch_threshold_tokens, bs.prefetch_threshold_tokens);
+  EXPECT_EQ(ps.prefetch_budget_tokens, bs.prefetch_budget_tokens);
+  EXPECT_EQ(ps.timeout_base, bs.timeout_base);
+  EXPECT_EQ(ps.timeout_per_page, bs.timeout_per_page);
+  EXPECT_EQ(ps.timeout_cap, bs.timeout_cap);
+  EXPECT_EQ(ps.io_batch_pages, bs.io_batch_pages);
+  EXPECT_EQ(parsed.radix.host_tier, built.radix.host_tier);
+  EXPECT_EQ(parsed.radix.eviction_policy, built.radix.eviction_policy);
+  EXPECT_EQ(parsed.radix.write_through_threshold, built.radix.write_through_threshold);
+  EXPECT_EQ(parsed.radix.load_back_min_tokens, built.radix.load_back_min_tokens);
+  EXPECT_EQ(parsed.radix.recompute_seconds_per_token, built.radix.recompute_seconds_per_token);
+  EXPECT_EQ(parsed.tp.rank, built.tp.rank);
+  EXPECT_EQ(parsed.tp.size, built.tp.size);
+  EXPECT_EQ(parsed.tp.hostname, built.tp.hostname);
+  EXPECT_EQ(parsed.tp.timeout, built.tp.timeout);
+  EXPECT_EQ(parsed.tp.connect_timeout, built.tp.connect_timeout);
+  EXPECT_EQ(parsed.geometry.page_size, 64);
+  EXPECT_EQ(parsed.geometry.dtype, DType::kFloat16);
+}
+
+// Every key of the table parses its own default, and a bad value of each type is refused naming
+// the key.
+TEST(ConfigSchema, EveryKeyNamesItselfWhenGivenTheWrongType) {
+  for (const ConfigKeyInfo& k : config_keys()) {
+    const std::string key(k.key);
+    const std::string wrong = k.type == ConfigType::kString ? "7" : R"("seven")";
+    std::string doc;
+    if (key.rfind("model.", 0) == 0) {
+      doc = str_cat(R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8, ")",
+                    key.substr(6), R"(": )", wrong, "}}");
+    } else {
+      doc = str_cat("{", kModel, R"(, ")", key, R"(": )", wrong, "}");
+    }
+    try {
+      HiCacheConfig::from_json_text(doc);
+      ADD_FAILURE() << "accepted " << doc;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(str_cat("key '", key, "'")), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(ConfigSchema, UnknownKeysSuggestTheNearestKnownOne) {
+  EXPECT_NE(error_of(R"("host_ration": 2)").find("did you mean 'host_ratio'?"), std::string::npos);
+  EXPECT_NE(error_of(R"("prefetch_treshold_tokens": 2)").find("'prefetch_threshold_tokens'"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("hicache_ration": 2)").find("did you mean 'hicache_ratio'?"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("zzzzzzzzzzzz": 2)").find("unknown key 'zzzzzzzzzzzz' (the keys:"),
+            std::string::npos);
+  EXPECT_EQ(nearest_config_key("colour"), "");
+}
+
+TEST(ConfigSchema, KeysThatGoTogetherAreCheckedTogether) {
+  const std::string small = error_of(R"("host_tokens": 64)");
+  EXPECT_NE(small.find("host pool (64 tokens"), std::string::npos) << small;
+  EXPECT_NE(small.find("device_tokens 128"), std::string::npos) << small;
+  EXPECT_NE(error_of(R"("host_ratio": 0.5)").find("smaller than the device pool"),
+            std::string::npos);
+  const std::string mla = error_of(R"("model_name": "x", "page_size": 64)");
+  EXPECT_EQ(mla, "(accepted)");
+  try {
+    HiCacheConfig::from_json_text(R"({"device_tokens": 128, "model": {"attention": "mla",
+        "layers": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "kv_heads": 4}})");
+    ADD_FAILURE() << "kv_heads accepted for mla";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'model.kv_heads' does not apply to model.attention 'mla'"),
+              std::string::npos)
+        << e.what();
+  }
+  // A size in bytes replaces the default ratio; a ratio given with it is two sizes.
+  EXPECT_EQ(parse_with(R"("host_tokens": 256)").host_tokens(), 256);
+  EXPECT_NE(error_of(R"("host_ratio": 2, "host_tokens": 256)").find("exactly one"),
+            std::string::npos);
+}
+
+TEST(ConfigSchema, SglangNamesAreAliasesInSglangUnits) {
+  const HiCacheConfig c = parse_with(R"("hicache_ratio": 3, "hicache_write_policy": "write_back",
+      "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first_direct",
+      "hicache_storage_prefetch_policy": "timeout", "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": "{\"prefetch_threshold\": 128, \"prefetch_timeout_base\": 0.5, \"prefetch_timeout_per_ki_token\": 0.25, \"root\": \"/tmp/sg\", \"backend_name\": \"hicache\"}")");
+  EXPECT_EQ(c.host_tokens(), 384);
+  EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteBack);
+  EXPECT_EQ(c.controller.io_backend, IoBackend::kKernel);
+  EXPECT_EQ(c.host_layout, HostLayout::kPageFirstDirect);
+  EXPECT_EQ(c.storage_controller.policy, PrefetchPolicy::kTimeout);
+  EXPECT_EQ(c.storage_controller.prefetch_threshold_tokens, 128);
+  EXPECT_EQ(c.storage_controller.timeout_base.count(), 500);
+  // 0.25 s per 1024 tokens is 15.6 ms per 64-token page: rounded to 16.
+  EXPECT_EQ(c.storage_controller.timeout_per_page.count(), 16);
+  EXPECT_EQ(c.storage, R"({"backend":"file","root":"/tmp/sg"})");
+  // hicache_size is in GB (1e9 bytes) and replaces the ratio, as in SGLang; 0 means unset.
+  const HiCacheConfig sized = parse_with(R"("hicache_ratio": 3, "hicache_size": 0.001)");
+  EXPECT_EQ(sized.host_size.bytes, 1000000);
+  EXPECT_EQ(sized.host_size.ratio, 0);
+  EXPECT_EQ(parse_with(R"("hicache_size": 0)").host_size.ratio, 2.0);
+  // The store object itself through the extra config.
+  const HiCacheConfig redis = parse_with(R"("hicache_storage_backend": "hicache",
+      "hicache_storage_backend_extra_config": {"backend": "redis", "port": 7000})");
+  EXPECT_EQ(redis.storage, R"({"backend":"redis","port":7000})");
+  EXPECT_NE(error_of(R"("hicache_ratio": 3, "host_ratio": 2)").find("both given"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("hicache_storage_backend": "mooncake")").find("allowed: file | hicache"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("hicache_storage_backend_extra_config": {"x": 1})")
+                .find("needs 'hicache_storage_backend'"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("hicache_write_policy": "often")").find("key 'write_policy' is \"often\""),
+            std::string::npos);
+}
+
+TEST(ConfigSchema, FlagsTakeTextOfTheKeysType) {
+  const ConfigKeyInfo* layers = find_config_flag("layers");
+  ASSERT_NE(layers, nullptr);
+  EXPECT_EQ(layers->key, "model.layers");
+  EXPECT_EQ(config_flag_json(*layers, "16"), "16");
+  EXPECT_THROW(config_flag_json(*layers, "16x"), InvalidArgument);
+  EXPECT_EQ(config_flag_json(*find_config_flag("host-ratio"), "0.5"), "0.5");
+  EXPECT_EQ(config_flag_json(*find_config_flag("host-tier"), "false"), "false");
+  EXPECT_EQ(config_flag_json(*find_config_flag("write-policy"), "write_back"), R"("write_back")");
+  try {
+    config_flag_json(*find_config_flag("page-size"), "big");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "--page-size: 'big' is not an integer");
+  }
+  EXPECT_EQ(find_config_flag("host_ratio"), nullptr) << "flags use '-'";
+  const std::string usage = config_flags_usage();
+  EXPECT_NE(usage.find("--write-policy V"), std::string::npos);
+  EXPECT_NE(usage.find("(write_through)"), std::string::npos);
+}
+
+// docs/configuration.md carries the generated reference; regenerate it with
+// `hicache-bench --config-reference` when the schema changes.
+TEST(ConfigSchema, TheReferenceInTheDocsIsTheSchemas) {
+  std::ifstream in(HICACHE_CONFIG_REFERENCE);
+  ASSERT_TRUE(in) << "cannot read " << HICACHE_CONFIG_REFERENCE;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string reference = config_reference_markdown();
+  EXPECT_NE(text.str().find(reference), std::string::npos)
+      << "docs/configuration.md is out of date; its table must be:\n"
+      << reference;
 }
 
 }  // namespace
