@@ -245,6 +245,15 @@ const std::vector<Key>& keys() {
       {{"tp_timeout_ms", "tp-timeout-ms", T::kInteger, "30000", ">= 1",
         "an agreement call that waits longer fails (a dead or diverged rank)", "", ""},
        1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.timeout = as_ms(v); }},
+      {{"metrics_port", "metrics-port", T::kInteger, "-1", "-1 (off) | 0 (a free port) | 1-65535",
+        "serve Prometheus metrics at http://metrics_bind:metrics_port/metrics (and "
+        "/metrics.json)",
+        "", ""},
+       -1, 65535, false, [](Draft& d, const json& v) { d.c.metrics_port = as_int32(v); }},
+      {{"metrics_bind", "metrics-bind", T::kString, R"("127.0.0.1")", "an IP address of this host",
+        "the address the metrics server listens on (loopback: only this host scrapes)", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.metrics_bind = v.get<std::string>(); }},
       {{"tp_connect_timeout_ms", "tp-connect-timeout-ms", T::kInteger, "120000", ">= 1",
         "the rendezvous of every rank (ranks start seconds apart)", "", ""},
        1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.connect_timeout = as_ms(v); }},
@@ -676,6 +685,10 @@ void HiCacheConfig::validate() const {
     throw InvalidArgument(str_cat("config: prefetch_budget_tokens ",
                                   storage_controller.prefetch_budget_tokens,
                                   " is less than one page (", geometry.page_size, ")"));
+  }
+  if (metrics_port < -1 || metrics_port > 65535) {
+    throw InvalidArgument(str_cat("config: metrics_port ", metrics_port,
+                                  " is outside [-1, 65535] (-1: off, 0: a free port)"));
   }
   if (model_name.empty() || model_fingerprint.empty()) {
     throw InvalidArgument(str_cat("config: model_name '", model_name, "' and model_fingerprint '",

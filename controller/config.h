@@ -50,6 +50,9 @@ struct HiCacheConfig {
   StorageControllerConfig storage_controller{.prefetch_threshold_tokens = 256};
   RadixCacheConfig radix;
   TensorParallelConfig tp;
+  // The /metrics HTTP server: -1 off, 0 a free port, else that port; on metrics_bind.
+  int metrics_port = -1;
+  std::string metrics_bind = "127.0.0.1";
 
   // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
   static HiCacheConfig from_json_text(std::string_view text);

@@ -160,7 +160,7 @@ void HiRadixCache::reset() {
   root_->lock = 1;  // never evicted
   device_pool_.allocator().reset();
   host_pool_.reset();
-  ++counters_.resets;
+  ++events_.resets;
 }
 
 HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int32_t> page) const {
@@ -270,7 +270,61 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   for (Node* n : to_write) {
     if (n->host.empty() && !n->device.empty() && n->write_op == 0) write_node(n);
   }
+  events_.matched_device_tokens += r.device_slots.size();
+  events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
+  events_.unmatched_tokens += tokens.size() - r.device_slots.size() -
+                              static_cast<std::size_t>(r.host_hit_tokens);
   return r;
+}
+
+void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
+  metrics_.attach(registry, std::move(labels));
+  const Events& e = events_;
+  constexpr const char* kMatch = "hicache_match_tokens_total";
+  constexpr const char* kMatchHelp =
+      "Prompt tokens match_prefix found on each tier (none: not in the tree); every call counts";
+  metrics_.add(kMatch, kMatchHelp, {{"tier", "device"}}, e.matched_device_tokens);
+  metrics_.add(kMatch, kMatchHelp, {{"tier", "host"}}, e.matched_host_tokens);
+  metrics_.add(kMatch, kMatchHelp, {{"tier", "none"}}, e.unmatched_tokens);
+  metrics_.add("hicache_loaded_back_tokens_total", "Host tokens loaded back to the device", {},
+               e.loaded_back_tokens);
+  metrics_.add("hicache_prefetched_tokens_total", "Tokens prefetches from L3 added to the tree",
+               {}, e.prefetched_tokens);
+  constexpr const char* kEvicted = "hicache_evicted_tokens_total";
+  constexpr const char* kEvictedHelp = "Tokens evicted from a tier";
+  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "device"}}, e.evicted_device_tokens);
+  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "host"}}, e.evicted_host_tokens);
+  constexpr const char* kRefused = "hicache_misses_total";
+  constexpr const char* kRefusedHelp =
+      "Cached KV not used, by reason (the store's own misses: hicache_storage_keys_total)";
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_refused_by_cost"}},
+               e.load_backs_refused_by_cost);
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_refused_by_cost"}},
+               e.prefetches_refused_by_cost);
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_revoked"}}, e.revoked_prefetches);
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_failed"}}, e.load_failures);
+  metrics_.add("hicache_write_failures_total", "Device-to-host writes that failed", {},
+               e.write_failures);
+  metrics_.add("hicache_collective_failures_total",
+               "TP agreement calls that failed (each rank then goes alone)", {}, e.tp_failures);
+  metrics_.add("hicache_demotions_total", "Demotion rounds between the watermarks", {},
+               e.demotions);
+  metrics_.add("hicache_resets_total", "Cache resets", {}, e.resets);
+  constexpr const char* kUsed = "hicache_pool_used_tokens";
+  constexpr const char* kUsedHelp = "Token slots in use per tier (device: as of the last step)";
+  constexpr const char* kCapacity = "hicache_pool_capacity_tokens";
+  constexpr const char* kCapacityHelp = "Token slots per tier";
+  metrics_.add(kUsed, kUsedHelp, {{"tier", "device"}}, device_used_tokens_);
+  HostKVPool* host = &host_pool_;
+  metrics_.add_gauge_fn(kUsed, kUsedHelp, {{"tier", "host"}}, [host] {
+    return static_cast<double>(host->capacity_tokens() - host->free_tokens());
+  });
+  const auto device_capacity = static_cast<double>(device_pool_.allocator().capacity_tokens());
+  metrics_.add_gauge_fn(kCapacity, kCapacityHelp, {{"tier", "device"}},
+                        [device_capacity] { return device_capacity; });
+  const auto host_capacity = static_cast<double>(host_pool_.capacity_tokens());
+  metrics_.add_gauge_fn(kCapacity, kCapacityHelp, {{"tier", "host"}},
+                        [host_capacity] { return host_capacity; });
 }
 
 std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> tokens) const {
@@ -372,7 +426,7 @@ void HiRadixCache::min_over_ranks(std::span<std::int64_t> values, const char* ta
   if (tp_ == nullptr || !tp_->failure().empty()) return;
   std::vector<std::int64_t> agreed(values.begin(), values.end());
   if (!tp_->min_allreduce(agreed, tag).ok) {
-    ++counters_.tp_failures;
+    ++events_.tp_failures;
     return;  // the collective is failed for good: each rank goes on alone (its own values)
   }
   std::copy(agreed.begin(), agreed.end(), values.begin());
@@ -393,7 +447,7 @@ bool HiRadixCache::load_back_pays(std::int64_t tokens) {
   const bool pays = moving_pays(tokens, static_cast<double>(cs.bytes_loaded), cs.load_seconds,
                                 &counters_.measured_load_gbps, &counters_.last_load_estimate_s,
                                 "radix.load_back_pays");
-  if (!pays) ++counters_.load_backs_refused_by_cost;
+  if (!pays) ++events_.load_backs_refused_by_cost;
   return pays;
 }
 
@@ -431,7 +485,7 @@ std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
       n->load_op = op;
     }
     pending_->loads[op] = Pending::Op{node, missing};
-    counters_.loaded_back_tokens += static_cast<std::int64_t>(host.size());
+    events_.loaded_back_tokens += host.size();
   }
   std::vector<std::int64_t> out;
   for (Node* n : path) {
@@ -449,7 +503,7 @@ void HiRadixCache::drop_device(Node* node) {
     device_pool_.allocator().free(node->device);
   }
   node->device.clear();
-  counters_.evicted_device_tokens += n;
+  events_.evicted_device_tokens += n;
 }
 
 void HiRadixCache::remove_leaf(Node* node) {
@@ -537,7 +591,7 @@ std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
     remove_leaf(n);
     if (candidate(parent)) heap.push(parent);
   }
-  counters_.evicted_host_tokens += freed;
+  events_.evicted_host_tokens += freed;
   return freed;
 }
 
@@ -556,7 +610,7 @@ void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t 
       n->evict_after_write = false;
     }
   }
-  if (!ok) ++counters_.write_failures;
+  if (!ok) ++events_.write_failures;
   unlock(op.holder);
   for (Node* n : op.nodes) {
     if (n->evict_after_write) {
@@ -585,7 +639,7 @@ void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t l
       n->device.clear();
     }
   }
-  if (!ok) ++counters_.load_failures;
+  if (!ok) ++events_.load_failures;
   unlock(op.holder);
 }
 
@@ -632,6 +686,9 @@ bool HiRadixCache::wait_for_events(std::uint64_t seen,
 void HiRadixCache::check_events() {
   apply_events();
   demote();
+  // The device allocator is the main loop's: its occupancy is published here for a scrape.
+  const auto& a = device_pool_.allocator();
+  device_used_tokens_.set(static_cast<double>(a.capacity_tokens() - a.free_tokens()));
 }
 
 void HiRadixCache::demote() {
@@ -649,7 +706,7 @@ void HiRadixCache::demote() {
   const auto target =
       static_cast<std::int64_t>(config_.demote_high_watermark * capacity - free_tokens) - leaving;
   if (target <= 0) return;
-  ++counters_.demotions;
+  ++events_.demotions;
   evict_device(target);  // frees synced copies now, writes the others and frees them on the ack
 }
 
@@ -688,7 +745,7 @@ void HiRadixCache::apply_events() {
     }
     for (const std::string& id : finished) {
       const bool revoked = arrived_->revoked.count(id) != 0;
-      if (revoked) ++counters_.revoked_prefetches;
+      if (revoked) ++events_.revoked_prefetches;
       // Finished prefetches become visible now, not when the scheduler next looks at them.
       finish_prefetch(id, !revoked);
     }
@@ -748,7 +805,7 @@ void HiRadixCache::agree_and_apply() {
     }
   }
   if (!tp_->min_allreduce(agree_buffer_, "radix.events").ok) {
-    ++counters_.tp_failures;
+    ++events_.tp_failures;
     apply_events();  // the collective is failed for good: the local path from now on
     return;
   }
@@ -758,7 +815,7 @@ void HiRadixCache::agree_and_apply() {
   for (std::size_t i = 0; i < prefetches.size(); ++i) {
     const std::int64_t v = agree_buffer_[3 * K + i];
     if (v == 0) continue;
-    if (v == 1) ++counters_.revoked_prefetches;
+    if (v == 1) ++events_.revoked_prefetches;
     finish_prefetch(prefetches[i], v == 2);
   }
   // Revokes of prefetches that already ended (check_prefetch_progress got there first).
@@ -806,7 +863,7 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
                    storage_->read_seconds(), &counters_.measured_prefetch_gbps,
                    &counters_.last_prefetch_estimate_s, "radix.prefetch_pays")) {
     // Reading it from L3 would take longer than recomputing it.
-    ++counters_.prefetches_refused_by_cost;
+    ++events_.prefetches_refused_by_cost;
     return false;
   }
   std::optional<PageDigest> prior;
@@ -875,7 +932,7 @@ void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
   if (insert && r.tokens > 0) {
     inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
                            r.host_slots);
-    counters_.prefetched_tokens += r.tokens;
+    events_.prefetched_tokens += r.tokens;
   } else if (!r.host_slots.empty()) {
     host_pool_.free(r.host_slots);
   }
@@ -926,6 +983,19 @@ std::string HiRadixCache::describe() const {
 
 RadixCacheStats HiRadixCache::stats() const {
   RadixCacheStats s = counters_;
+  const auto v = [](const Counter& c) { return static_cast<std::int64_t>(c.value()); };
+  s.demotions = v(events_.demotions);
+  s.evicted_device_tokens = v(events_.evicted_device_tokens);
+  s.evicted_host_tokens = v(events_.evicted_host_tokens);
+  s.load_backs_refused_by_cost = v(events_.load_backs_refused_by_cost);
+  s.load_failures = v(events_.load_failures);
+  s.loaded_back_tokens = v(events_.loaded_back_tokens);
+  s.prefetched_tokens = v(events_.prefetched_tokens);
+  s.prefetches_refused_by_cost = v(events_.prefetches_refused_by_cost);
+  s.resets = v(events_.resets);
+  s.revoked_prefetches = v(events_.revoked_prefetches);
+  s.tp_failures = v(events_.tp_failures);
+  s.write_failures = v(events_.write_failures);
   std::function<void(const Node*)> walk = [&](const Node* n) {
     if (n != root_.get()) {
       ++s.nodes;

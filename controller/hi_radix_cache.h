@@ -128,6 +128,9 @@ class HiRadixCache {
   HiRadixCache& operator=(const HiRadixCache&) = delete;
 
   std::int32_t page_size() const { return page_size_; }
+  // Registers the cache's event counters (tokens matched per tier, loaded back, prefetched,
+  // evicted; misses by reason; failures) in `registry` until destroyed or registered again.
+  void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
 
   // Longest cached prefix of the whole pages of `tokens`; splits nodes at page boundaries and
   // updates access times and hit counts on the way.
@@ -284,7 +287,18 @@ class HiRadixCache {
   std::unique_ptr<Pending> pending_;
   struct Arrived;
   std::unique_ptr<Arrived> arrived_;
-  RadixCacheStats counters_;
+  RadixCacheStats counters_;  // the estimates; the event counts are in events_
+  // What happened, counted where it happens (the main loop) and read by a scrape on any
+  // thread.
+  struct Events {
+    Counter demotions, evicted_device_tokens, evicted_host_tokens, load_backs_refused_by_cost,
+        load_failures, loaded_back_tokens, prefetched_tokens, prefetches_refused_by_cost, resets,
+        revoked_prefetches, tp_failures, write_failures, matched_device_tokens,
+        matched_host_tokens, unmatched_tokens;
+  };
+  Events events_;
+  Gauge device_used_tokens_;
+  MetricsScope metrics_;  // after what it registers: it goes first
   std::vector<Ack> acks_;  // reused
   StorageController* storage_;
   std::unique_ptr<PageKeyer> keyer_;

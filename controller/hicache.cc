@@ -106,6 +106,15 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     cache_ = std::make_unique<HiRadixCache>(
         *controller_, *device_pool_, *host_pool_, config_.radix, storage_controller_.get(),
         storage_controller_ ? &ns_ : nullptr, config_.tp.size > 1 ? collectives_.main : nullptr);
+    const MetricLabels rank = {{"tp_rank", std::to_string(config_.tp.rank)}};
+    controller_->register_metrics(*metrics_, rank);
+    cache_->register_metrics(*metrics_, rank);
+    if (storage_controller_) storage_controller_->register_metrics(*metrics_, rank);
+    if (storage_) storage_->register_metrics(*metrics_, rank);
+    if (config_.metrics_port >= 0) {
+      metrics_server_ =
+          std::make_unique<MetricsServer>(*metrics_, config_.metrics_bind, config_.metrics_port);
+    }
   } catch (...) {
     stop();
     throw;
@@ -114,7 +123,7 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
 
 HiCache::~HiCache() {
   stop();
-  cache_.reset();
+  cache_.reset();  // each part forgets its metrics as it goes
   storage_controller_.reset();
   controller_.reset();
   host_pool_.reset();
@@ -125,6 +134,7 @@ HiCache::~HiCache() {
 void HiCache::stop() {
   if (stopped_) return;
   stopped_ = true;
+  metrics_server_.reset();  // no scrape reads a part that goes next
   if (storage_controller_) storage_controller_->stop();
   if (controller_) controller_->stop();
 }

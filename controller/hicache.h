@@ -29,6 +29,7 @@
 #include "controller/config.h"
 #include "controller/hi_radix_cache.h"
 #include "controller/hicache_controller.h"
+#include "controller/metrics_server.h"
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
@@ -80,6 +81,10 @@ class HiCache {
   StorageController* storage_controller() { return storage_controller_.get(); }
   // The namespace every page key of this cache carries (also without L3).
   const KeyNamespace& key_namespace() const { return ns_; }
+  // Every component's counters, gauges and histograms (hicache_*), with tp_rank as a label.
+  MetricsRegistry& metrics() { return *metrics_; }
+  // The port /metrics is served on, or -1 without a metrics server (metrics_port -1).
+  int metrics_port() const { return metrics_server_ ? metrics_server_->port() : -1; }
 
   // Stops every thread (storage threads first, then the controller's); idempotent. The parts
   // stay readable; the cache takes no more work.
@@ -87,6 +92,7 @@ class HiCache {
 
  private:
   HiCacheConfig config_;
+  std::unique_ptr<MetricsRegistry> metrics_ = std::make_unique<MetricsRegistry>();  // last to go
   std::unique_ptr<Device> owned_device_;
   Device* device_ = nullptr;
   std::unique_ptr<StorageBackend> storage_;
@@ -99,6 +105,7 @@ class HiCache {
   std::unique_ptr<HiCacheController> controller_;
   std::unique_ptr<StorageController> storage_controller_;
   std::unique_ptr<HiRadixCache> cache_;
+  std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
 };
 

@@ -106,6 +106,7 @@ CacheOperation HiCacheController::make_op(std::span<const std::int64_t> host_slo
   CacheOperation op = CacheOperation::make(std::move(host), std::move(device), priority, std::nullopt);
   op.node_ids = arena_.take();
   if (ack_node) op.node_ids.push_back(*ack_node);
+  if (timed_.load(std::memory_order_relaxed)) op.submitted = std::chrono::steady_clock::now();
   return op;
 }
 
@@ -368,6 +369,11 @@ void HiCacheController::finish_op(CacheOperation& op, moodycamel::ConcurrentQueu
   // The op's lists go back to the arena before its acks are posted: a caller that has seen
   // the ack finds them there, so its next write() or load() takes a list instead of
   // allocating one (ControllerAllocations counts this).
+  if (timed_.load(std::memory_order_relaxed) && op.submitted.time_since_epoch().count() != 0) {
+    const double latency =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - op.submitted).count();
+    (&acks == &acks_->write ? write_latency_ : load_latency_).observe(latency);
+  }
   s.ack_nodes.swap(op.node_ids);
   arena_.give(std::move(op));  // with the scratch's previous node list in place of this op's
   for (NodeId node : s.ack_nodes) acks.enqueue(Ack{node, ok});
@@ -457,10 +463,38 @@ void HiCacheController::reset() {
 }
 
 ControllerStats HiCacheController::stats() const {
-  return ControllerStats{writes_done_.load(),      write_failures_.load(),
-                         load_batches_done_.load(), load_failures_.load(),
-                         bytes_written_.load(),     bytes_loaded_.load(),
-                         static_cast<double>(load_ns_.load()) * 1e-9};
+  return ControllerStats{writes_done_.value(),      write_failures_.value(),
+                         load_batches_done_.value(), load_failures_.value(),
+                         bytes_written_.value(),     bytes_loaded_.value(),
+                         static_cast<double>(load_ns_.value()) * 1e-9};
+}
+
+void HiCacheController::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
+  metrics_.attach(registry, std::move(labels));
+  timed_.store(true, std::memory_order_relaxed);
+  const MetricLabels write = {{"direction", "l1_to_l2"}}, load = {{"direction", "l2_to_l1"}};
+  constexpr const char* kOps = "hicache_ops_total";
+  constexpr const char* kOpsHelp = "Transfer ops acknowledged, by direction and outcome";
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l1_to_l2"}, {"outcome", "ok"}}, writes_done_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l1_to_l2"}, {"outcome", "failed"}},
+               write_failures_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l2_to_l1"}, {"outcome", "ok"}},
+               load_batches_done_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l2_to_l1"}, {"outcome", "failed"}},
+               load_failures_);
+  constexpr const char* kBytes = "hicache_bytes_total";
+  constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
+  metrics_.add(kBytes, kBytesHelp, write, bytes_written_);
+  metrics_.add(kBytes, kBytesHelp, load, bytes_loaded_);
+  constexpr const char* kLatency = "hicache_op_latency_seconds";
+  constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
+  metrics_.add(kLatency, kLatencyHelp, write, write_latency_);
+  metrics_.add(kLatency, kLatencyHelp, load, load_latency_);
+  metrics_.add_gauge_fn("hicache_queue_depth", "Ops waiting in a queue",
+                        {{"queue", "write"}},
+                        [this] { return static_cast<double>(write_queue_.size()); });
+  metrics_.add_gauge_fn("hicache_queue_depth", "Ops waiting in a queue", {{"queue", "load"}},
+                        [this] { return static_cast<double>(load_queue_.size()); });
 }
 
 }  // namespace hicache

@@ -32,6 +32,7 @@
 #include "transfer/cache_operation.h"
 #include "transfer/device.h"
 #include "transfer/layer_done_counter.h"
+#include "transfer/metrics.h"
 #include "transfer/op_queue.h"
 
 namespace hicache {
@@ -144,6 +145,9 @@ class HiCacheController {
 
   ControllerStats stats() const;
   const ControllerConfig& config() const { return config_; }
+  // Registers this controller's counters, latency histograms and queue depths in `registry`
+  // (with `labels` on every series) until it is destroyed or registers again.
+  void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
 
  private:
   struct LoadBatch {
@@ -185,8 +189,11 @@ class HiCacheController {
   OpQueue<LoadBatch> load_queue_;
   struct AckQueues;
   std::unique_ptr<AckQueues> acks_;
-  std::atomic<std::uint64_t> writes_done_{0}, write_failures_{0}, load_batches_done_{0},
-      load_failures_{0}, bytes_written_{0}, bytes_loaded_{0}, load_ns_{0};
+  Counter writes_done_, write_failures_, load_batches_done_, load_failures_, bytes_written_,
+      bytes_loaded_, load_ns_;
+  Histogram write_latency_, load_latency_;
+  std::atomic<bool> timed_{false};  // registered: ops are timed for the latency histograms
+  MetricsScope metrics_;  // after what it registers: it goes first
   bool running_ = false;
   // Main loop only: write()'s slot check and start_loading()'s drained ops, reused.
   std::vector<std::int64_t> check_pages_;

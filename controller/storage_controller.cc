@@ -200,7 +200,11 @@ std::size_t StorageController::drain_backup_acks(std::vector<BackupAck>& out) {
 
 void StorageController::backup_loop() {
   while (auto op = backup_queue_.pop()) {
-    backup_acks_.enqueue(run_backup(*op));
+    BackupAck ack = run_backup(*op);
+    ++(ack.error.empty() ? backups_ok_ : backups_failed_);
+    backup_latency_.observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - op->submitted).count());
+    backup_acks_.enqueue(std::move(ack));
     notify_events();
     op_done();
   }
@@ -291,6 +295,7 @@ std::shared_ptr<PrefetchOperation> StorageController::prefetch(
       std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
       page_size_);
   op_queued();
+  ++prefetches_;
   if (prefetch_queue_.push(PrefetchTask{0, op}) != PushResult::kOk) {
     op_done();
     return nullptr;
@@ -370,6 +375,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
 }
 
 void StorageController::revoke(PrefetchOperation& op) {
+  ++revoked_;
   revokes_.enqueue(op.request_id_);  // queued before the stage shows it, so a waiter finds it
   {
     std::lock_guard lock(op.mu_);
@@ -532,6 +538,10 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
     result.host_slots.assign(slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(keep));
     result.keys.assign(op.keys_.begin(), op.keys_.begin() + static_cast<std::ptrdiff_t>(agreed));
     op.budget_.release();
+    prefetched_pages_ += agreed;
+    ++terminated_;
+    prefetch_latency_.observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - op.queued_at_).count());
   }
   {
     std::lock_guard lock(op.mu_);
@@ -539,6 +549,37 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
   }
   op.cv_.notify_all();
   return result;
+}
+
+void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
+  metrics_.attach(registry, std::move(labels));
+  constexpr const char* kOps = "hicache_ops_total";
+  constexpr const char* kOpsHelp = "Transfer ops acknowledged, by direction and outcome";
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l2_to_l3"}, {"outcome", "ok"}}, backups_ok_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l2_to_l3"}, {"outcome", "failed"}},
+               backups_failed_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l3_to_l2"}, {"outcome", "ok"}}, terminated_);
+  metrics_.add(kOps, kOpsHelp, {{"direction", "l3_to_l2"}, {"outcome", "revoked"}}, revoked_);
+  metrics_.add("hicache_prefetches_total", "Prefetches submitted to the storage controller", {},
+               prefetches_);
+  metrics_.add("hicache_prefetched_pages_total",
+               "Pages prefetches kept once terminated (the agreed completed prefix)", {},
+               prefetched_pages_);
+  constexpr const char* kBytes = "hicache_bytes_total";
+  constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
+  metrics_.add(kBytes, kBytesHelp, {{"direction", "l2_to_l3"}}, written_bytes_);
+  metrics_.add(kBytes, kBytesHelp, {{"direction", "l3_to_l2"}}, read_bytes_);
+  constexpr const char* kLatency = "hicache_op_latency_seconds";
+  constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
+  metrics_.add(kLatency, kLatencyHelp, {{"direction", "l2_to_l3"}}, backup_latency_);
+  metrics_.add(kLatency, kLatencyHelp, {{"direction", "l3_to_l2"}}, prefetch_latency_);
+  metrics_.add("hicache_storage_op_failures_total",
+               "Storage ops that failed (I/O error, failed agreement, a thread's exception)", {},
+               failed_ops_);
+  metrics_.add_gauge_fn("hicache_queue_depth", "Ops waiting in a queue", {{"queue", "backup"}},
+                        [this] { return static_cast<double>(backup_queue_.size()); });
+  metrics_.add_gauge_fn("hicache_queue_depth", "Ops waiting in a queue", {{"queue", "prefetch"}},
+                        [this] { return static_cast<double>(prefetch_queue_.size()); });
 }
 
 }  // namespace hicache

@@ -221,15 +221,18 @@ class StorageController {
   std::int64_t prefetch_tokens_held() const { return budget_used_->load(); }
 
   // Ops that ended in an exception (backend or collective failure), since construction.
-  std::int64_t failed_ops() const { return failed_ops_.load(); }
+  std::int64_t failed_ops() const { return static_cast<std::int64_t>(failed_ops_.value()); }
   // Prefetch reads so far: payload bytes that landed and the time of the batch_get calls that
   // brought them (the L3 -> host bandwidth the radix cache weighs against recomputing).
-  std::int64_t read_bytes() const { return read_bytes_.load(); }
-  double read_seconds() const { return static_cast<double>(read_ns_.load()) * 1e-9; }
+  std::int64_t read_bytes() const { return static_cast<std::int64_t>(read_bytes_.value()); }
+  double read_seconds() const { return static_cast<double>(read_ns_.value()) * 1e-9; }
   // Pages per storage call: io_batch_pages, or its automatic value.
   std::int64_t batch_pages() const { return batch_pages_; }
   // Backup payload bytes the store accepted so far.
-  std::int64_t written_bytes() const { return written_bytes_.load(); }
+  std::int64_t written_bytes() const { return static_cast<std::int64_t>(written_bytes_.value()); }
+  // Registers the backup and prefetch counters (ops by outcome, pages, revokes, latency
+  // histograms) and the queue depths in `registry` until destroyed or registered again.
+  void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
 
   // Stops the threads promptly: queued backups are acked with zero completed tokens, queued
   // prefetches revoked, loading ones finished as they stand (terminate_prefetch still returns
@@ -248,6 +251,7 @@ class StorageController {
   struct BackupOp {
     std::int64_t priority = 0;  // always 0: FIFO
     std::int64_t id = 0;
+    std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
     std::vector<std::int64_t> pages;
     std::vector<std::string> keys;
   };
@@ -303,8 +307,10 @@ class StorageController {
   OpQueue<BackupOp> backup_queue_;
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;
   std::atomic<std::int64_t> next_id_{1};
-  std::atomic<std::int64_t> failed_ops_{0};
-  std::atomic<std::int64_t> read_bytes_{0}, read_ns_{0}, written_bytes_{0};
+  Counter failed_ops_, read_bytes_, read_ns_, written_bytes_;
+  Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
+  Histogram backup_latency_, prefetch_latency_;
+  MetricsScope metrics_;  // after what it registers: it goes first
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   std::int64_t outstanding_ = 0;  // GUARDED_BY idle_mu_

@@ -177,23 +177,53 @@ std::vector<IoResult> StorageBackend::batch_set(std::span<const std::string> key
 StorageStats StorageBackend::stats() const {
   StorageStats s;
   const Counters& c = counters_;
-  s.exists_queries = c.exists_queries;
-  s.gets = c.gets;
-  s.get_hits = c.get_hits;
-  s.get_misses = c.get_misses;
-  s.get_errors = c.get_errors;
-  s.bad_records = c.bad_records;
-  s.sets = c.sets;
-  s.set_written = c.set_written;
-  s.set_deduplicated = c.set_deduplicated;
-  s.set_errors = c.set_errors;
-  s.bytes_read = c.bytes_read;
-  s.bytes_written = c.bytes_written;
-  s.removes = c.removes;
-  s.evictions = c.evictions;
-  s.eviction_failures = c.eviction_failures;
+  s.exists_queries = c.exists_queries.value();
+  s.gets = c.gets.value();
+  s.get_hits = c.get_hits.value();
+  s.get_misses = c.get_misses.value();
+  s.get_errors = c.get_errors.value();
+  s.bad_records = c.bad_records.value();
+  s.sets = c.sets.value();
+  s.set_written = c.set_written.value();
+  s.set_deduplicated = c.set_deduplicated.value();
+  s.set_errors = c.set_errors.value();
+  s.bytes_read = c.bytes_read.value();
+  s.bytes_written = c.bytes_written.value();
+  s.removes = c.removes.value();
+  s.evictions = c.evictions.value();
+  s.eviction_failures = c.eviction_failures.value();
   fill_gauges(s);
   return s;
+}
+
+void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
+  labels.emplace_back("backend", std::string(name()));
+  metrics_.attach(registry, std::move(labels));
+  const Counters& c = counters_;
+  constexpr const char* kKeys = "hicache_storage_keys_total";
+  constexpr const char* kKeysHelp = "Keys the L3 store was asked for, by operation and result";
+  metrics_.add(kKeys, kKeysHelp, {{"op", "exists"}, {"result", "asked"}}, c.exists_queries);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "get"}, {"result", "hit"}}, c.get_hits);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "get"}, {"result", "miss"}}, c.get_misses);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "get"}, {"result", "error"}}, c.get_errors);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "set"}, {"result", "written"}}, c.set_written);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "set"}, {"result", "deduplicated"}},
+               c.set_deduplicated);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "set"}, {"result", "error"}}, c.set_errors);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "remove"}, {"result", "removed"}}, c.removes);
+  metrics_.add("hicache_storage_bad_records_total",
+               "Records read back corrupt, truncated or foreign (served as misses, removed)", {},
+               c.bad_records);
+  constexpr const char* kBytes = "hicache_storage_bytes_total";
+  constexpr const char* kBytesHelp = "Payload bytes read from and written to the L3 store";
+  metrics_.add(kBytes, kBytesHelp, {{"direction", "read"}}, c.bytes_read);
+  metrics_.add(kBytes, kBytesHelp, {{"direction", "written"}}, c.bytes_written);
+  metrics_.add("hicache_storage_evictions_total", "Records the store evicted for capacity", {},
+               c.evictions);
+  metrics_.add("hicache_storage_eviction_failures_total",
+               "Records the evictor could not remove", {}, c.eviction_failures);
+  metrics_.add_gauge_fn("hicache_storage_stored_bytes", "Record bytes the store holds", {},
+                        [this] { return static_cast<double>(stats().stored_bytes); });
 }
 
 }  // namespace hicache

@@ -26,6 +26,8 @@
 #include <string_view>
 #include <vector>
 
+#include "transfer/metrics.h"
+
 namespace hicache {
 
 enum class IoStatus : std::uint8_t { kOk, kMiss, kError };
@@ -100,6 +102,10 @@ class StorageBackend {
   virtual void clear() = 0;
 
   StorageStats stats() const;
+  // Registers the store's counters (keys per operation and result, bad records, bytes,
+  // evictions) and its size in `registry`, labelled with `labels` and backend=name(), until
+  // the store is destroyed or registers again.
+  void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
 
  protected:
   StorageBackend();
@@ -116,12 +122,12 @@ class StorageBackend {
 
   // Counters the backends bump.
   struct Counters {
-    std::atomic<std::uint64_t> exists_queries{0}, gets{0}, get_hits{0}, get_misses{0},
-        get_errors{0}, bad_records{0}, sets{0}, set_written{0}, set_deduplicated{0},
-        set_errors{0}, bytes_read{0}, bytes_written{0}, removes{0}, evictions{0},
-        eviction_failures{0};
+    Counter exists_queries, gets, get_hits, get_misses, get_errors, bad_records, sets,
+        set_written, set_deduplicated, set_errors, bytes_read, bytes_written, removes, evictions,
+        eviction_failures;
   };
   Counters counters_;
+  MetricsScope metrics_;  // after the counters it registers
 
  private:
   class Inflight;

@@ -21,8 +21,9 @@ jobs=${JOBS:-$(nproc)}
 packages=(build-essential cmake ninja-build ccache pkg-config
   libconcurrentqueue-dev libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server
-  fio     # the baseline of hicache-storagebench
-  clang)  # libFuzzer for the fuzz targets (tests/fuzz)
+  fio         # the baseline of hicache-storagebench
+  prometheus  # promtool and a real server for the /metrics tests
+  clang)      # libFuzzer for the fuzz targets (tests/fuzz)
 
 missing=()
 for p in "${packages[@]}"; do

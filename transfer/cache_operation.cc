@@ -22,6 +22,7 @@ CacheOperation CacheOperation::make(std::vector<std::int64_t> host_slots,
 }
 
 void CacheOperation::merge(CacheOperation&& other) {
+  submitted = std::min(submitted, other.submitted);
   host_slots.insert(host_slots.end(), other.host_slots.begin(), other.host_slots.end());
   device_slots.insert(device_slots.end(), other.device_slots.begin(), other.device_slots.end());
   node_ids.insert(node_ids.end(), other.node_ids.begin(), other.node_ids.end());

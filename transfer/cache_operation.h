@@ -6,6 +6,8 @@
 // is overloaded to mean "none" (the reference treats node 0 that way).
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -19,6 +21,8 @@ struct CacheOperation {
   std::vector<std::int64_t> device_slots;
   std::vector<NodeId> node_ids;  // acknowledged when done; empty: no acknowledgement
   std::int64_t priority = 0;     // lower first; FIFO among equals (the queue keeps the order)
+  // When the caller submitted it (for the submit-to-ack latency); merged ops keep the earliest.
+  std::chrono::steady_clock::time_point submitted{};
 
   // Throws InvalidArgument when the slot lists differ in length or are empty.
   static CacheOperation make(std::vector<std::int64_t> host_slots,

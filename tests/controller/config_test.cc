@@ -219,6 +219,8 @@ TEST(ConfigSchema, TheStructDefaultsAreTheSchemaDefaults) {
   EXPECT_EQ(parsed.tp.hostname, built.tp.hostname);
   EXPECT_EQ(parsed.tp.timeout, built.tp.timeout);
   EXPECT_EQ(parsed.tp.connect_timeout, built.tp.connect_timeout);
+  EXPECT_EQ(parsed.metrics_port, built.metrics_port);
+  EXPECT_EQ(parsed.metrics_bind, built.metrics_bind);
   EXPECT_EQ(parsed.geometry.page_size, 64);
   EXPECT_EQ(parsed.geometry.dtype, DType::kFloat16);
 }

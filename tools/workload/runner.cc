@@ -237,38 +237,50 @@ InstanceResult Runner::result() const {
   c["prefetches"] = static_cast<double>(e.prefetches);
   c["compute_seconds"] = e.compute_seconds;
   c["step_seconds"] = e.step_seconds;
-  const auto s = stack_.cache().stats();
-  c["evicted_device_tokens"] = static_cast<double>(s.evicted_device_tokens);
-  c["evicted_host_tokens"] = static_cast<double>(s.evicted_host_tokens);
-  c["prefetched_tokens"] = static_cast<double>(s.prefetched_tokens);
-  c["prefetch_revokes"] = static_cast<double>(s.revoked_prefetches);
-  c["write_failures"] = static_cast<double>(s.write_failures);
-  c["load_failures"] = static_cast<double>(s.load_failures);
-  c["load_backs_refused_by_cost"] = static_cast<double>(s.load_backs_refused_by_cost);
-  c["prefetches_refused_by_cost"] = static_cast<double>(s.prefetches_refused_by_cost);
-  c["demotions"] = static_cast<double>(s.demotions);
-  const auto ctl = stack_.controller().stats();
-  c["l1_to_l2_bytes"] = static_cast<double>(ctl.bytes_written);
-  c["l2_to_l1_bytes"] = static_cast<double>(ctl.bytes_loaded);
-  c["l2_to_l1_seconds"] = ctl.load_seconds;
-  c["controller_write_failures"] = static_cast<double>(ctl.write_failures);
-  c["controller_load_failures"] = static_cast<double>(ctl.load_failures);
-  c["l2_to_l3_bytes"] = 0;
-  c["l3_to_l2_bytes"] = 0;
+  // The tiers' totals come from the cache's metrics registry (what /metrics serves).
+  const MetricsRegistry& m = const_cast<EngineStack&>(stack_).hicache().metrics();
+  const auto metric = [&](const char* name, MetricLabels labels) {
+    labels.insert(labels.begin(), {"tp_rank", "0"});
+    return std::max(0.0, m.value(name, labels));
+  };
+  const auto storage_keys = [&](const char* op, const char* result) {
+    const StorageBackend* b = const_cast<EngineStack&>(stack_).storage();
+    if (b == nullptr) return 0.0;
+    return metric("hicache_storage_keys_total",
+                  {{"backend", std::string(b->name())}, {"op", op}, {"result", result}});
+  };
+  c["evicted_device_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "device"}});
+  c["evicted_host_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "host"}});
+  c["prefetched_tokens"] = metric("hicache_prefetched_tokens_total", {});
+  c["prefetch_revokes"] = metric("hicache_misses_total", {{"reason", "prefetch_revoked"}});
+  c["write_failures"] = metric("hicache_write_failures_total", {});
+  c["load_failures"] = metric("hicache_misses_total", {{"reason", "load_failed"}});
+  c["load_backs_refused_by_cost"] =
+      metric("hicache_misses_total", {{"reason", "load_refused_by_cost"}});
+  c["prefetches_refused_by_cost"] =
+      metric("hicache_misses_total", {{"reason", "prefetch_refused_by_cost"}});
+  c["demotions"] = metric("hicache_demotions_total", {});
+  c["l1_to_l2_bytes"] = metric("hicache_bytes_total", {{"direction", "l1_to_l2"}});
+  c["l2_to_l1_bytes"] = metric("hicache_bytes_total", {{"direction", "l2_to_l1"}});
+  c["l2_to_l1_seconds"] = stack_.controller().stats().load_seconds;
+  c["controller_write_failures"] =
+      metric("hicache_ops_total", {{"direction", "l1_to_l2"}, {"outcome", "failed"}});
+  c["controller_load_failures"] =
+      metric("hicache_ops_total", {{"direction", "l2_to_l1"}, {"outcome", "failed"}});
+  c["l2_to_l3_bytes"] = metric("hicache_bytes_total", {{"direction", "l2_to_l3"}});
+  c["l3_to_l2_bytes"] = metric("hicache_bytes_total", {{"direction", "l3_to_l2"}});
   c["l3_to_l2_seconds"] = 0;
-  c["storage_errors"] = 0;
   if (const StorageController* sc = stack_.storage_controller()) {
-    c["l2_to_l3_bytes"] = static_cast<double>(sc->written_bytes());
-    c["l3_to_l2_bytes"] = static_cast<double>(sc->read_bytes());
     c["l3_to_l2_seconds"] = sc->read_seconds();
-    c["storage_errors"] = static_cast<double>(sc->failed_ops());
   }
-  if (const StorageBackend* b = const_cast<EngineStack&>(stack_).storage()) {
-    const StorageStats st = b->stats();
-    c["storage_get_errors"] = static_cast<double>(st.get_errors);
-    c["storage_set_errors"] = static_cast<double>(st.set_errors);
-    c["storage_bad_records"] = static_cast<double>(st.bad_records);
-    c["storage_get_misses"] = static_cast<double>(st.get_misses);
+  c["storage_errors"] = metric("hicache_storage_op_failures_total", {});
+  if (const_cast<EngineStack&>(stack_).storage() != nullptr) {
+    c["storage_get_errors"] = storage_keys("get", "error");
+    c["storage_set_errors"] = storage_keys("set", "error");
+    c["storage_get_misses"] = storage_keys("get", "miss");
+    const StorageBackend* b = const_cast<EngineStack&>(stack_).storage();
+    c["storage_bad_records"] = metric("hicache_storage_bad_records_total",
+                                      {{"backend", std::string(b->name())}});
   }
   out.first_mismatch = stack_.engine().first_mismatch();
   return out;

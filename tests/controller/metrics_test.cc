@@ -1,0 +1,373 @@
+#include "transfer/metrics.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <thread>
+
+#include "controller/hicache.h"
+#include "controller/metrics_server.h"
+#include "transfer/errors.h"
+
+namespace hicache {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+TEST(MetricsRegistry, RendersCountersGaugesAndHistogramsInTheExpositionFormat) {
+  MetricsRegistry r;
+  Counter c;
+  Gauge g;
+  Histogram h({0.001, 0.01});
+  c += 41;
+  ++c;
+  g.set(2.5);
+  h.observe(0.0005);
+  h.observe(0.005);
+  h.observe(7);
+  r.add("hicache_test_total", "A counter", {{"tier", "host"}}, c, this);
+  r.add("hicache_test_gauge", "A \"gauge\"\nwith a newline", {}, g, this);
+  r.add("hicache_test_seconds", "A histogram", {{"dir", "a\"b"}}, h, this);
+  EXPECT_EQ(r.prometheus_text(),
+            "# HELP hicache_test_total A counter\n"
+            "# TYPE hicache_test_total counter\n"
+            "hicache_test_total{tier=\"host\"} 42\n"
+            "# HELP hicache_test_gauge A \"gauge\"\\nwith a newline\n"
+            "# TYPE hicache_test_gauge gauge\n"
+            "hicache_test_gauge 2.5\n"
+            "# HELP hicache_test_seconds A histogram\n"
+            "# TYPE hicache_test_seconds histogram\n"
+            "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.001\"} 1\n"
+            "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.01\"} 2\n"
+            "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"+Inf\"} 3\n"
+            "hicache_test_seconds_sum{dir=\"a\\\"b\"} 7.0054999999999996\n"
+            "hicache_test_seconds_count{dir=\"a\\\"b\"} 3\n");
+  const json j = json::parse(r.json_text());
+  EXPECT_EQ(j["hicache_test_total"]["series"][0]["value"], 42);
+  EXPECT_EQ(j["hicache_test_total"]["series"][0]["labels"]["tier"], "host");
+  EXPECT_EQ(j["hicache_test_seconds"]["series"][0]["count"], 3);
+  EXPECT_EQ(j["hicache_test_seconds"]["series"][0]["buckets"][1][1], 2);
+  EXPECT_EQ(r.value("hicache_test_total", {{"tier", "host"}}), 42);
+  EXPECT_EQ(r.value("hicache_test_total", {{"tier", "device"}}), -1);
+}
+
+TEST(MetricsRegistry, RefusesBadNamesDuplicatesAndConflictingFamilies) {
+  MetricsRegistry r;
+  Counter c;
+  Gauge g;
+  Histogram h;
+  EXPECT_THROW(r.add("1bad", "h", {}, c, this), InvalidArgument);
+  EXPECT_THROW(r.add("ok_total", "h", {{"bad-label", "x"}}, c, this), InvalidArgument);
+  EXPECT_THROW(r.add("ok_seconds", "h", {{"le", "x"}}, h, this), InvalidArgument);
+  r.add("ok_total", "h", {{"a", "1"}}, c, this);
+  EXPECT_THROW(r.add("ok_total", "h", {{"a", "1"}}, c, this), InvalidArgument);
+  EXPECT_THROW(r.add("ok_total", "h", {{"a", "2"}}, g, this), InvalidArgument);
+  EXPECT_THROW(r.add("ok_total", "other help", {{"a", "2"}}, c, this), InvalidArgument);
+  r.add("ok_total", "h", {{"a", "2"}}, c, this);  // same family, other labels
+  EXPECT_NE(r.prometheus_text().find("ok_total{a=\"2\"} 0"), std::string::npos);
+  EXPECT_THROW(Histogram({1, 1}), InvalidArgument);
+}
+
+TEST(MetricsRegistry, AScopeForgetsWhatItRegisteredWhenItGoes) {
+  MetricsRegistry r;
+  Counter kept;
+  r.add("kept_total", "h", {}, kept, &r);
+  {
+    Counter c;
+    MetricsScope scope;
+    scope.attach(r, {{"tp_rank", "3"}});
+    scope.add("gone_total", "h", {{"x", "y"}}, c);
+    EXPECT_EQ(r.value("gone_total", {{"tp_rank", "3"}, {"x", "y"}}), 0);
+  }
+  EXPECT_EQ(r.value("gone_total", {{"tp_rank", "3"}, {"x", "y"}}), -1);
+  EXPECT_EQ(r.prometheus_text().find("gone_total"), std::string::npos);
+  EXPECT_NE(r.prometheus_text().find("kept_total 0"), std::string::npos);
+}
+
+TEST(MetricsRegistry, ScrapesWhileCountersRunAreConsistent) {
+  MetricsRegistry r;
+  Counter c;
+  Histogram h;
+  r.add("busy_total", "h", {}, c, this);
+  r.add("busy_seconds", "h", {}, h, this);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    while (!stop) {
+      ++c;
+      h.observe(1e-5);
+    }
+  });
+  double last = 0;
+  for (int i = 0; i < 200; ++i) {
+    const json j = json::parse(r.json_text());
+    const double now = j["busy_total"]["series"][0]["value"].get<double>();
+    EXPECT_GE(now, last);
+    last = now;
+    const auto& hs = j["busy_seconds"]["series"][0];
+    EXPECT_EQ(hs["count"], hs["buckets"].back()[1]);
+  }
+  stop = true;
+  writer.join();
+}
+
+// ------------------------------------------------------------------------------------------
+// HiCache's registry and its /metrics endpoint.
+
+struct Http {
+  int status = 0;
+  std::string head, body;
+};
+
+Http http(int port, const std::string& method, const std::string& path) {
+  Http out;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return out;
+  }
+  const std::string req =
+      str_cat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  (void)::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string all;
+  char buf[65536];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) all.append(buf, static_cast<std::size_t>(n));
+  ::close(fd);
+  const auto split = all.find("\r\n\r\n");
+  if (split == std::string::npos || all.size() < 12) return out;
+  out.status = std::stoi(all.substr(9, 3));
+  out.head = all.substr(0, split);
+  out.body = all.substr(split + 4);
+  return out;
+}
+
+// A HiCache with L3 on a file store, /metrics on a free loopback port, and a few pages through
+// every tier: a prompt inserted (written to the host, backed up to L3), matched again.
+struct Traffic {
+  fs::path root = fs::temp_directory_path() / str_cat("hicache-metrics-", ::getpid());
+  std::unique_ptr<HiCache> hc;
+  std::vector<std::int32_t> tokens = std::vector<std::int32_t>(64);
+
+  Traffic() {
+    fs::remove_all(root);
+    hc = std::make_unique<HiCache>(HiCacheConfig::from_json_text(str_cat(
+        R"({"device": "host", "page_size": 4, "device_tokens": 256,
+            "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}, "metrics_port": 0,
+            "storage": {"backend": "file", "root": ")",
+        root.string(), R"("}})")));
+    std::iota(tokens.begin(), tokens.end(), 100);
+    auto slots = hc->device_pool().allocator().alloc(64);
+    hc->cache().insert(tokens, *slots);
+    settle();
+    (void)hc->cache().match_prefix(tokens);
+    hc->cache().check_events();
+  }
+  ~Traffic() {
+    hc.reset();
+    fs::remove_all(root);
+  }
+  void settle() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      const auto seen = hc->cache().event_seq();
+      hc->cache().check_events();
+      const auto s = hc->cache().stats();
+      if (s.writes_in_flight == 0 && s.backups_in_flight == 0) return;
+      hc->cache().wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    }
+    FAIL() << "writes never finished";
+  }
+};
+
+TEST(HiCacheMetrics, EveryComponentReportsIntoOneRegistry) {
+  Traffic t;
+  const MetricsRegistry& r = t.hc->metrics();
+  const auto v = [&](const char* name, MetricLabels labels) {
+    labels.insert(labels.begin(), {"tp_rank", "0"});
+    return r.value(name, labels);
+  };
+  const double page_bytes = static_cast<double>(t.hc->config().geometry.page_bytes());
+  EXPECT_GE(v("hicache_ops_total", {{"direction", "l1_to_l2"}, {"outcome", "ok"}}), 1);
+  EXPECT_EQ(v("hicache_bytes_total", {{"direction", "l1_to_l2"}}), 16 * page_bytes);
+  EXPECT_EQ(v("hicache_bytes_total", {{"direction", "l2_to_l3"}}), 16 * page_bytes);
+  EXPECT_GE(v("hicache_ops_total", {{"direction", "l2_to_l3"}, {"outcome", "ok"}}), 1);
+  EXPECT_EQ(v("hicache_storage_keys_total", {{"backend", "file"}, {"op", "set"}, {"result", "written"}}),
+            16);
+  EXPECT_EQ(v("hicache_match_tokens_total", {{"tier", "device"}}), 64);
+  EXPECT_EQ(v("hicache_pool_used_tokens", {{"tier", "device"}}), 64);
+  EXPECT_EQ(v("hicache_pool_capacity_tokens", {{"tier", "host"}}), 512);
+  EXPECT_GE(v("hicache_op_latency_seconds", {{"direction", "l1_to_l2"}}), 1) << "histogram count";
+  EXPECT_EQ(v("hicache_queue_depth", {{"queue", "write"}}), 0);
+}
+
+TEST(HiCacheMetrics, ServesPrometheusTextAndJsonOverLoopback) {
+  Traffic t;
+  const int port = t.hc->metrics_port();
+  ASSERT_GT(port, 0);
+  const Http text = http(port, "GET", "/metrics");
+  EXPECT_EQ(text.status, 200) << text.head;
+  EXPECT_NE(text.head.find("text/plain; version=0.0.4"), std::string::npos) << text.head;
+  EXPECT_NE(text.body.find("# TYPE hicache_ops_total counter"), std::string::npos);
+  EXPECT_NE(text.body.find("hicache_match_tokens_total{tp_rank=\"0\",tier=\"device\"} 64"),
+            std::string::npos)
+      << text.body;
+  const Http j = http(port, "GET", "/metrics.json");
+  EXPECT_EQ(j.status, 200);
+  EXPECT_EQ(json::parse(j.body)["hicache_match_tokens_total"]["type"], "counter");
+  EXPECT_EQ(http(port, "GET", "/nope").status, 404);
+  EXPECT_EQ(http(port, "POST", "/metrics").status, 405);
+  const Http head = http(port, "HEAD", "/metrics");
+  EXPECT_EQ(head.status, 200);
+  EXPECT_TRUE(head.body.empty());
+}
+
+TEST(HiCacheMetrics, AMetricsPortInUseOrABadAddressIsAnErrorAtConstruction) {
+  Traffic t;
+  const std::string base = R"({"device": "host", "page_size": 4, "device_tokens": 64,
+      "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}, )";
+  try {
+    HiCache second(HiCacheConfig::from_json_text(
+        str_cat(base, R"("metrics_port": )", t.hc->metrics_port(), "}")));
+    ADD_FAILURE() << "bound a port in use";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(str_cat("127.0.0.1:", t.hc->metrics_port())),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(HiCache(HiCacheConfig::from_json_text(
+                   str_cat(base, R"("metrics_port": 0, "metrics_bind": "localhost:x"})"))),
+               InvalidArgument);
+  EXPECT_EQ(http(t.hc->metrics_port(), "GET", "/metrics").status, 200) << "first still serves";
+}
+
+// Runs `argv` and returns its exit status and output (stdout and stderr).
+int run_command(const std::vector<std::string>& argv, const std::string& input,
+                std::string& output) {
+  char in_path[] = "/tmp/hicache-metrics-in-XXXXXX";
+  char out_path[] = "/tmp/hicache-metrics-out-XXXXXX";
+  const int in_fd = ::mkstemp(in_path), out_fd = ::mkstemp(out_path);
+  (void)!::write(in_fd, input.data(), input.size());
+  ::lseek(in_fd, 0, SEEK_SET);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(in_fd, 0);
+    ::dup2(out_fd, 1);
+    ::dup2(out_fd, 2);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    std::_Exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::ifstream f(out_path);
+  output.assign(std::istreambuf_iterator<char>(f), {});
+  ::close(in_fd);
+  ::close(out_fd);
+  ::unlink(in_path);
+  ::unlink(out_path);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+bool have(const char* program) {
+  std::string out;
+  return run_command({"sh", "-c", str_cat("command -v ", program)}, "", out) == 0;
+}
+
+TEST(HiCacheMetrics, TheEndpointPassesPromtool) {
+  if (!have("promtool")) GTEST_SKIP() << "promtool not installed (Debian package prometheus)";
+  Traffic t;
+  const Http text = http(t.hc->metrics_port(), "GET", "/metrics");
+  ASSERT_EQ(text.status, 200);
+  std::string out;
+  EXPECT_EQ(run_command({"promtool", "check", "metrics"}, text.body, out), 0) << out;
+  // promtool's linter names what it dislikes; a clean exposition prints nothing.
+  EXPECT_EQ(out, "") << out;
+}
+
+// A real Prometheus server scrapes the endpoint; what its query API returns for the match
+// counter is what the JSON snapshot says (the cache is idle meanwhile, so the value holds).
+TEST(HiCacheMetrics, ARealPrometheusScrapeAgreesWithTheJsonSnapshot) {
+  if (!have("prometheus")) GTEST_SKIP() << "prometheus not installed (Debian package prometheus)";
+  Traffic t;
+  const fs::path dir = t.root.string() + "-prometheus";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // A free port for Prometheus's own HTTP API.
+  MetricsRegistry empty;
+  int api_port = 0;
+  {
+    MetricsServer probe(empty, "127.0.0.1", 0);
+    api_port = probe.port();
+  }
+  std::ofstream(dir / "prometheus.yml")
+      << "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+      << "  - job_name: hicache\n    static_configs:\n      - targets: ['127.0.0.1:"
+      << t.hc->metrics_port() << "']\n";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    const std::string config = "--config.file=" + (dir / "prometheus.yml").string();
+    const std::string data = "--storage.tsdb.path=" + (dir / "data").string();
+    const std::string listen = str_cat("--web.listen-address=127.0.0.1:", api_port);
+    ::execlp("prometheus", "prometheus", config.c_str(), data.c_str(), listen.c_str(),
+             static_cast<char*>(nullptr));
+    std::_Exit(127);
+  }
+  const json snapshot = json::parse(t.hc->metrics().json_text());
+  double expected = -1;
+  for (const auto& s : snapshot["hicache_match_tokens_total"]["series"]) {
+    if (s["labels"]["tier"] == "device") expected = s["value"].get<double>();
+  }
+  ASSERT_EQ(expected, 64);
+  // Prometheus needs a moment to start and scrape; bounded by a deadline, not a sleep count.
+  double scraped = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (scraped < 0 && std::chrono::steady_clock::now() < deadline) {
+    const Http q = http(api_port, "GET",
+                        "/api/v1/query?query=hicache_match_tokens_total%7Btier%3D%22device%22%7D");
+    if (q.status == 200) {
+      const json r = json::parse(q.body, nullptr, false);
+      if (!r.is_discarded() && !r["data"]["result"].empty()) {
+        scraped = std::stod(r["data"]["result"][0]["value"][1].get<std::string>());
+        EXPECT_EQ(r["data"]["result"][0]["metric"]["job"], "hicache");
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // waiting on another process
+  }
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  fs::remove_all(dir);
+  EXPECT_EQ(scraped, expected) << "Prometheus scraped nothing within 60 s";
+  EXPECT_GE(t.hc->metrics().value("hicache_ops_total", {{"tp_rank", "0"},
+                                                        {"direction", "l1_to_l2"},
+                                                        {"outcome", "ok"}}),
+            1);
+}
+
+}  // namespace
+}  // namespace hicache
