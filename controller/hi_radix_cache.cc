@@ -756,7 +756,7 @@ void HiRadixCache::apply_events() {
 }
 
 // TP ranks: every change to the tree comes from values all ranks agreed on, so the trees stay
-// identical (shared/DESIGN.md, "Tensor parallelism"). The ranks run the same ops in the same
+// identical (docs/architecture.md, "Tensor parallelism"). The ranks run the same ops in the same
 // order, so their pending ops carry the same ids; for the oldest kAgreeSlots of each kind every
 // rank says what arrived (0: not yet), one min-reduction fuses all four kinds, and only what
 // arrived everywhere is applied, with the outcome of the worst rank.

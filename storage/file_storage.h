@@ -3,13 +3,13 @@
 // - A record is written to <root>/.tmp/ and renamed into <root>/<key>, so a crash leaves the old
 //   record, the new one or nothing, never a torn one. Durability "none" leaves flushing to the
 //   kernel; "group_commit" makes a whole batch durable with one syncfs before the renames and
-//   one after (an fsync per page caps a file tier at a few hundred pages/s, shared/MACHINE.md).
+//   one after (an fsync per page caps a file tier at a few hundred pages/s, docs/design-notes.md).
 // - An in-memory index (key -> record bytes, LRU order) answers batch_exists without touching the
 //   disk, and is rebuilt from the directory at start (oldest modification first), so a restarted
 //   engine finds its pages again.
 // - capacity_bytes (0: unlimited) bounds the record bytes; a set that overflows it evicts least
 //   recently used records. Eviction renames a record into <root>/.trash/ (a fast metadata
-//   operation) and a background thread unlinks it (unlink costs 0.3-0.8 ms on these disks). A
+//   operation) and a background thread unlinks it (an unlink costs a disk round trip). A
 //   record that cannot be moved is dropped from the index, counted and skipped: the evictor never
 //   wedges. A record larger than the whole capacity is refused, not thrashed. Eviction never
 //   takes a key of the batch being written: what a batch reports stored is stored when it

@@ -5,7 +5,7 @@
 //   not a valid record for the key and span size is a miss, counted in bad_records and DELeted.
 // - A batch costs about one round trip: its commands are pipelined. Each node has a pool of
 //   `connections` connections; a batch is split over them by bytes, so large values travel over
-//   several sockets in parallel rather than down one deep pipeline (shared/MACHINE.md). SET
+//   several sockets in parallel rather than down one deep pipeline (docs/design-notes.md). SET
 //   payloads are sent from the caller's spans by scatter-gather writes, never copied; socket and
 //   parser buffers live as long as their connection.
 // - SET payloads of zero_copy_min_bytes (64 KiB) and more are not copied into the socket:
@@ -96,8 +96,7 @@ class RedisStorage final : public StorageBackend {
   // Payload bytes sent without a copy so far (see RedisConfig::zero_copy_min_bytes).
   std::uint64_t zero_copy_bytes() const;
   // About 4 MiB, and at least one page per connection of a node: deep pipelines of large values
-  // cost redis-server more per byte (the controller's prefetch of 256 KiB pages ran at
-  // 3.2-3.3 GB/s in calls of 4 MiB, 2.8-2.9 in 16 MiB and 2.2-2.4 in 64 MiB).
+  // cost redis-server more per byte (docs/performance.md has the figures).
   std::int64_t preferred_batch_pages(std::int64_t page_bytes) const override;
 
  protected:

@@ -1,5 +1,5 @@
 // StorageBackend: the L3 tier. It moves bytes between page keys and caller-provided spans (host
-// pool pages), and knows nothing of pools (shared/DESIGN.md).
+// pool pages), and knows nothing of pools (docs/architecture.md).
 //
 // Contract, for every backend:
 // - Results are per key: ok, miss (absent, or a record that failed validation: it is counted,
@@ -90,7 +90,7 @@ class StorageBackend {
 
   // How many pages of `page_bytes` one batch_get / batch_set should carry for this store's best
   // throughput (callers that cut large transfers into batches ask; at least 1). By default as
-  // many as make 64 MiB: a call costs a fixed ~0.1 ms (a file store wakes its workers and waits
+  // many as make 64 MiB: each call has a fixed cost (a file store wakes its workers and waits
   // for the last key).
   virtual std::int64_t preferred_batch_pages(std::int64_t page_bytes) const {
     return std::max<std::int64_t>(1, (std::int64_t{64} << 20) / std::max<std::int64_t>(page_bytes, 1));

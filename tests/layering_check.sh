@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fails when a file of a lower layer includes a header of a higher one (shared/DESIGN.md):
+# Fails when a file of a lower layer includes a header of a higher one (docs/architecture.md):
 #   kernels < transfer < pools < storage < controller < tools
 set -euo pipefail
 root=${1:?usage: layering_check.sh PROJECT_ROOT}

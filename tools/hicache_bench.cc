@@ -10,7 +10,9 @@
 // schema (controller/config_schema.h, docs/configuration.md): the same keys, flags and defaults
 // as every HiCache; the main job sets a few of them (kMainJobCache). --compare runs the workload under several
 // configurations (device only, + host, + host + file, + host + redis with --redis) and prints
-// them side by side. --instances N runs N engine processes (fork, before any thread exists),
+// them side by side. --metrics-port P serves the cache's Prometheus metrics at
+// http://127.0.0.1:P/metrics while the workload runs (instance i of --instances on P + i; 0: a
+// free port, printed). --instances N runs N engine processes (fork, before any thread exists),
 // each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
 // a conversation moves between instances and finds its earlier rounds only in L3. The rounds
 // are then run with a barrier: every instance finishes round r and lands its backups in L3
@@ -454,9 +456,18 @@ wl::RunOptions run_options(const Settings& s, const std::string& label, int inst
 }
 
 // One process: the stack, the run, then every write and backup landed (kept stores hold it all).
+void announce_metrics(wl::EngineStack& stack, const std::string& label) {
+  if (const int port = stack.hicache().metrics_port(); port >= 0) {
+    std::printf("[hicache-bench] %s: metrics at http://%s:%d/metrics\n", label.c_str(),
+                stack.hicache().config().metrics_bind.c_str(), port);
+    std::fflush(stdout);
+  }
+}
+
 wl::InstanceResult run_single(const Settings& s, const wl::StackConfig& config,
                               const std::vector<wl::PlannedRequest>& plan, const std::string& label) {
   wl::EngineStack stack(config);
+  announce_metrics(stack, label);
   std::vector<int> all(plan.size());
   for (std::size_t i = 0; i < plan.size(); ++i) all[i] = static_cast<int>(i);
   wl::Runner runner(stack, plan, all, run_options(s, label, 1));
@@ -510,7 +521,11 @@ bool write_all(int fd, const std::string& text) {
                                 int instances, int in_fd, int out_fd, const std::string& label) {
   int code = 0;
   try {
-    wl::EngineStack stack(config);
+    // Each instance serves its own /metrics: instance i on metrics_port + i.
+    wl::StackConfig own = config;
+    if (own.cache.metrics_port > 0) own.cache.metrics_port += instance;
+    wl::EngineStack stack(own);
+    announce_metrics(stack, str_cat(label, " #", instance));
     std::vector<int> mine;
     for (std::size_t i = 0; i < plan.size(); ++i) {
       if ((plan[i].client + plan[i].round) % instances == instance) mine.push_back(static_cast<int>(i));

@@ -1,6 +1,6 @@
 // Pool memory in host RAM: the host KV pool's pages and the host backend's emulated device
-// memory. On these machines the first touch of a 4 KiB page costs 10-16 us while a huge page
-// faults at ~17 GB/s (shared/MACHINE.md), so pool memory is mapped with MADV_HUGEPAGE (falling
+// memory. A first touch of 4 KiB pages runs two orders of magnitude slower than of huge pages
+// (docs/design-notes.md), so pool memory is mapped with MADV_HUGEPAGE (falling
 // back to MAP_POPULATE where huge pages are refused), pre-faulted at creation, optionally
 // mlock'ed, and never handed back to the kernel while the pool lives.
 #pragma once

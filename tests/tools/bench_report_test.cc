@@ -202,6 +202,22 @@ TEST(HicacheBench, BadSettingsExitWithUsageAndNameTheValue) {
   }
 }
 
+// --metrics-port: the cache's /metrics is served while the workload runs (0: a free port, which
+// the bench prints); a port out of range is refused before anything runs, naming the key.
+TEST(HicacheBench, MetricsPortServesTheCachesMetricsAndABadOneIsRefused) {
+  BenchRun r = run_bench(kTiny + "--clients 2 --rounds 2 --tiers host --metrics-port 0");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("host: metrics at http://127.0.0.1:"), std::string::npos) << r.output;
+  r = run_bench(kTiny + "--tiers host --metrics-port 70000");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'metrics_port' is 70000"), std::string::npos) << r.output;
+  r = run_bench(kTiny + "--tiers host --write-polcy write_back");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("unknown flag '--write-polcy' (the key 'write_policy'?)"),
+            std::string::npos)
+      << r.output;
+}
+
 // Conversations that outgrow the device pool: the engine rejects the rounds that can never fit,
 // the report counts them, and the follow-up rounds still run (the runner once gave up instead).
 TEST(HicacheBench, RejectedRoundsAreReportedAndTheirFollowUpsStillRun) {
