@@ -54,13 +54,18 @@ PrefetchOperation::PrefetchOperation(std::string request_id, std::vector<std::in
       page_size_(page_size) {}
 
 PrefetchStage PrefetchOperation::stage() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return stage_;
 }
 
 std::string PrefetchOperation::error() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return error_;
+}
+
+void PrefetchOperation::set_error(std::string error) {
+  MutexLock lock(mu_);
+  error_ = std::move(error);
 }
 
 StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
@@ -128,7 +133,7 @@ void StorageController::reset() {
   prefetch_queue_.reset();
   prefetch_io_queue_.reset();
   {
-    std::lock_guard lock(idle_mu_);
+    MutexLock lock(idle_mu_);
     outstanding_ = 0;
   }
   start_threads();
@@ -161,12 +166,12 @@ void StorageController::stop() {
 }
 
 void StorageController::set_event_signal(std::shared_ptr<EventSignal> signal) {
-  std::lock_guard lock(signal_mu_);
+  MutexLock lock(signal_mu_);
   signal_ = std::move(signal);
 }
 
 void StorageController::notify_events() {
-  std::lock_guard lock(signal_mu_);
+  MutexLock lock(signal_mu_);
   if (signal_ != nullptr) signal_->notify();
 }
 
@@ -211,18 +216,18 @@ void StorageController::backup_loop() {
 }
 
 void StorageController::op_queued() {
-  std::lock_guard lock(idle_mu_);
+  MutexLock lock(idle_mu_);
   ++outstanding_;
 }
 
 void StorageController::op_done() {
-  std::lock_guard lock(idle_mu_);
+  MutexLock lock(idle_mu_);
   if (--outstanding_ == 0) idle_cv_.notify_all();
 }
 
 void StorageController::wait_until_idle() {
-  std::unique_lock lock(idle_mu_);
-  idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
+  MutexLock lock(idle_mu_);
+  while (outstanding_ != 0) idle_mu_.wait(idle_cv_);
 }
 
 BackupAck StorageController::run_backup(const BackupOp& op) {
@@ -323,8 +328,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
   } catch (const std::exception& e) {
     ++failed_ops_;
-    std::lock_guard lock(op.mu_);
-    op.error_ = str_cat("prefetch hit query failed: ", e.what());
+    op.set_error(str_cat("prefetch hit query failed: ", e.what()));
   }
   std::int64_t agreed_hit[1] = {hit_pages};
   if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
@@ -347,8 +351,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     }
   } catch (const std::exception& e) {
     ++failed_ops_;
-    std::lock_guard lock(op.mu_);
-    op.error_ = str_cat("prefetch reservation failed: ", e.what());
+    op.set_error(str_cat("prefetch reservation failed: ", e.what()));
   }
   std::int64_t agreed_got[1] = {got};
   if (!prefetch_collective_.min_allreduce(agreed_got, "prefetch.reserve").ok) ++failed_ops_;
@@ -362,7 +365,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   op.keys_.resize(static_cast<std::size_t>(agreed_hit[0]));
   op.hit_pages_ = agreed_hit[0];
   {
-    std::lock_guard lock(op.mu_);
+    MutexLock lock(op.mu_);
     op.stage_ = PrefetchStage::kLoading;
   }
   op.cv_.notify_all();
@@ -378,7 +381,7 @@ void StorageController::revoke(PrefetchOperation& op) {
   ++revoked_;
   revokes_.enqueue(op.request_id_);  // queued before the stage shows it, so a waiter finds it
   {
-    std::lock_guard lock(op.mu_);
+    MutexLock lock(op.mu_);
     op.stage_ = PrefetchStage::kRevoked;
   }
   op.cv_.notify_all();
@@ -387,7 +390,7 @@ void StorageController::revoke(PrefetchOperation& op) {
 
 void StorageController::finish(PrefetchOperation& op) {
   {
-    std::lock_guard lock(op.mu_);
+    MutexLock lock(op.mu_);
     if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
   }
   op.cv_.notify_all();
@@ -398,7 +401,7 @@ void StorageController::prefetch_io_loop() {
   while (auto task = prefetch_io_queue_.get()) {
     PrefetchOperation& op = *task->op;
     {
-      std::lock_guard lock(op.mu_);
+      MutexLock lock(op.mu_);
       if (op.terminate_) {  // terminated before it started: read nothing, touch nothing
         if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
         op.cv_.notify_all();
@@ -410,8 +413,7 @@ void StorageController::prefetch_io_loop() {
       read_pages(op);
     } catch (const std::exception& e) {
       ++failed_ops_;
-      std::lock_guard lock(op.mu_);
-      op.error_ = str_cat("prefetch read failed: ", e.what());
+      op.set_error(str_cat("prefetch read failed: ", e.what()));
     }
     finish(op);
   }
@@ -469,7 +471,7 @@ void StorageController::read_pages(PrefetchOperation& op) {
     if (ok < n) host_.abort_io(slots.subspan(ok * page_size_));
     op.completed_pages_ += static_cast<std::int64_t>(ok);
     if (ok < n) {
-      std::lock_guard lock(op.mu_);
+      MutexLock lock(op.mu_);
       op.error_ = std::move(error);
       break;
     }
@@ -509,17 +511,17 @@ bool StorageController::can_terminate(const PrefetchOperation& op) const {
 
 PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
   {
-    std::unique_lock lock(op.mu_);
+    MutexLock lock(op.mu_);
     if (op.stage_ == PrefetchStage::kTerminated) {
       throw StateError(str_cat("terminate_prefetch: request '", op.request_id_,
                                "' was terminated already"));
     }
     op.terminate_ = true;
     // Wait for the agreement (bounded by two collectives) and for the batch in flight.
-    op.cv_.wait(lock, [&] {
-      return op.stage_ == PrefetchStage::kRevoked || op.stage_ == PrefetchStage::kFinished ||
-             (op.stage_ == PrefetchStage::kLoading && !op.worker_started_);
-    });
+    while (op.stage_ != PrefetchStage::kRevoked && op.stage_ != PrefetchStage::kFinished &&
+           !(op.stage_ == PrefetchStage::kLoading && !op.worker_started_)) {
+      op.mu_.wait(op.cv_);
+    }
   }
   // A loading op the worker has not started yet will be skipped by it: from here on nothing
   // of the op is read. A revoked op holds nothing and makes no collective call (the revoke was
@@ -544,7 +546,7 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - op.queued_at_).count());
   }
   {
-    std::lock_guard lock(op.mu_);
+    MutexLock lock(op.mu_);
     op.stage_ = PrefetchStage::kTerminated;
   }
   op.cv_.notify_all();

@@ -42,7 +42,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -54,6 +53,7 @@
 #include "storage/collective.h"
 #include "storage/page_key.h"
 #include "storage/storage_backend.h"
+#include "transfer/mutex.h"
 #include "transfer/op_queue.h"
 #include "transfer/transfer_buffer.h"
 
@@ -134,17 +134,21 @@ class PrefetchOperation {
 
  private:
   friend class StorageController;
+  // Replaces error_. Catch handlers set it through this function: clang's thread-safety
+  // analysis does not look into handlers, but it checks this body.
+  void set_error(std::string error) HICACHE_EXCLUDES(mu_);
+
   const std::string request_id_;
   std::vector<std::int32_t> tokens_;
   std::optional<PageDigest> prior_;
   const std::int64_t page_size_;
   std::chrono::steady_clock::time_point queued_at_ = std::chrono::steady_clock::now();
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  PrefetchStage stage_ = PrefetchStage::kQueued;  // GUARDED_BY mu_
-  bool worker_started_ = false;                   // GUARDED_BY mu_
-  std::string error_;                             // GUARDED_BY mu_
+  PrefetchStage stage_ HICACHE_GUARDED_BY(mu_) = PrefetchStage::kQueued;
+  bool worker_started_ HICACHE_GUARDED_BY(mu_) = false;
+  std::string error_ HICACHE_GUARDED_BY(mu_);
   std::atomic<bool> terminate_{false};
   std::atomic<std::int64_t> hit_pages_{0};
   std::atomic<std::int64_t> completed_pages_{0};
@@ -292,8 +296,8 @@ class StorageController {
   std::int64_t page_size_;
   std::shared_ptr<std::atomic<std::int64_t>> budget_used_ =
       std::make_shared<std::atomic<std::int64_t>>(0);
-  std::mutex signal_mu_;                 // before the threads: they notify until joined
-  std::shared_ptr<EventSignal> signal_;  // GUARDED_BY signal_mu_
+  Mutex signal_mu_;  // before the threads: they notify until joined
+  std::shared_ptr<EventSignal> signal_ HICACHE_GUARDED_BY(signal_mu_);
 
   OpQueue<PrefetchTask> prefetch_queue_;
   TransferBuffer<PrefetchTask> prefetch_io_queue_;  // hit agreement -> reads
@@ -311,9 +315,9 @@ class StorageController {
   Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
   Histogram backup_latency_, prefetch_latency_;
   MetricsScope metrics_;  // after what it registers: it goes first
-  std::mutex idle_mu_;
+  Mutex idle_mu_;
   std::condition_variable idle_cv_;
-  std::int64_t outstanding_ = 0;  // GUARDED_BY idle_mu_
+  std::int64_t outstanding_ HICACHE_GUARDED_BY(idle_mu_) = 0;
   std::vector<std::byte> staging_;  // backup thread only
   std::thread backup_thread_;
 };

@@ -73,7 +73,7 @@ HostKVPool::HostKVPool(Device& device, const KVGeometry& geometry, HostLayout la
 }
 
 std::int64_t HostKVPool::free_tokens() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return allocator_.free_tokens();
 }
 
@@ -84,7 +84,7 @@ std::optional<std::vector<std::int64_t>> HostKVPool::alloc(std::int64_t num_toke
 }
 
 bool HostKVPool::alloc(std::int64_t num_tokens, std::vector<std::int64_t>& slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   const std::size_t first = slots.size();
   if (!allocator_.alloc(num_tokens, slots)) return false;
   for (std::size_t i = first; i < slots.size(); i += geometry_.page_size) {
@@ -123,13 +123,13 @@ void HostKVPool::transition(std::span<const std::int64_t> slots, std::uint8_t fr
 }
 
 void HostKVPool::free(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kReserved) | state_bit(PageState::kBackup),
              PageState::kFree, "HostKVPool::free");
 }
 
 void HostKVPool::reset() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (std::size_t page = 0; page < states_.size(); ++page) {
     if (states_[page] == PageState::kProtected) {
       throw StateError(str_cat("host pool reset: page ", page, " (slot ",
@@ -142,17 +142,17 @@ void HostKVPool::reset() {
 }
 
 void HostKVPool::discard(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kSynced), PageState::kFree, "HostKVPool::discard");
 }
 
 void HostKVPool::protect_write(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kReserved), PageState::kProtected, "HostKVPool::protect_write");
 }
 
 void HostKVPool::protect_load(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kBackup), PageState::kProtected, "HostKVPool::protect_load");
 }
 
@@ -162,22 +162,22 @@ void HostKVPool::complete_io(std::span<const std::int64_t> slots, PageState to) 
                                   "backup, got ",
                                   to_string(to)));
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kProtected), to, "HostKVPool::complete_io");
 }
 
 void HostKVPool::abort_io(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kProtected), PageState::kReserved, "HostKVPool::abort_io");
 }
 
 void HostKVPool::mark_backup(std::span<const std::int64_t> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   transition(slots, state_bit(PageState::kSynced), PageState::kBackup, "HostKVPool::mark_backup");
 }
 
 PageState HostKVPool::page_state(std::int64_t page) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (page < 0 || page >= allocator_.num_pages()) {
     throw InvalidArgument(str_cat("HostKVPool::page_state: page ", page, " is out of range [0, ",
                                   allocator_.num_pages(), ")"));
@@ -186,7 +186,7 @@ PageState HostKVPool::page_state(std::int64_t page) const {
 }
 
 bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState state) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   check_.clear();
   slots_to_pages(slots, geometry_.page_size, num_pages(), "HostKVPool::all_in_state", check_);
   for (std::int64_t page : check_) {
@@ -197,7 +197,7 @@ bool HostKVPool::all_in_state(std::span<const std::int64_t> slots, PageState sta
 
 void HostKVPool::require_state(std::span<const std::int64_t> slots, PageState state,
                                std::string_view what) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   check_.clear();
   slots_to_pages(slots, geometry_.page_size, num_pages(), what, check_);
   for (std::int64_t page : check_) {
@@ -209,7 +209,7 @@ void HostKVPool::require_state(std::span<const std::int64_t> slots, PageState st
 }
 
 std::int64_t HostKVPool::count_in_state(PageState state) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   std::int64_t n = 0;
   for (PageState s : states_) n += s == state;
   return n;

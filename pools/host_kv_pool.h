@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -20,6 +19,7 @@
 #include "pools/page_state.h"
 #include "pools/paged_token_allocator.h"
 #include "transfer/device.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -44,8 +44,13 @@ class HostKVPool {
   const KVGeometry& geometry() const { return geometry_; }
   HostLayout host_layout() const { return host_layout_; }
   const LayoutDesc& layout() const { return desc_; }
-  std::int64_t capacity_tokens() const { return allocator_.capacity_tokens(); }
-  std::int64_t num_pages() const { return allocator_.num_pages(); }
+  // Read without mu_: the allocator's size is set at construction and never changes.
+  std::int64_t capacity_tokens() const HICACHE_NO_THREAD_SAFETY_ANALYSIS {
+    return allocator_.capacity_tokens();
+  }
+  std::int64_t num_pages() const HICACHE_NO_THREAD_SAFETY_ANALYSIS {
+    return allocator_.num_pages();
+  }
   std::int64_t free_tokens() const;
   std::size_t size_bytes() const { return memory_.size(); }
 
@@ -94,18 +99,18 @@ class HostKVPool {
 
  private:
   void transition(std::span<const std::int64_t> slots, std::uint8_t from, PageState to,
-                  std::string_view op);
+                  std::string_view op) HICACHE_REQUIRES(mu_);
 
   KVGeometry geometry_;
   HostLayout host_layout_;
   Buffer memory_;
   LayoutDesc desc_;
-  mutable std::mutex mu_;
-  PagedTokenAllocator allocator_;     // GUARDED_BY mu_
-  std::vector<PageState> states_;     // GUARDED_BY mu_
-  std::vector<std::int64_t> scratch_; // GUARDED_BY mu_
-  std::vector<std::int64_t> sorted_;  // GUARDED_BY mu_
-  mutable std::vector<std::int64_t> check_;  // GUARDED_BY mu_: state checks, reused
+  mutable Mutex mu_;
+  PagedTokenAllocator allocator_ HICACHE_GUARDED_BY(mu_);
+  std::vector<PageState> states_ HICACHE_GUARDED_BY(mu_);
+  std::vector<std::int64_t> scratch_ HICACHE_GUARDED_BY(mu_);
+  std::vector<std::int64_t> sorted_ HICACHE_GUARDED_BY(mu_);
+  mutable std::vector<std::int64_t> check_ HICACHE_GUARDED_BY(mu_);  // state checks, reused
 };
 
 }  // namespace hicache

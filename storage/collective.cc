@@ -41,7 +41,7 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
                    tag, "': ");
   };
   {
-    std::lock_guard cancel_lock(cancel_mu_);
+    MutexLock cancel_lock(cancel_mu_);
     if (!cancelled_.empty()) {
       // Refused before it began: nothing was sent, so the collective is not failed for good.
       --calls_;
@@ -57,7 +57,7 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   std::string error = reduce_min(buffer_);
   std::string interrupted;
   {
-    std::lock_guard cancel_lock(cancel_mu_);
+    MutexLock cancel_lock(cancel_mu_);
     in_call_ = false;
     if (!interrupted_.empty()) interrupted = str_cat("cancelled during the call: ", interrupted_);
   }
@@ -133,13 +133,13 @@ std::string Collective::failure() const {
 }
 
 bool Collective::in_call() const {
-  std::lock_guard lock(cancel_mu_);
+  MutexLock lock(cancel_mu_);
   return in_call_;
 }
 
 void Collective::cancel(std::string_view why) {
   if (size() == 1) return;  // never waits for anyone: nothing to end
-  std::lock_guard lock(cancel_mu_);
+  MutexLock lock(cancel_mu_);
   if (!cancelled_.empty()) return;
   cancelled_ = why.empty() ? std::string("cancelled") : std::string(why);
   if (in_call_ && interrupted_.empty()) {
@@ -149,7 +149,7 @@ void Collective::cancel(std::string_view why) {
 }
 
 void Collective::resume() {
-  std::lock_guard lock(cancel_mu_);
+  MutexLock lock(cancel_mu_);
   // A call the cancel interrupted failed the collective (failure_), which this does not lift.
   cancelled_.clear();
 }

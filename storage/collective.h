@@ -31,6 +31,8 @@
 #include <string_view>
 #include <vector>
 
+#include "transfer/mutex.h"
+
 namespace hicache {
 
 struct CollectiveResult {
@@ -95,10 +97,11 @@ class Collective {
   std::vector<std::int64_t> buffer_;
 
   // cancel() state, apart from mu_ so that cancel() never waits for the call it ends.
-  mutable std::mutex cancel_mu_;
-  bool in_call_ = false;     // GUARDED_BY cancel_mu_
-  std::string interrupted_;  // GUARDED_BY cancel_mu_: why cancel() interrupted the call in flight
-  std::string cancelled_;    // GUARDED_BY cancel_mu_: the reason, while cancelled
+  mutable Mutex cancel_mu_;
+  bool in_call_ HICACHE_GUARDED_BY(cancel_mu_) = false;
+  // Why cancel() interrupted the call in flight.
+  std::string interrupted_ HICACHE_GUARDED_BY(cancel_mu_);
+  std::string cancelled_ HICACHE_GUARDED_BY(cancel_mu_);  // the reason, while cancelled
 };
 
 // One rank: the reduction is the identity.

@@ -27,6 +27,7 @@
 #include "storage/page_key.h"
 #include "storage/record.h"
 #include "transfer/errors.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -275,15 +276,24 @@ class FileStorage::Impl {
     // throwing filesystem call) stops every thread taking keys and is rethrown here once no
     // helper touches this frame any more (batch_get/batch_set turn it into per-key errors).
     std::atomic<std::size_t> next{0};
-    std::mutex error_mu;
-    std::exception_ptr error;  // GUARDED_BY error_mu
+    struct FirstError {
+      Mutex mu;
+      std::exception_ptr error HICACHE_GUARDED_BY(mu);
+      // In a handler: keeps the exception being handled unless one is kept already.
+      void keep_current() {
+        MutexLock lock(mu);
+        if (!error) error = std::current_exception();
+      }
+      // Reads without mu: called once every helper counted down the latch, which orders their
+      // writes before this read.
+      std::exception_ptr after_helpers() const HICACHE_NO_THREAD_SAFETY_ANALYSIS { return error; }
+    } first_error;
     auto work = [&] {
       try {
         for (std::size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
       } catch (...) {
         next.store(n, std::memory_order_relaxed);
-        std::lock_guard lock(error_mu);
-        if (!error) error = std::current_exception();
+        first_error.keep_current();
       }
     };
     const std::size_t helpers = std::min(n, static_cast<std::size_t>(config_.io_threads)) - 1;
@@ -304,7 +314,7 @@ class FileStorage::Impl {
     }
     work();
     done.wait();
-    if (error) std::rethrow_exception(error);
+    if (std::exception_ptr error = first_error.after_helpers()) std::rethrow_exception(error);
   }
 
   // Reads keys[i]; the batch's other keys are never evicted for an adoption here (their reads

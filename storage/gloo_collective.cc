@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <ctime>
-#include <mutex>
 #include <vector>
 
 #include "storage/collective.h"
 #include "transfer/errors.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 namespace {
@@ -105,7 +105,7 @@ class GlooCollective final : public Collective {
     bool cancelled = false;
     try {
       {
-        std::lock_guard lock(wait_mu_);
+        MutexLock lock(wait_mu_);
         if (interrupted_) return "cancelled before the call began";
         in_flight_ = true;
       }
@@ -130,7 +130,7 @@ class GlooCollective final : public Collective {
       error = str_cat("gloo: ", e.what());
     }
     {
-      std::lock_guard lock(wait_mu_);
+      MutexLock lock(wait_mu_);
       in_flight_ = false;
     }
     if (cancelled) return "cancelled during the call";
@@ -150,7 +150,7 @@ class GlooCollective final : public Collective {
   }
 
   void interrupt(const std::string&) override {
-    std::lock_guard lock(wait_mu_);
+    MutexLock lock(wait_mu_);
     interrupted_ = true;
     if (in_flight_) {
       send_->abortWaitSend();
@@ -183,9 +183,9 @@ class GlooCollective final : public Collective {
   // holds no reference to it).
   std::unique_ptr<gloo::transport::UnboundBuffer> send_, recv_;
 
-  std::mutex wait_mu_;  // interrupt() against the call in flight
-  bool interrupted_ = false;  // GUARDED_BY wait_mu_
-  bool in_flight_ = false;    // GUARDED_BY wait_mu_
+  Mutex wait_mu_;  // interrupt() against the call in flight
+  bool interrupted_ HICACHE_GUARDED_BY(wait_mu_) = false;
+  bool in_flight_ HICACHE_GUARDED_BY(wait_mu_) = false;
 };
 
 }  // namespace

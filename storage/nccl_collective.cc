@@ -15,11 +15,11 @@
 
 #include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "transfer/cuda_device.h"
+#include "transfer/mutex.h"
 #endif
 
 namespace hicache {
@@ -62,9 +62,11 @@ class NcclCollective final : public Collective {
     watchdog_ = std::thread([this] { watch(); });
   }
 
-  ~NcclCollective() override {
+  // Reads aborted_ without mu_ after the join: the watchdog has ended and no call is in flight
+  // while the collective is destroyed.
+  ~NcclCollective() override HICACHE_NO_THREAD_SAFETY_ANALYSIS {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       stopping_ = true;
     }
     cv_.notify_all();
@@ -228,7 +230,7 @@ class NcclCollective final : public Collective {
   // cancel(): the watchdog aborts the communicator now if a call is armed, or as soon as one is.
   void interrupt(const std::string&) override {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       cancelled_ = true;
     }
     cv_.notify_all();
@@ -242,19 +244,19 @@ class NcclCollective final : public Collective {
   }
 
   void abort_comm() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (!aborted_) ncclCommAbort(comm_);
     aborted_ = true;
   }
 
   bool cancelled() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return cancelled_;
   }
 
   void arm(Clock::time_point deadline) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       armed_ = true;
       deadline_ = deadline;
     }
@@ -265,7 +267,7 @@ class NcclCollective final : public Collective {
   bool disarm() {
     bool aborted = false;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       armed_ = false;
       aborted = aborted_;
     }
@@ -274,20 +276,22 @@ class NcclCollective final : public Collective {
   }
 
   void watch() {
-    std::unique_lock lock(mu_);
+    MutexLock lock(mu_);
     while (!stopping_) {
       if (!armed_) {
-        cv_.wait(lock, [&] { return armed_ || stopping_; });
+        while (!armed_ && !stopping_) mu_.wait(cv_);
         continue;
       }
       const Clock::time_point deadline = deadline_;
-      cv_.wait_until(lock, deadline, [&] { return !armed_ || stopping_ || cancelled_; });
+      while (armed_ && !stopping_ && !cancelled_) {
+        if (mu_.wait_until(cv_, deadline) == std::cv_status::timeout) break;
+      }
       if (!armed_ || stopping_) continue;
       // Armed past the deadline, or cancelled.
       if (!aborted_) ncclCommAbort(comm_);  // makes the stuck kernel exit; the caller's sync then returns
       aborted_ = true;
       armed_ = false;
-      cv_.wait(lock, [&] { return stopping_; });
+      while (!stopping_) mu_.wait(cv_);
     }
   }
 
@@ -299,13 +303,13 @@ class NcclCollective final : public Collective {
   std::int64_t* host_ = nullptr;  // pinned staging
   std::size_t capacity_ = 0;
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  bool armed_ = false;          // GUARDED_BY mu_
-  bool stopping_ = false;       // GUARDED_BY mu_
-  Clock::time_point deadline_;  // GUARDED_BY mu_
-  bool aborted_ = false;        // GUARDED_BY mu_ (read without it once the watchdog ended)
-  bool cancelled_ = false;      // GUARDED_BY mu_: interrupt() was called
+  bool armed_ HICACHE_GUARDED_BY(mu_) = false;
+  bool stopping_ HICACHE_GUARDED_BY(mu_) = false;
+  Clock::time_point deadline_ HICACHE_GUARDED_BY(mu_);
+  bool aborted_ HICACHE_GUARDED_BY(mu_) = false;  // read without it once the watchdog ended
+  bool cancelled_ HICACHE_GUARDED_BY(mu_) = false;  // interrupt() was called
   std::thread watchdog_;
 };
 

@@ -37,7 +37,7 @@ void LayerDoneCounter::check_slot(std::int32_t slot, const char* what) const {
 }
 
 std::int32_t LayerDoneCounter::acquire() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
     if (stopped_) return -1;
     for (std::int32_t k = 0; k < num_slots_; ++k) {
@@ -48,14 +48,14 @@ std::int32_t LayerDoneCounter::acquire() {
         return i;
       }
     }
-    changed_.wait(lock);  // woken by release() or stop()
+    mu_.wait(changed_);  // woken by release() or stop()
   }
 }
 
 void LayerDoneCounter::mark_layer_done(std::int32_t slot, std::int32_t layer) {
   check_slot(slot, "mark_layer_done");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     Slot& s = slots_[slot];
     if (s.holders == 0) {
       throw StateError(str_cat("LayerDoneCounter::mark_layer_done: slot ", slot,
@@ -73,7 +73,7 @@ void LayerDoneCounter::mark_layer_done(std::int32_t slot, std::int32_t layer) {
 void LayerDoneCounter::mark_layer_enqueued(std::int32_t slot, std::int32_t layer) {
   check_slot(slot, "mark_layer_enqueued");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     Slot& s = slots_[slot];
     if (s.holders == 0) {
       throw StateError(str_cat("LayerDoneCounter::mark_layer_enqueued: slot ", slot,
@@ -91,37 +91,48 @@ void LayerDoneCounter::mark_layer_enqueued(std::int32_t slot, std::int32_t layer
 void LayerDoneCounter::fail(std::int32_t slot) {
   check_slot(slot, "fail");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     slots_[slot].failed = true;
   }
   changed_.notify_all();
 }
 
-template <typename Ready>
-void LayerDoneCounter::spin_then_wait(std::unique_lock<std::mutex>& lock, Ready ready) {
-  if (ready()) return;
+bool LayerDoneCounter::wait_over(const Slot& s, std::int32_t layer, Awaited awaited) const {
+  switch (awaited) {
+    case Awaited::kDone:
+      return s.done > layer || s.failed || stopped_;
+    case Awaited::kDoneOrEnqueued:
+      return s.done > layer || s.enqueued > layer || s.failed || stopped_;
+    case Awaited::kEnqueued:
+      return s.enqueued > layer || s.failed || stopped_;
+  }
+  return true;
+}
+
+void LayerDoneCounter::spin_then_wait(const Slot& s, std::int32_t layer, Awaited awaited) {
+  if (wait_over(s, layer, awaited)) return;
   const auto give_up = std::chrono::steady_clock::now() + kSpinBeforeBlock;
   do {
-    lock.unlock();
+    mu_.unlock();
     std::this_thread::yield();
-    lock.lock();
-    if (ready()) return;
+    mu_.lock();
+    if (wait_over(s, layer, awaited)) return;
   } while (std::chrono::steady_clock::now() < give_up);
-  changed_.wait(lock, ready);
+  while (!wait_over(s, layer, awaited)) mu_.wait(changed_);
 }
 
 bool LayerDoneCounter::wait_until(std::int32_t slot, std::int32_t layer) {
   check_slot(slot, "wait_until");
   check_layer(layer, "wait_until");
-  std::unique_lock lock(mu_);
+  UniqueLock lock(mu_);
   const Slot& s = slots_[slot];
   if (events_.empty()) {
-    spin_then_wait(lock, [&] { return s.done > layer || s.failed || stopped_; });
+    spin_then_wait(s, layer, Awaited::kDone);
     return s.done > layer;
   }
   // With events a layer is also done once the event recorded after its copy has completed, so
   // the producer need not mark it (a host function per layer stalls a CUDA stream).
-  spin_then_wait(lock, [&] { return s.done > layer || s.enqueued > layer || s.failed || stopped_; });
+  spin_then_wait(s, layer, Awaited::kDoneOrEnqueued);
   if (s.done > layer) return true;
   if (s.failed || stopped_ || s.enqueued <= layer) return false;
   const Event& event = *events_[static_cast<std::size_t>(slot) * num_layers_ + layer];
@@ -146,9 +157,9 @@ bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Str
   check_slot(slot, "wait_on_stream");
   check_layer(layer, "wait_on_stream");
   {
-    std::unique_lock lock(mu_);
+    MutexLock lock(mu_);
     const Slot& s = slots_[slot];
-    spin_then_wait(lock, [&] { return s.enqueued > layer || s.failed || stopped_; });
+    spin_then_wait(s, layer, Awaited::kEnqueued);
     if (s.enqueued <= layer) return false;
   }
   compute.wait(*events_[static_cast<std::size_t>(slot) * num_layers_ + layer]);
@@ -158,7 +169,7 @@ bool LayerDoneCounter::wait_on_stream(std::int32_t slot, std::int32_t layer, Str
 bool LayerDoneCounter::is_done(std::int32_t slot, std::int32_t layer) const {
   check_slot(slot, "is_done");
   check_layer(layer, "is_done");
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   const Slot& s = slots_[slot];
   if (s.done > layer) return true;
   if (events_.empty() || s.enqueued <= layer) return false;
@@ -172,7 +183,7 @@ bool LayerDoneCounter::is_done(std::int32_t slot, std::int32_t layer) const {
 void LayerDoneCounter::release(std::int32_t slot) {
   check_slot(slot, "release");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     Slot& s = slots_[slot];
     if (s.holders == 0) {
       throw StateError(str_cat("LayerDoneCounter::release: slot ", slot, " is released twice"));
@@ -191,7 +202,7 @@ Event* LayerDoneCounter::layer_event(std::int32_t slot, std::int32_t layer) cons
 
 void LayerDoneCounter::stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     stopped_ = true;
   }
   changed_.notify_all();
@@ -199,7 +210,7 @@ void LayerDoneCounter::stop() {
 
 void LayerDoneCounter::reset() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     for (Slot& s : slots_) s = Slot{};
     stopped_ = false;
     next_ = 0;
@@ -208,7 +219,7 @@ void LayerDoneCounter::reset() {
 }
 
 std::int32_t LayerDoneCounter::busy_slots() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   std::int32_t n = 0;
   for (const Slot& s : slots_) n += s.holders > 0;
   return n;

@@ -21,10 +21,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "transfer/device.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -91,20 +91,28 @@ class LayerDoneCounter {
   // spins for the same reason. Past the budget it blocks: a consumer far ahead of its load
   // (or of a stopped controller) does not burn a core.
   static constexpr std::chrono::microseconds kSpinBeforeBlock{100};
-  // Waits with `lock` held on mu_ until ready() holds: spins (yielding) up to
+  // What a consumer of `layer` waits for, besides a failure of the batch or stop().
+  enum class Awaited {
+    kDone,            // the layer marked done
+    kDoneOrEnqueued,  // marked done, or its copy and event enqueued
+    kEnqueued,        // its copy and event enqueued
+  };
+  // Whether the wait for `layer` of slot `s` is over: what it awaits happened, the batch
+  // failed, or stop() was called.
+  bool wait_over(const Slot& s, std::int32_t layer, Awaited awaited) const HICACHE_REQUIRES(mu_);
+  // Waits until wait_over(): spins (releasing mu_ and yielding in between) up to
   // kSpinBeforeBlock, then blocks on changed_.
-  template <typename Ready>
-  void spin_then_wait(std::unique_lock<std::mutex>& lock, Ready ready);
+  void spin_then_wait(const Slot& s, std::int32_t layer, Awaited awaited) HICACHE_REQUIRES(mu_);
   void check_slot(std::int32_t slot, const char* what) const;
   void check_layer(std::int32_t layer, const char* what) const;
 
   std::int32_t num_layers_;
   std::int32_t num_slots_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable changed_;  // any slot's count, holders or failure, or stop
-  std::vector<Slot> slots_;          // GUARDED_BY mu_
-  std::int32_t next_ = 0;            // GUARDED_BY mu_: where acquire() starts looking
-  bool stopped_ = false;             // GUARDED_BY mu_
+  std::vector<Slot> slots_ HICACHE_GUARDED_BY(mu_);
+  std::int32_t next_ HICACHE_GUARDED_BY(mu_) = 0;  // where acquire() starts looking
+  bool stopped_ HICACHE_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<Event>> events_;  // [slot * num_layers + layer]
 };
 

@@ -166,7 +166,7 @@ void MetricsRegistry::add_series(std::string_view name, std::string_view help, T
       throw InvalidArgument(str_cat("metrics: bad label name '", k, "' on '", name, "'"));
     }
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   Family& f = family(name, help, type);
   for (const Series& s : f.series) {
     if (s.labels == series.labels) {
@@ -199,7 +199,7 @@ void MetricsRegistry::add_gauge_fn(std::string_view name, std::string_view help,
 }
 
 void MetricsRegistry::forget(const void* owner) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (auto& f : families_) {
     std::erase_if(f->series, [owner](const Series& s) { return s.owner == owner; });
   }
@@ -207,7 +207,7 @@ void MetricsRegistry::forget(const void* owner) {
 }
 
 std::string MetricsRegistry::prometheus_text() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   std::string out;
   for (const auto& f : families_) {
     out += str_cat("# HELP ", f->name, " ", escape(f->help, false), "\n# TYPE ", f->name, " ",
@@ -234,7 +234,7 @@ std::string MetricsRegistry::prometheus_text() const {
 }
 
 std::string MetricsRegistry::json_text() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   std::string out = "{";
   for (const auto& f : families_) {
     out += str_cat(out.size() > 1 ? "," : "", json_string(f->name), ":{\"type\":\"",
@@ -270,7 +270,7 @@ std::string MetricsRegistry::json_text() const {
 }
 
 double MetricsRegistry::value(std::string_view name, const MetricLabels& labels) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (const auto& f : families_) {
     if (f->name != name) continue;
     for (const Series& s : f->series) {

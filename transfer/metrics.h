@@ -19,12 +19,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -114,11 +115,12 @@ class MetricsRegistry {
  private:
   struct Series;
   struct Family;
-  Family& family(std::string_view name, std::string_view help, Type type);
+  // The family `name` (created if new); throws when it exists with another type or help.
+  Family& family(std::string_view name, std::string_view help, Type type) HICACHE_REQUIRES(mu_);
   void add_series(std::string_view name, std::string_view help, Type type, Series series);
 
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<Family>> families_;  // GUARDED_BY mu_
+  mutable Mutex mu_;
+  std::vector<std::unique_ptr<Family>> families_ HICACHE_GUARDED_BY(mu_);
 };
 
 // What one component registered; forgets it on destruction. Declare it after the metrics it

@@ -7,10 +7,11 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <queue>
 #include <vector>
+
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -26,7 +27,7 @@ class OpQueue {
   // stop(); `op` is untouched then.
   PushResult push(Op&& op) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       if (stopped_) return PushResult::kStopped;
       if (heap_.size() >= capacity_) return PushResult::kFull;
       heap_.push(Entry{op.priority, seq_++, std::move(op)});
@@ -37,15 +38,15 @@ class OpQueue {
 
   // Blocks until an op is queued (returns it) or stop() is called (returns nothing).
   std::optional<Op> pop() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return !heap_.empty() || stopped_; });
+    MutexLock lock(mu_);
+    while (heap_.empty() && !stopped_) mu_.wait(cv_);
     if (stopped_) return std::nullopt;
     return take();
   }
 
   // Returns the first op without waiting, or nothing when empty or stopped.
   std::optional<Op> try_pop() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (stopped_ || heap_.empty()) return std::nullopt;
     return take();
   }
@@ -53,7 +54,7 @@ class OpQueue {
   // Wakes every waiter; pop() returns nothing and push() kStopped until reset().
   void stop() {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       stopped_ = true;
     }
     cv_.notify_all();
@@ -61,7 +62,7 @@ class OpQueue {
 
   // Removes and returns every queued op in priority order (to return their slots on reset).
   std::vector<Op> drain() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::vector<Op> out;
     while (!heap_.empty()) out.push_back(take());
     return out;
@@ -70,7 +71,7 @@ class OpQueue {
   // Appends every queued op to `out` in priority order (`out` keeps its capacity: no
   // allocation once it is large enough). Returns how many.
   std::size_t drain_into(std::vector<Op>& out) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::size_t n = 0;
     for (; !heap_.empty(); ++n) out.push_back(take());
     return n;
@@ -78,12 +79,12 @@ class OpQueue {
 
   // Clears stop; the queue must be empty (drain() first).
   void reset() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     stopped_ = false;
   }
 
   std::size_t size() const {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return heap_.size();
   }
   std::size_t capacity() const { return capacity_; }
@@ -100,18 +101,18 @@ class OpQueue {
     }
   };
 
-  Op take() {  // REQUIRES: mu_ held, heap_ non-empty
+  Op take() HICACHE_REQUIRES(mu_) {  // heap_ non-empty
     Op op = std::move(const_cast<Entry&>(heap_.top()).op);
     heap_.pop();
     return op;
   }
 
   const std::size_t capacity_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  std::priority_queue<Entry> heap_;  // GUARDED_BY mu_
-  std::uint64_t seq_ = 0;            // GUARDED_BY mu_
-  bool stopped_ = false;             // GUARDED_BY mu_
+  std::priority_queue<Entry> heap_ HICACHE_GUARDED_BY(mu_);
+  std::uint64_t seq_ HICACHE_GUARDED_BY(mu_) = 0;
+  bool stopped_ HICACHE_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace hicache

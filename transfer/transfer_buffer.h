@@ -8,11 +8,11 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
-#include <mutex>
 #include <optional>
 #include <vector>
 
 #include "transfer/errors.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -26,8 +26,8 @@ class TransferBuffer {
 
   // Blocks while the buffer is full; false once stopped (`item` is then not moved from).
   bool put(T&& item) {
-    std::unique_lock lock(mu_);
-    room_.wait(lock, [&] { return items_.size() < capacity_ || stopped_; });
+    UniqueLock lock(mu_);
+    while (items_.size() >= capacity_ && !stopped_) mu_.wait(room_);
     if (stopped_) return false;
     items_.push_back(std::move(item));
     lock.unlock();
@@ -38,7 +38,7 @@ class TransferBuffer {
   // Without waiting: false when full or stopped (`item` is then not moved from). For a
   // producer that must not block (one a main loop may be waiting on).
   bool try_put(T&& item) {
-    std::unique_lock lock(mu_);
+    UniqueLock lock(mu_);
     if (stopped_ || items_.size() >= capacity_) return false;
     items_.push_back(std::move(item));
     lock.unlock();
@@ -49,23 +49,29 @@ class TransferBuffer {
   // Blocks until an item is there (returns it) or stop() is called (returns nothing; what is
   // left stays for drain()).
   std::optional<T> get() {
-    std::unique_lock lock(mu_);
-    work_.wait(lock, [&] { return !items_.empty() || stopped_; });
+    UniqueLock lock(mu_);
+    while (items_.empty() && !stopped_) mu_.wait(work_);
     if (stopped_) return std::nullopt;
-    return take(lock);
+    T item = take();
+    lock.unlock();
+    room_.notify_one();
+    return item;
   }
 
   // The first item without waiting, or nothing when empty or stopped.
   std::optional<T> try_get() {
-    std::unique_lock lock(mu_);
+    UniqueLock lock(mu_);
     if (stopped_ || items_.empty()) return std::nullopt;
-    return take(lock);
+    T item = take();
+    lock.unlock();
+    room_.notify_one();
+    return item;
   }
 
   // Wakes every waiter; put() returns false and get() nothing until reset().
   void stop() {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       stopped_ = true;
     }
     work_.notify_all();
@@ -74,7 +80,7 @@ class TransferBuffer {
 
   // Removes and returns every item, oldest first.
   std::vector<T> drain() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::vector<T> out;
     out.reserve(items_.size());
     for (T& item : items_) out.push_back(std::move(item));
@@ -85,31 +91,30 @@ class TransferBuffer {
 
   // Clears stop; the buffer must be empty (drain() first).
   void reset() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (!items_.empty()) throw StateError("TransferBuffer::reset: items left (drain first)");
     stopped_ = false;
   }
 
   std::size_t size() const {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return items_.size();
   }
   std::size_t capacity() const { return capacity_; }
 
  private:
-  T take(std::unique_lock<std::mutex>& lock) {
+  // The oldest item, taken off; the caller then releases mu_ and notifies room_.
+  T take() HICACHE_REQUIRES(mu_) {
     T item = std::move(items_.front());
     items_.pop_front();
-    lock.unlock();
-    room_.notify_one();
     return item;
   }
 
   const std::size_t capacity_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable work_, room_;
-  std::deque<T> items_;  // GUARDED_BY mu_
-  bool stopped_ = false;  // GUARDED_BY mu_
+  std::deque<T> items_ HICACHE_GUARDED_BY(mu_);
+  bool stopped_ HICACHE_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace hicache

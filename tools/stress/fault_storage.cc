@@ -23,7 +23,7 @@ FaultInjectingStorage::FaultInjectingStorage(std::unique_ptr<StorageBackend> inn
 FaultInjectingStorage::~FaultInjectingStorage() = default;
 
 void FaultInjectingStorage::set_rates(const FaultRates& rates) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   rates_ = rates;
 }
 
@@ -34,7 +34,7 @@ InjectedCounts FaultInjectingStorage::injected() const {
 
 bool FaultInjectingStorage::roll(double p) {
   if (p <= 0) return false;
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return std::uniform_real_distribution<double>(0, 1)(rng_) < p;
 }
 
@@ -42,7 +42,7 @@ bool FaultInjectingStorage::delay_batch() {
   FaultRates r;
   std::int64_t slow_us = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     r = rates_;
     slow_us = std::uniform_int_distribution<std::int64_t>(0, std::int64_t{r.slow_ms} * 1000)(rng_);
   }
@@ -61,7 +61,7 @@ bool FaultInjectingStorage::delay_batch() {
 std::size_t FaultInjectingStorage::batch_exists(std::span<const std::string> keys) {
   double p;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     p = rates_.exists_error;
   }
   if (roll(p)) {
@@ -80,7 +80,7 @@ std::vector<IoResult> FaultInjectingStorage::do_batch_get(std::span<const std::s
   auto results = inner_->batch_get(keys, dst);
   double p;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     p = rates_.error;
   }
   for (std::size_t i = 0; i < results.size(); ++i) {
@@ -105,7 +105,7 @@ std::vector<IoResult> FaultInjectingStorage::do_batch_set(std::span<const std::s
   }
   double p;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     p = rates_.error;
   }
   std::vector<IoResult> results(keys.size());

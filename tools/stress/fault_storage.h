@@ -14,11 +14,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 
 #include "storage/storage_backend.h"
+#include "transfer/mutex.h"
 
 namespace hicache::stress {
 
@@ -61,14 +61,14 @@ class FaultInjectingStorage final : public StorageBackend {
                                      std::span<const ConstByteSpan> src) override;
 
  private:
-  bool roll(double p);
+  bool roll(double p) HICACHE_EXCLUDES(mu_);
   // Slow or timed out (true: the caller answers every key with an error).
-  bool delay_batch();
+  bool delay_batch() HICACHE_EXCLUDES(mu_);
 
   std::unique_ptr<StorageBackend> inner_;
-  mutable std::mutex mu_;
-  std::mt19937_64 rng_;  // GUARDED_BY mu_
-  FaultRates rates_;     // GUARDED_BY mu_
+  mutable Mutex mu_;
+  std::mt19937_64 rng_ HICACHE_GUARDED_BY(mu_);
+  FaultRates rates_ HICACHE_GUARDED_BY(mu_);
   std::atomic<bool> disk_full_{false};
   std::atomic<std::uint64_t> errors_{0}, exists_errors_{0}, slow_{0}, timeouts_{0},
       disk_full_sets_{0};
