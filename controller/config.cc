@@ -32,6 +32,7 @@ struct Draft {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kMaxInt32 = 2147483647.0;
+constexpr double kMaxCount = 4611686018427387904.0;  // 2^62: counts of tokens or bytes
 
 struct Key {
   ConfigKeyInfo info;
@@ -63,7 +64,7 @@ const std::vector<Key>& keys() {
        1, 1 << 20, false, [](Draft& d, const json& v) { d.page_size = as_int(v); }},
       {{"device_tokens", "device-tokens", T::kInteger, "", "a positive multiple of page_size",
         "device KV pool, tokens (required)", "", ""},
-       1, kInf, false, [](Draft& d, const json& v) { d.c.device_tokens = as_int(v); }},
+       1, kMaxCount, false, [](Draft& d, const json& v) { d.c.device_tokens = as_int(v); }},
       {{"model.attention", "attention", T::kString, R"("mha")", "mha | mla",
         "attention kind: per-layer K and V (mha), or one latent buffer per layer (mla)", "", ""},
        -kInf, kInf, false,
@@ -100,10 +101,10 @@ const std::vector<Key>& keys() {
       {{"host_bytes", "host-bytes", T::kInteger, "", "> 0",
         "host pool size in bytes, rounded down to whole pages (replaces host_ratio)",
         "--hicache-size (GB there)", ""},
-       0, kInf, true, [](Draft& d, const json& v) { d.host_bytes = as_int(v); }},
+       0, kMaxCount, true, [](Draft& d, const json& v) { d.host_bytes = as_int(v); }},
       {{"host_tokens", "host-tokens", T::kInteger, "", "a positive multiple of page_size",
         "host pool size in tokens (replaces host_ratio)", "", ""},
-       0, kInf, true, [](Draft& d, const json& v) { d.host_tokens = as_int(v); }},
+       0, kMaxCount, true, [](Draft& d, const json& v) { d.host_tokens = as_int(v); }},
       {{"host_layout", "host-layout", T::kString, R"("layer_first")",
         "layer_first | page_first | page_first_direct",
         "host pool layout (part of the L3 key namespace)", "--hicache-mem-layout", ""},
@@ -158,7 +159,7 @@ const std::vector<Key>& keys() {
        [](Draft& d, const json& v) { d.c.radix.write_through_threshold = as_int32(v); }},
       {{"load_back_min_tokens", "load-back-min-tokens", T::kInteger, "0", ">= 0",
         "host hits shorter than this are recomputed instead of loaded (0: one page)", "", ""},
-       0, kInf, false, [](Draft& d, const json& v) { d.c.radix.load_back_min_tokens = as_int(v); }},
+       0, kMaxCount, false, [](Draft& d, const json& v) { d.c.radix.load_back_min_tokens = as_int(v); }},
       {{"recompute_seconds_per_token", "recompute-seconds-per-token", T::kNumber, "0", ">= 0",
         "cost-aware tiers: the engine's prefill cost per token; a host or L3 hit slower to "
         "move than to recompute is recomputed (0: off)",
@@ -201,13 +202,13 @@ const std::vector<Key>& keys() {
       {{"prefetch_threshold_tokens", "prefetch-threshold-tokens", T::kInteger, "256", ">= 0",
         "L3 hits shorter than this are not prefetched (less than a page: one page)",
         "prefetch_threshold (extra config)", ""},
-       0, kInf, false,
+       0, kMaxCount, false,
        [](Draft& d, const json& v) {
          d.c.storage_controller.prefetch_threshold_tokens = as_int(v);
        }},
       {{"prefetch_budget_tokens", "prefetch-budget-tokens", T::kInteger, "1099511627776",
         ">= page_size", "host tokens prefetches may hold at once (default: no limit)", "", ""},
-       1, kInf, false,
+       1, kMaxCount, false,
        [](Draft& d, const json& v) { d.c.storage_controller.prefetch_budget_tokens = as_int(v); }},
       {{"prefetch_timeout_base_ms", "prefetch-timeout-base-ms", T::kInteger, "100", ">= 0",
         "timeout policy: a prefetch may take base + per_page x pages, at most cap",
@@ -245,6 +246,9 @@ const std::vector<Key>& keys() {
       {{"tp_timeout_ms", "tp-timeout-ms", T::kInteger, "30000", ">= 1",
         "an agreement call that waits longer fails (a dead or diverged rank)", "", ""},
        1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.timeout = as_ms(v); }},
+      {{"metrics", "metrics", T::kBool, "true", "true | false",
+        "register every component's metrics (false: none, and ops are not timed)", "", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.metrics = v.get<bool>(); }},
       {{"metrics_port", "metrics-port", T::kInteger, "-1", "-1 (off) | 0 (a free port) | 1-65535",
         "serve Prometheus metrics at http://metrics_bind:metrics_port/metrics (and "
         "/metrics.json)",
@@ -685,6 +689,10 @@ void HiCacheConfig::validate() const {
     throw InvalidArgument(str_cat("config: prefetch_budget_tokens ",
                                   storage_controller.prefetch_budget_tokens,
                                   " is less than one page (", geometry.page_size, ")"));
+  }
+  if (!metrics && metrics_port >= 0) {
+    throw InvalidArgument(str_cat("config: metrics_port ", metrics_port,
+                                  " serves metrics, but metrics is false"));
   }
   if (metrics_port < -1 || metrics_port > 65535) {
     throw InvalidArgument(str_cat("config: metrics_port ", metrics_port,

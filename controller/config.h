@@ -51,6 +51,7 @@ struct HiCacheConfig {
   RadixCacheConfig radix;
   TensorParallelConfig tp;
   // The /metrics HTTP server: -1 off, 0 a free port, else that port; on metrics_bind.
+  bool metrics = true;  // false: nothing registered, no op timing on the hot path
   int metrics_port = -1;
   std::string metrics_bind = "127.0.0.1";
 

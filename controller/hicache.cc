@@ -107,10 +107,12 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
         *controller_, *device_pool_, *host_pool_, config_.radix, storage_controller_.get(),
         storage_controller_ ? &ns_ : nullptr, config_.tp.size > 1 ? collectives_.main : nullptr);
     const MetricLabels rank = {{"tp_rank", std::to_string(config_.tp.rank)}};
-    controller_->register_metrics(*metrics_, rank);
-    cache_->register_metrics(*metrics_, rank);
-    if (storage_controller_) storage_controller_->register_metrics(*metrics_, rank);
-    if (storage_) storage_->register_metrics(*metrics_, rank);
+    if (config_.metrics) {
+      controller_->register_metrics(*metrics_, rank);
+      cache_->register_metrics(*metrics_, rank);
+      if (storage_controller_) storage_controller_->register_metrics(*metrics_, rank);
+      if (storage_) storage_->register_metrics(*metrics_, rank);
+    }
     if (config_.metrics_port >= 0) {
       metrics_server_ =
           std::make_unique<MetricsServer>(*metrics_, config_.metrics_bind, config_.metrics_port);
@@ -128,6 +130,8 @@ HiCache::~HiCache() {
   controller_.reset();
   host_pool_.reset();
   device_pool_.reset();
+  // A store the engine shares may outlive this cache and its registry.
+  if (storage_) storage_->unregister_metrics();
   storage_.reset();
 }
 

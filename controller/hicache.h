@@ -54,8 +54,9 @@ struct HiCacheParts {
   // The engine's device runtime; null: Device::create(config.device). Must outlive the HiCache.
   Device* device = nullptr;
   // A store to use instead of make_storage(config.storage) (a fault injector, a store the engine
-  // shares); requires the host tier.
-  std::unique_ptr<StorageBackend> storage;
+  // shares with other caches); requires the host tier. Its metrics report into the cache that
+  // registered it last, until that cache goes.
+  std::shared_ptr<StorageBackend> storage;
   // TP collectives; none: one LocalCollective for tp_size 1, Gloo groups from config.tp for
   // more ranks.
   HiCacheCollectives collectives;
@@ -95,7 +96,7 @@ class HiCache {
   std::unique_ptr<MetricsRegistry> metrics_ = std::make_unique<MetricsRegistry>();  // last to go
   std::unique_ptr<Device> owned_device_;
   Device* device_ = nullptr;
-  std::unique_ptr<StorageBackend> storage_;
+  std::shared_ptr<StorageBackend> storage_;
   KeyNamespace ns_;
   // TP: local for one rank, owned Gloo groups for several, or the engine's.
   std::unique_ptr<Collective> owned_collectives_[3];

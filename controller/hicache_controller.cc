@@ -469,6 +469,11 @@ ControllerStats HiCacheController::stats() const {
                          static_cast<double>(load_ns_.value()) * 1e-9};
 }
 
+void HiCacheController::unregister_metrics() {
+  timed_.store(false, std::memory_order_relaxed);
+  metrics_.reset();
+}
+
 void HiCacheController::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
   metrics_.attach(registry, std::move(labels));
   timed_.store(true, std::memory_order_relaxed);

@@ -148,6 +148,9 @@ class HiCacheController {
   // Registers this controller's counters, latency histograms and queue depths in `registry`
   // (with `labels` on every series) until it is destroyed or registers again.
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
+  // Forgets what register_metrics registered and stops timing ops. Main loop only, as
+  // register_metrics.
+  void unregister_metrics();
 
  private:
   struct LoadBatch {

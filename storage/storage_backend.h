@@ -106,6 +106,9 @@ class StorageBackend {
   // evictions) and its size in `registry`, labelled with `labels` and backend=name(), until
   // the store is destroyed or registers again.
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
+  // Forgets what register_metrics registered (a registry that goes before the store: a cache
+  // that shared it).
+  void unregister_metrics() { metrics_.reset(); }
 
  protected:
   StorageBackend();

@@ -155,6 +155,11 @@ TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
        "host_tier false"},
       {R"([1, 2])", "object"},
       {R"({"model": )", "not valid JSON"},
+      // An unsigned count past int64 must not wrap into a negative one.
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8},
+           "device_tokens": 18446744073709551615})", "key 'device_tokens' is 18446744073709551615"},
+      {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64,
+           "load_back_min_tokens": 9223372036854775808})", "key 'load_back_min_tokens'"},
       // Found by fuzzing: a number too large for any type escaped as nlohmann's out_of_range.
       {R"({"page_size": 5555e54088})", "not valid JSON"},
   };
@@ -219,6 +224,7 @@ TEST(ConfigSchema, TheStructDefaultsAreTheSchemaDefaults) {
   EXPECT_EQ(parsed.tp.hostname, built.tp.hostname);
   EXPECT_EQ(parsed.tp.timeout, built.tp.timeout);
   EXPECT_EQ(parsed.tp.connect_timeout, built.tp.connect_timeout);
+  EXPECT_EQ(parsed.metrics, built.metrics);
   EXPECT_EQ(parsed.metrics_port, built.metrics_port);
   EXPECT_EQ(parsed.metrics_bind, built.metrics_bind);
   EXPECT_EQ(parsed.geometry.page_size, 64);

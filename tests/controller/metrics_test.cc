@@ -21,6 +21,7 @@
 
 #include "controller/hicache.h"
 #include "controller/metrics_server.h"
+#include "storage/file_storage.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -256,6 +257,38 @@ TEST(HiCacheMetrics, AMetricsPortInUseOrABadAddressIsAnErrorAtConstruction) {
                    str_cat(base, R"("metrics_port": 0, "metrics_bind": "localhost:x"})"))),
                InvalidArgument);
   EXPECT_EQ(http(t.hc->metrics_port(), "GET", "/metrics").status, 200) << "first still serves";
+}
+
+TEST(HiCacheMetrics, MetricsOffRegistersNothingAndServesNothing) {
+  const std::string base = R"({"device": "host", "page_size": 4, "device_tokens": 64,
+      "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}, "metrics": false)";
+  HiCache hc(HiCacheConfig::from_json_text(base + "}"));
+  EXPECT_EQ(hc.metrics().prometheus_text(), "");
+  EXPECT_EQ(hc.metrics_port(), -1);
+  try {
+    HiCache refused(HiCacheConfig::from_json_text(base + R"(, "metrics_port": 0})"));
+    ADD_FAILURE() << "a metrics server without metrics";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("metrics is false"), std::string::npos) << e.what();
+  }
+}
+
+// A store shared with the engine outlives the cache whose registry it reported into: the cache
+// takes the store's series with it (the store's destructor hung on the dead registry's mutex).
+TEST(HiCacheMetrics, ASharedStoreOutlivesTheCacheThatRegisteredIt) {
+  const fs::path root = fs::temp_directory_path() / str_cat("hicache-shared-", ::getpid());
+  fs::remove_all(root);
+  auto store = std::make_shared<FileStorage>(FileStorageConfig{.root = root.string()});
+  for (int i = 0; i < 2; ++i) {
+    HiCacheParts parts;
+    parts.storage = store;
+    HiCache hc(HiCacheConfig::from_json_text(R"({"device": "host", "page_size": 4,
+        "device_tokens": 64, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})"),
+               std::move(parts));
+    EXPECT_NE(hc.metrics().prometheus_text().find("backend=\"file\""), std::string::npos);
+  }
+  store.reset();
+  fs::remove_all(root);
 }
 
 // Runs `argv` and returns its exit status and output (stdout and stderr).

@@ -29,6 +29,7 @@
 #include "storage/collective.h"
 #include "storage/file_storage.h"
 #include "storage/redis_storage.h"
+#include "controller/hicache.h"
 #include "redis_launcher.h"
 #include "storage/page_key.h"
 #include "transfer/errors.h"
@@ -183,9 +184,9 @@ BENCHMARK(BM_FileGet)->Args({8192, 16})->Args({256, 256})->Repetitions(3)
 // 128 KiB per token, so 8 MiB pages hold 64 tokens and 256 KiB pages 2), a store (backend 0:
 // a file store; 1: RedisStorage on a redis-server this tool starts on a free loopback port) and
 // a storage controller on one rank.
-StorageBackend* redis_store_or_null() {
+std::shared_ptr<StorageBackend> redis_store_or_null() {
   static std::unique_ptr<bench::RedisDeployment> server;
-  static std::unique_ptr<RedisStorage> store;
+  static std::shared_ptr<RedisStorage> store;
   if (!server) {
     server = std::make_unique<bench::RedisDeployment>();
     std::string error;
@@ -195,47 +196,59 @@ StorageBackend* redis_store_or_null() {
     }
     RedisConfig config;
     config.nodes = {{"127.0.0.1", static_cast<std::uint16_t>(server->ports()[0])}};
-    store = std::make_unique<RedisStorage>(config);
+    store = std::make_shared<RedisStorage>(config);
   }
-  return store.get();
+  return store;
 }
 
+// The cache the library builds (HiCache) around that host pool and store; the bench drives its
+// StorageController directly.
 struct ControllerRig {
-  HostDevice device;
-  KVGeometry g;
-  HostKVPool host;
   fs::path dir;
-  std::unique_ptr<FileStorage> file;
-  StorageBackend* store = nullptr;
-  LocalCollective local;
-  std::unique_ptr<StorageController> ctl;
-  std::shared_ptr<EventSignal> events = std::make_shared<EventSignal>();
+  std::shared_ptr<FileStorage> file;
+  std::shared_ptr<StorageBackend> store;
+  std::unique_ptr<HiCache> hc;
+  KVGeometry g;
+  HostKVPool* host_pool = nullptr;
+  StorageController* ctl = nullptr;
+  EventSignal* events = nullptr;
   ControllerRig(std::size_t page_bytes, std::size_t pages, const char* name, std::uint64_t capacity,
                 int backend)
-      : g(KVGeometry::mha(32, 8, 128, DType::kFloat16,
-                          static_cast<std::int32_t>(page_bytes / (128 << 10)))),
-        host(device, g, HostLayout::kPageFirst, static_cast<std::int64_t>(2 * pages) * g.page_size),
-        dir(bench_dir() / name) {
+      : dir(bench_dir() / name) {
     if (backend == 0) {
-      file = std::make_unique<FileStorage>(
+      file = std::make_shared<FileStorage>(
           FileStorageConfig{.root = dir.string(), .capacity_bytes = capacity});
-      store = file.get();
+      store = file;
     } else {
       store = redis_store_or_null();
       if (store == nullptr) return;
       store->clear();
     }
-    // The controller's default batch (as many pages as make 64 MiB per storage call).
-    ctl = std::make_unique<StorageController>(host, *store, ns(), local, local, local);
-    ctl->set_event_signal(events);
+    const auto page = static_cast<std::int64_t>(page_bytes / (128 << 10));
+    // The controller's default batch (as many pages as make 64 MiB per storage call); every
+    // hit prefetched (no threshold beyond one page).
+    const nlohmann::json config = {
+        {"device", "host"},
+        {"page_size", page},
+        {"device_tokens", page},
+        {"host_tokens", static_cast<std::int64_t>(2 * pages) * page},
+        {"host_layout", "page_first"},
+        {"model", {{"layers", 32}, {"kv_heads", 8}, {"head_dim", 128}, {"dtype", "fp16"}}},
+        {"model_name", "bench"},
+        {"model_fingerprint", "r1"},
+        {"prefetch_threshold_tokens", 0}};
+    HiCacheParts parts;
+    parts.storage = store;
+    hc = std::make_unique<HiCache>(HiCacheConfig::from_json_text(config.dump()), std::move(parts));
+    g = hc->config().geometry;
+    host_pool = &hc->host_pool();
+    ctl = hc->storage_controller();
+    events = hc->controller().events().get();
   }
-  KeyNamespace ns() const {
-    KeyNamespace k = bench_ns();
-    k.page_size = g.page_size;
-    return k;
-  }
+  HostKVPool& host() { return *host_pool; }
+  const KeyNamespace& ns() const { return hc->key_namespace(); }
   ~ControllerRig() {
-    if (ctl) ctl->stop();
+    hc.reset();
     if (store != nullptr) store->clear();
     if (file) file->flush_trash();
     std::error_code ec;
@@ -273,12 +286,12 @@ void BM_BackupVsSet(benchmark::State& state) {
   ControllerRig rig(page_bytes, pages, "backup", 8 * pages * (page_bytes + 4096),
                     static_cast<int>(state.range(2)));
   if (!rig.ctl) return state.SkipWithError("no redis-server");
-  const auto slots = *rig.host.alloc(static_cast<std::int64_t>(pages) * rig.g.page_size);
+  const auto slots = *rig.host().alloc(static_cast<std::int64_t>(pages) * rig.g.page_size);
   std::vector<ConstByteSpan> spans;
   for (std::size_t i = 0; i < pages; ++i) {
     const std::int64_t page = slots[i * rig.g.page_size] / rig.g.page_size;
-    fill_page(rig.host.layout(), page, i);
-    spans.push_back(rig.host.page_bytes(page));
+    fill_page(rig.host().layout(), page, i);
+    spans.push_back(rig.host().page_bytes(page));
   }
   std::vector<BackupAck> acks;
   double store_s = 0, ctl_s = 0;
@@ -321,10 +334,10 @@ void BM_PrefetchVsGet(benchmark::State& state) {
   PageKeyer keyer(rig.ns());
   std::vector<std::string> keys;
   keyer.keys(tokens, nullptr, keys);
-  const auto slots = *rig.host.alloc(static_cast<std::int64_t>(tokens.size()));
+  const auto slots = *rig.host().alloc(static_cast<std::int64_t>(tokens.size()));
   std::vector<ByteSpan> spans;
   for (std::size_t i = 0; i < pages; ++i) {
-    spans.push_back(rig.host.page_bytes(slots[i * rig.g.page_size] / rig.g.page_size));
+    spans.push_back(rig.host().page_bytes(slots[i * rig.g.page_size] / rig.g.page_size));
   }
   rig.ctl->write_storage(slots, keys);
   std::vector<BackupAck> acks;
@@ -348,7 +361,7 @@ void BM_PrefetchVsGet(benchmark::State& state) {
         if (res.tokens != static_cast<std::int64_t>(tokens.size())) {
           state.SkipWithError("short prefetch");
         }
-        rig.host.free(res.host_slots);
+        rig.host().free(res.host_slots);
         ctl_s += std::chrono::duration<double>(Clock::now() - t0).count();
       }
     }
