@@ -1,4 +1,4 @@
-// StorageController: the L2 <-> L3 half of the controller (shared/DESIGN.md, threads table).
+// StorageController: the L2 <-> L3 half of the controller (docs/architecture.md, threads table).
 //
 // Prefetch (L3 -> L2), in two phases so host memory is never reserved for misses:
 // prefetch(request_id, tokens, prior) queues an op and returns its handle. The prefetch thread
@@ -69,9 +69,8 @@ PrefetchPolicy parse_prefetch_policy(std::string_view name);
 
 struct StorageControllerConfig {
   // Pages per storage call (batch_get / batch_set); 0 (the default): the store's
-  // preferred_batch_pages (FileStorage: 64 MiB, a call costing it a fixed ~0.1 ms, so batches
-  // of 16 pages of 256 KiB lost a third of its bandwidth; RedisStorage: about 4 MiB). A batch is
-  // also what terminate_prefetch may wait for, so it stays bounded.
+  // preferred_batch_pages (FileStorage: 64 MiB, since each call has a fixed cost; RedisStorage:
+  // about 4 MiB). A batch is also what terminate_prefetch may wait for, so it stays bounded.
   std::int64_t io_batch_pages = 0;
   bool mla = false;                  // KV identical on every rank: rank 0 alone writes
   std::size_t queue_capacity = 1024;

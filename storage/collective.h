@@ -1,7 +1,7 @@
-// Collectives: how the tensor-parallel ranks agree (shared/DESIGN.md, "Tensor parallelism").
+// Collectives: how the tensor-parallel ranks agree (docs/architecture.md, "Tensor parallelism").
 //
 // One operation does all the work: an element-wise minimum of a fixed-size int64 vector over the
-// ranks (a step's counts are fused into one call; each costs 70 us to milliseconds here), plus a
+// ranks (a step's counts are fused into one call, since each call costs a network round trip), plus a
 // barrier. Every call carries a tag naming its call site. The tag and a per-collective call
 // number are fused into the same reduction as two extra elements (h and -h, whose minima differ
 // when ranks disagree), so every implementation detects ranks that entered different calls, the

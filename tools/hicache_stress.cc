@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "controller/config_schema.h"
-#include "tools/bench/redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 #include "tools/stress/fault_storage.h"
 #include "tools/workload/engine_stack.h"
 #include "storage/file_storage.h"

@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "pools/kv_pattern.h"
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 #include "storage/file_storage.h"
 #include "storage/record.h"
 #include "storage/redis_cluster.h"

@@ -1,6 +1,6 @@
 #include "storage/redis_test_servers.h"
 
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 
 namespace hicache::testing {
 

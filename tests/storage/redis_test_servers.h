@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 
 namespace hicache::testing {
 
@@ -21,7 +21,7 @@ std::string redis_cli(int port, const std::vector<std::string>& args);
 // ASKING): the tools' client.
 using RawClient = bench::RespClient;
 
-// The tests' redis-servers and 3-master cluster are the tools' (tools/bench/redis_launcher.h):
+// The tests' redis-servers and 3-master cluster are the tools' (tools/support/redis_launcher.h):
 // the kernel kills them when the test process dies, so a crashed test leaves no server behind.
 using RedisServer = bench::RedisProcess;
 using RedisCluster = bench::RedisDeployment;

@@ -61,7 +61,7 @@
 #include <vector>
 
 #include "pools/kv_pattern.h"
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 #include "storage/redis_storage.h"
 #include "transfer/errors.h"
 #include "transfer/host_memory.h"

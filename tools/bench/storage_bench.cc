@@ -30,7 +30,7 @@
 #include "storage/file_storage.h"
 #include "storage/redis_storage.h"
 #include "controller/hicache.h"
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 #include "storage/page_key.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"

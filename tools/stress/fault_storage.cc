@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "tools/bench/redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 #include "transfer/errors.h"
 
 namespace hicache::stress {

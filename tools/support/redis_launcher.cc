@@ -1,4 +1,4 @@
-#include "redis_launcher.h"
+#include "tools/support/redis_launcher.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

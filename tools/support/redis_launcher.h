@@ -1,5 +1,5 @@
-// Throwaway redis-server processes for the Redis benchmark (tools/ must not use the test
-// helpers): one server, or a cluster, on free loopback ports, started with MALLOC_CONF=thp:always
+// Throwaway redis-server processes for the benchmarks, the stress tool and the tests (one support
+// library, hicache_redis_launcher): one server, or a cluster, on free loopback ports, started with MALLOC_CONF=thp:always
 // (the server's page faults bound SETs of new keys otherwise, docs/design-notes.md), killed by PID
 // when destroyed, and also by the kernel if this process dies (PR_SET_PDEATHSIG).
 #pragma once
