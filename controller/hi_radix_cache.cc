@@ -294,9 +294,8 @@ void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labe
   constexpr const char* kEvictedHelp = "Tokens evicted from a tier";
   metrics_.add(kEvicted, kEvictedHelp, {{"tier", "device"}}, e.evicted_device_tokens);
   metrics_.add(kEvicted, kEvictedHelp, {{"tier", "host"}}, e.evicted_host_tokens);
-  constexpr const char* kRefused = "hicache_misses_total";
-  constexpr const char* kRefusedHelp =
-      "Cached KV not used, by reason (the store's own misses: hicache_storage_keys_total)";
+  constexpr const char* kRefused = kMissesMetric;
+  constexpr const char* kRefusedHelp = kMissesHelp;
   metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_refused_by_cost"}},
                e.load_backs_refused_by_cost);
   metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_refused_by_cost"}},

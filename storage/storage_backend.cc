@@ -222,6 +222,14 @@ void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels la
                c.evictions);
   metrics_.add("hicache_storage_eviction_failures_total",
                "Records the evictor could not remove", {}, c.eviction_failures);
+  // The store's share of the misses: keys it does not hold, records it found corrupt (removed
+  // and served as misses), and keys it could not read.
+  metrics_.add_counter_fn(kMissesMetric, kMissesHelp, {{"reason", "not_stored"}}, [&c] {
+    const double bad = static_cast<double>(c.bad_records.value());
+    return std::max(0.0, static_cast<double>(c.get_misses.value()) - bad);
+  });
+  metrics_.add(kMissesMetric, kMissesHelp, {{"reason", "corrupt_record"}}, c.bad_records);
+  metrics_.add(kMissesMetric, kMissesHelp, {{"reason", "storage_error"}}, c.get_errors);
   metrics_.add_gauge_fn("hicache_storage_stored_bytes", "Record bytes the store holds", {},
                         [this] { return static_cast<double>(stats().stored_bytes); });
 }

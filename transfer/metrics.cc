@@ -192,6 +192,12 @@ void MetricsRegistry::add(std::string_view name, std::string_view help, MetricLa
   add_series(name, help, Type::kHistogram, Series{std::move(labels), owner, &histogram});
 }
 
+void MetricsRegistry::add_counter_fn(std::string_view name, std::string_view help,
+                                     MetricLabels labels, std::function<double()> read,
+                                     const void* owner) {
+  add_series(name, help, Type::kCounter, Series{std::move(labels), owner, std::move(read)});
+}
+
 void MetricsRegistry::add_gauge_fn(std::string_view name, std::string_view help,
                                    MetricLabels labels, std::function<double()> read,
                                    const void* owner) {

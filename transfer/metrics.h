@@ -31,6 +31,11 @@ namespace hicache {
 
 using MetricLabels = std::vector<std::pair<std::string, std::string>>;
 
+// The one family several components report misses into (each with its own reasons).
+inline constexpr const char* kMissesMetric = "hicache_misses_total";
+inline constexpr const char* kMissesHelp =
+    "Tokens (tree) or keys (store) asked for and not served from the cache, by reason";
+
 class Counter {
  public:
   void add(std::uint64_t n = 1) { v_.fetch_add(n, std::memory_order_relaxed); }
@@ -101,6 +106,10 @@ class MetricsRegistry {
   // A gauge computed at scrape time on the scraping thread: `read` must be thread-safe.
   void add_gauge_fn(std::string_view name, std::string_view help, MetricLabels labels,
                     std::function<double()> read, const void* owner);
+  // A counter computed at scrape time (a difference of two counters): `read` must be
+  // thread-safe and never decrease.
+  void add_counter_fn(std::string_view name, std::string_view help, MetricLabels labels,
+                      std::function<double()> read, const void* owner);
   // Removes every series `owner` registered.
   void forget(const void* owner);
 
@@ -141,6 +150,12 @@ class MetricsScope {
   template <typename Metric>
   void add(std::string_view name, std::string_view help, MetricLabels labels, const Metric& m) {
     if (registry_ != nullptr) registry_->add(name, help, with_common(std::move(labels)), m, this);
+  }
+  void add_counter_fn(std::string_view name, std::string_view help, MetricLabels labels,
+                      std::function<double()> read) {
+    if (registry_ != nullptr) {
+      registry_->add_counter_fn(name, help, with_common(std::move(labels)), std::move(read), this);
+    }
   }
   void add_gauge_fn(std::string_view name, std::string_view help, MetricLabels labels,
                     std::function<double()> read) {

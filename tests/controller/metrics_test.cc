@@ -217,6 +217,10 @@ TEST(HiCacheMetrics, EveryComponentReportsIntoOneRegistry) {
   EXPECT_EQ(v("hicache_pool_capacity_tokens", {{"tier", "host"}}), 512);
   EXPECT_GE(v("hicache_op_latency_seconds", {{"direction", "l1_to_l2"}}), 1) << "histogram count";
   EXPECT_EQ(v("hicache_queue_depth", {{"queue", "write"}}), 0);
+  // Misses by reason, from the tree and from the store, in one family.
+  EXPECT_EQ(v("hicache_misses_total", {{"reason", "prefetch_revoked"}}), 0);
+  EXPECT_EQ(v("hicache_misses_total", {{"backend", "file"}, {"reason", "corrupt_record"}}), 0);
+  EXPECT_EQ(v("hicache_misses_total", {{"backend", "file"}, {"reason", "not_stored"}}), 0);
 }
 
 TEST(HiCacheMetrics, ServesPrometheusTextAndJsonOverLoopback) {
