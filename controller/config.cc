@@ -45,6 +45,8 @@ std::int64_t as_int(const json& v) { return v.get<std::int64_t>(); }
 std::int32_t as_int32(const json& v) { return static_cast<std::int32_t>(v.get<std::int64_t>()); }
 std::chrono::milliseconds as_ms(const json& v) { return std::chrono::milliseconds(as_int(v)); }
 
+bool is_device_name(std::string_view s) { return s == "auto" || s == "host" || s == "cuda"; }
+
 // The one table. Defaults are JSON text, applied through the same setters as a user's values.
 const std::vector<Key>& keys() {
   using T = ConfigType;
@@ -54,7 +56,7 @@ const std::vector<Key>& keys() {
        -kInf, kInf, false,
        [](Draft& d, const json& v) {
          const auto s = v.get<std::string>();
-         if (s != "auto" && s != "host" && s != "cuda") throw InvalidArgument("not a device");
+         if (!is_device_name(s)) throw InvalidArgument("not a device");
          d.c.device = s;
        }},
       {{"page_size", "page-size", T::kInteger, "64", ">= 1",
@@ -657,7 +659,7 @@ HiCacheConfig HiCacheConfig::from_json_file(const std::string& path) {
 }
 
 void HiCacheConfig::validate() const {
-  if (device != "auto" && device != "host" && device != "cuda") {
+  if (!is_device_name(device)) {
     throw InvalidArgument(str_cat("config: device '", device, "': valid are auto, cuda, host"));
   }
   check_token_count(geometry, device_tokens, "config: device_tokens");

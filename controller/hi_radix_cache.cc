@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <queue>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+
+#include <xxhash.h>
 
 #include "transfer/errors.h"
 
@@ -61,6 +64,91 @@ struct HiRadixCache::Pending {
 // Acks that arrived on this rank and are not applied yet (TP: not yet agreed), each already
 // encoded as the value the ranks min-reduce (never 0, which means "not arrived"): writes and
 // loads kOk or kFailed, backups completed tokens + 1.
+// Pages that left the tree (no copy on any tier), remembered so that a later miss on them is
+// counted as "evicted" rather than never cached. Each removed node is one entry, found by the
+// edge it hung on (its parent's id and its first page) and holding a hash per page and its own
+// id, under which the entries of its children (removed before it) are found: a miss walks on
+// from the deepest node still in the tree. Bounded to `capacity_pages` pages, oldest out first;
+// 64-bit hashes, so a collision can only move a count between two miss reasons.
+struct HiRadixCache::Ghost {
+  struct Entry {
+    NodeId id = 0;
+    std::vector<std::uint64_t> pages;
+    std::size_t counted = 0;  // leading pages already counted as missed
+    std::uint64_t seq = 0;
+  };
+  std::unordered_map<std::uint64_t, Entry> entries;  // by edge
+  std::deque<std::pair<std::uint64_t, std::uint64_t>> order;  // (edge, seq), oldest first
+  std::int64_t pages = 0;
+  std::int64_t capacity_pages = 0;
+  std::uint64_t next_seq = 0;
+
+  static std::uint64_t page_hash(std::span<const std::int32_t> page) {
+    return XXH3_64bits(page.data(), page.size_bytes());
+  }
+  static std::uint64_t edge(NodeId parent, std::span<const std::int32_t> first_page) {
+    return XXH3_64bits_withSeed(first_page.data(), first_page.size_bytes(),
+                                static_cast<std::uint64_t>(parent));
+  }
+
+  void remember(NodeId parent, NodeId id, std::span<const std::int32_t> key,
+                std::size_t page_size) {
+    const auto n = static_cast<std::int64_t>(key.size() / page_size);
+    if (n == 0 || n > capacity_pages) return;
+    const std::uint64_t e = edge(parent, key.first(page_size));
+    Entry& entry = entries[e];
+    pages -= static_cast<std::int64_t>(entry.pages.size());  // replaces an older entry
+    entry.id = id;
+    entry.counted = 0;
+    entry.seq = next_seq++;
+    entry.pages.clear();
+    for (std::size_t p = 0; p + page_size <= key.size(); p += page_size) {
+      entry.pages.push_back(page_hash(key.subspan(p, page_size)));
+    }
+    pages += n;
+    order.emplace_back(e, entry.seq);
+    while (pages > capacity_pages && !order.empty()) {
+      const auto [old, seq] = order.front();
+      order.pop_front();
+      auto it = entries.find(old);
+      if (it == entries.end() || it->second.seq != seq) continue;  // replaced since
+      pages -= static_cast<std::int64_t>(it->second.pages.size());
+      entries.erase(it);
+    }
+  }
+
+  // Whole-page tokens of `tokens` (which follow node `parent`'s prefix) that were in the tree,
+  // left it, and were not asked for since: each evicted page counts once, so an engine that
+  // matches a waiting request every step does not count its misses again.
+  std::int64_t take_evicted_tokens(NodeId parent, std::span<const std::int32_t> tokens,
+                                   std::size_t page_size) {
+    std::int64_t fresh = 0;
+    std::size_t pos = 0;
+    while (!entries.empty() && pos + page_size <= tokens.size()) {
+      auto it = entries.find(edge(parent, tokens.subspan(pos, page_size)));
+      if (it == entries.end()) break;
+      Entry& entry = it->second;
+      std::size_t i = 0;
+      while (i < entry.pages.size() && pos + page_size <= tokens.size() &&
+             entry.pages[i] == page_hash(tokens.subspan(pos, page_size))) {
+        if (i >= entry.counted) fresh += static_cast<std::int64_t>(page_size);
+        ++i;
+        pos += page_size;
+      }
+      entry.counted = std::max(entry.counted, i);
+      if (i < entry.pages.size()) break;  // the prompt leaves the evicted path here
+      parent = entry.id;
+    }
+    return fresh;
+  }
+
+  void clear() {
+    entries.clear();
+    order.clear();
+    pages = 0;
+  }
+};
+
 struct HiRadixCache::Arrived {
   static constexpr std::int64_t kFailed = 1, kOk = 2;
   static std::int64_t outcome(bool ok) { return ok ? kOk : kFailed; }
@@ -98,7 +186,10 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
     : controller_(controller), device_pool_(device_pool), host_pool_(host_pool), config_(config),
       page_size_(device_pool.geometry().page_size), policy_(controller.config().write_policy),
       root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()),
-      arrived_(std::make_unique<Arrived>()), storage_(storage), tp_(tp) {
+      arrived_(std::make_unique<Arrived>()), ghost_(std::make_unique<Ghost>()),
+      storage_(storage), tp_(tp) {
+  ghost_->capacity_pages =
+      (host_pool.capacity_tokens() + device_pool.allocator().capacity_tokens()) / page_size_;
   if ((storage == nullptr) != (keys == nullptr)) {
     throw InvalidArgument("radix cache: storage and its key namespace go together");
   }
@@ -156,6 +247,7 @@ void HiRadixCache::reset() {
   acks_.clear();
   backup_acks_.clear();
   revoked_.clear();
+  ghost_->clear();  // node ids start again below the new root
   root_ = std::make_unique<Node>();
   root_->lock = 1;  // never evicted
   device_pool_.allocator().reset();
@@ -274,6 +366,10 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
   events_.unmatched_tokens += tokens.size() - r.device_slots.size() -
                               static_cast<std::size_t>(r.host_hit_tokens);
+  if (pos < usable) {
+    events_.miss_evicted_tokens +=
+        ghost_->take_evicted_tokens(node->id, tokens.subspan(pos, usable - pos), page_size_);
+  }
   return r;
 }
 
@@ -296,12 +392,14 @@ void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labe
   metrics_.add(kEvicted, kEvictedHelp, {{"tier", "host"}}, e.evicted_host_tokens);
   constexpr const char* kRefused = kMissesMetric;
   constexpr const char* kRefusedHelp = kMissesHelp;
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "evicted"}}, e.miss_evicted_tokens);
   metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_refused_by_cost"}},
-               e.load_backs_refused_by_cost);
+               e.miss_load_refused_tokens);
   metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_refused_by_cost"}},
-               e.prefetches_refused_by_cost);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_revoked"}}, e.revoked_prefetches);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_failed"}}, e.load_failures);
+               e.miss_prefetch_refused_tokens);
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_revoked"}},
+               e.miss_revoked_tokens);
+  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_failed"}}, e.miss_load_failed_tokens);
   metrics_.add("hicache_write_failures_total", "Device-to-host writes that failed", {},
                e.write_failures);
   metrics_.add("hicache_collective_failures_total",
@@ -446,7 +544,10 @@ bool HiRadixCache::load_back_pays(std::int64_t tokens) {
   const bool pays = moving_pays(tokens, static_cast<double>(cs.bytes_loaded), cs.load_seconds,
                                 &counters_.measured_load_gbps, &counters_.last_load_estimate_s,
                                 "radix.load_back_pays");
-  if (!pays) ++events_.load_backs_refused_by_cost;
+  if (!pays) {
+    ++events_.load_backs_refused_by_cost;
+    events_.miss_load_refused_tokens += tokens;
+  }
   return pays;
 }
 
@@ -507,6 +608,7 @@ void HiRadixCache::drop_device(Node* node) {
 
 void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
+  ghost_->remember(parent->id, node->id, node->key, page_size_);
   parent->children.erase(page_key(std::span(node->key).first(page_size_)));
 }
 
@@ -620,6 +722,12 @@ void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t 
   }
 }
 
+void HiRadixCache::count_revoked(const std::string& request_id) {
+  ++events_.revoked_prefetches;
+  auto it = pending_->prefetches.find(request_id);
+  if (it != pending_->prefetches.end()) events_.miss_revoked_tokens += it->second.tokens.size();
+}
+
 void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
   const bool ok = agreed == Arrived::kOk, local_ok = local == Arrived::kOk;
   auto taken = pending_->take(pending_->loads, id);
@@ -628,6 +736,7 @@ void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t l
   for (Node* n : op.nodes) {
     n->load_op = 0;
     if (!ok) {
+      events_.miss_load_failed_tokens += n->device.size();
       // The device slots are not to be used; the host copy is intact. Where the load worked
       // here, its host pages went to synced: back to backup with the device copy freed.
       if (local_ok) {
@@ -744,7 +853,7 @@ void HiRadixCache::apply_events() {
     }
     for (const std::string& id : finished) {
       const bool revoked = arrived_->revoked.count(id) != 0;
-      if (revoked) ++events_.revoked_prefetches;
+      if (revoked) count_revoked(id);
       // Finished prefetches become visible now, not when the scheduler next looks at them.
       finish_prefetch(id, !revoked);
     }
@@ -814,7 +923,7 @@ void HiRadixCache::agree_and_apply() {
   for (std::size_t i = 0; i < prefetches.size(); ++i) {
     const std::int64_t v = agree_buffer_[3 * K + i];
     if (v == 0) continue;
-    if (v == 1) ++events_.revoked_prefetches;
+    if (v == 1) count_revoked(prefetches[i]);
     finish_prefetch(prefetches[i], v == 2);
   }
   // Revokes of prefetches that already ended (check_prefetch_progress got there first).
@@ -863,6 +972,7 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
                    &counters_.last_prefetch_estimate_s, "radix.prefetch_pays")) {
     // Reading it from L3 would take longer than recomputing it.
     ++events_.prefetches_refused_by_cost;
+    events_.miss_prefetch_refused_tokens += usable;
     return false;
   }
   std::optional<PageDigest> prior;

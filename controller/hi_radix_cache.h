@@ -247,6 +247,8 @@ class HiRadixCache {
   void set_digests(Node* node);
   void backup_node(Node* node);
   void finish_prefetch(const std::string& request_id, bool insert);
+  // Counts a revoked prefetch (an op, and its tokens as misses).
+  void count_revoked(const std::string& request_id);
   // Apply an ack given the agreed (worst over the ranks) and this rank's values, encoded as in
   // Arrived (hi_radix_cache.cc).
   void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
@@ -287,6 +289,8 @@ class HiRadixCache {
   std::unique_ptr<Pending> pending_;
   struct Arrived;
   std::unique_ptr<Arrived> arrived_;
+  struct Ghost;  // pages that left the tree, for the "evicted" miss reason
+  std::unique_ptr<Ghost> ghost_;
   RadixCacheStats counters_;  // the estimates; the event counts are in events_
   // What happened, counted where it happens (the main loop) and read by a scrape on any
   // thread.
@@ -295,6 +299,9 @@ class HiRadixCache {
         load_failures, loaded_back_tokens, prefetched_tokens, prefetches_refused_by_cost, resets,
         revoked_prefetches, tp_failures, write_failures, matched_device_tokens,
         matched_host_tokens, unmatched_tokens;
+    // hicache_misses_total, in tokens, by reason (the counts above are ops)
+    Counter miss_evicted_tokens, miss_load_refused_tokens, miss_prefetch_refused_tokens,
+        miss_revoked_tokens, miss_load_failed_tokens;
   };
   Events events_;
   Gauge device_used_tokens_;

@@ -11,8 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "pools/device_kv_pool.h"
-#include "pools/host_kv_pool.h"
+#include "controller/hicache.h"
 #include "transfer/copy_plan.h"
 #include "transfer/device.h"
 #include "transfer/host_memory.h"
@@ -67,10 +66,19 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  const auto g = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
+  // The pools are a HiCache's (no L3, no metrics): the bench times the same pools the cache
+  // moves pages between, built from the same config an engine passes.
   constexpr std::int64_t kPool = 320;  // pages in each pool
-  hicache::DeviceKVPool dev(*device, g, kPool * g.page_size);
-  hicache::HostKVPool host(*device, g, hicache::parse_host_layout(layout_name), kPool * g.page_size);
+  hicache::HiCacheConfig config;
+  config.geometry = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
+  config.device_tokens = kPool * config.geometry.page_size;
+  config.host_size = hicache::HostPoolSize{.tokens = config.device_tokens};
+  config.host_layout = hicache::parse_host_layout(layout_name);
+  config.metrics = false;
+  hicache::HiCache cache(config, hicache::HiCacheParts{.device = device.get()});
+  const auto& g = config.geometry;
+  const hicache::DeviceKVPool& dev = cache.device_pool();
+  const hicache::HostKVPool& host = cache.host_pool();
   hicache::Buffer flat_host = device->alloc_host(256 * g.page_bytes());
   hicache::Buffer flat_dev = device->alloc_device(256 * g.page_bytes());
   hicache::Buffer lists = device->alloc_host(2 * kPool * sizeof(std::int64_t));

@@ -42,6 +42,7 @@
 
 #include "controller/config_schema.h"
 #include "storage/redis_cluster.h"
+#include "tools/workload/cache_flags.h"
 #include "tools/workload/engine_stack.h"
 #include "tools/workload/report.h"
 #include "tools/workload/runner.h"
@@ -224,13 +225,8 @@ const Option* find_option(std::string_view key) {
   return nullptr;
 }
 
-// Sets a cache key of the schema ("model.layers" goes inside "model").
 void set_cache_key(Settings& s, std::string_view key, const json& value) {
-  if (key.rfind("model.", 0) == 0) {
-    s.cache["model"][std::string(key.substr(6))] = value;
-  } else {
-    s.cache[std::string(key)] = value;
-  }
+  hicache::workload::set_cache_key(s.cache, key, value);
 }
 
 // A key a HiCacheConfig JSON takes at its top level (SGLang's names included).

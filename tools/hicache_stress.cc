@@ -44,6 +44,7 @@
 #include "controller/config_schema.h"
 #include "tools/support/redis_launcher.h"
 #include "tools/stress/fault_storage.h"
+#include "tools/workload/cache_flags.h"
 #include "tools/workload/engine_stack.h"
 #include "storage/file_storage.h"
 #include "storage/page_key.h"
@@ -172,11 +173,7 @@ Settings parse(int argc, char** argv) {
         k != nullptr && flag != "--storage") {
       try {
         const auto value = nlohmann::json::parse(hicache::config_flag_json(*k, v));
-        if (k->key.rfind("model.", 0) == 0) {
-          s.cache["model"][std::string(k->key.substr(6))] = value;
-        } else {
-          s.cache[std::string(k->key)] = value;
-        }
+        hicache::workload::set_cache_key(s.cache, k->key, value);
       } catch (const InvalidArgument& e) {
         usage_error(e.what());
       }

@@ -223,6 +223,81 @@ TEST(HiCacheMetrics, EveryComponentReportsIntoOneRegistry) {
   EXPECT_EQ(v("hicache_misses_total", {{"backend", "file"}, {"reason", "not_stored"}}), 0);
 }
 
+// A page that was cached and left the tree is a miss "evicted" the first time it is asked for
+// again (a request matched at every step counts once); a page never cached is not. Bounded: the
+// oldest evicted pages are forgotten (capacity: the two pools' pages, 48 here).
+TEST(HiCacheMetrics, MissesOfPagesThatLeftTheTreeAreCountedAsEvicted) {
+  HiCache hc(HiCacheConfig::from_json_text(
+      R"({"device": "host", "page_size": 4, "device_tokens": 64, "host_tokens": 128,
+          "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})"));
+  HiRadixCache& cache = hc.cache();
+  const auto evicted = [&] {
+    return hc.metrics().value("hicache_misses_total", {{"tp_rank", "0"}, {"reason", "evicted"}});
+  };
+  const auto prompt = [](std::int32_t first) {
+    std::vector<std::int32_t> p(32);  // 8 pages
+    std::iota(p.begin(), p.end(), first);
+    return p;
+  };
+  const auto cache_and_evict = [&](const std::vector<std::int32_t>& p) {
+    auto slots = hc.device_pool().allocator().alloc(static_cast<std::int64_t>(p.size()));
+    ASSERT_TRUE(slots.has_value());
+    cache.insert(p, *slots);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      const auto seen = cache.event_seq();
+      cache.check_events();
+      if (cache.stats().writes_in_flight == 0) break;
+      cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    }
+    ASSERT_EQ(cache.stats().writes_in_flight, 0);
+    cache.evict_device(1 << 20);
+    cache.evict_host(1 << 20);
+    ASSERT_EQ(cache.cached_prefix_tokens(p), 0);
+  };
+  const auto a = prompt(1000);
+  cache_and_evict(a);
+  EXPECT_EQ(evicted(), 0);
+  (void)cache.match_prefix(prompt(5000));  // never cached
+  EXPECT_EQ(evicted(), 0);
+  // Shares three pages with the evicted prompt, then leaves it.
+  auto diverging = a;
+  diverging[13] = -1;
+  (void)cache.match_prefix(diverging);
+  EXPECT_EQ(evicted(), 12);
+  (void)cache.match_prefix(a);
+  EXPECT_EQ(evicted(), 32) << "the three pages count once";
+  (void)cache.match_prefix(a);
+  EXPECT_EQ(evicted(), 32) << "asked again: already counted";
+  // A split node (two prompts share five pages) walks through both removed parts.
+  const auto b = prompt(20000);
+  auto b2 = b;
+  b2[20] = -7;
+  auto slots = hc.device_pool().allocator().alloc(32);
+  ASSERT_TRUE(slots.has_value());
+  cache.insert(b2, *slots);
+  cache_and_evict(b);
+  const double before = evicted();
+  (void)cache.match_prefix(b);
+  EXPECT_EQ(evicted() - before, 32);
+  (void)cache.match_prefix(b2);
+  EXPECT_EQ(evicted() - before, 44) << "b2's own three pages; the shared five counted with b";
+  // Five more prompts of 8 pages push the first evicted ones out of the 48-page memory.
+  for (std::int32_t i = 0; i < 5; ++i) cache_and_evict(prompt(40000 + 1000 * i));
+  const double later = evicted();
+  (void)cache.match_prefix(a);
+  EXPECT_EQ(evicted(), later) << "the oldest evicted pages are forgotten";
+  // Evicted again after a re-insert: counted again.
+  cache_and_evict(prompt(44000));
+  (void)cache.match_prefix(prompt(44000));
+  EXPECT_EQ(evicted(), later + 32);
+  // reset() forgets what left the tree: node ids start again.
+  cache_and_evict(prompt(43000));
+  cache.reset();
+  (void)cache.match_prefix(prompt(43000));
+  EXPECT_EQ(evicted(), later + 32);
+}
+
 TEST(HiCacheMetrics, ServesPrometheusTextAndJsonOverLoopback) {
   Traffic t;
   const int port = t.hc->metrics_port();

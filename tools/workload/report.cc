@@ -147,7 +147,8 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
         {"l2_to_l3", tier("l2_to_l3_bytes", nullptr)},
         {"l3_to_l2", tier("l3_to_l2_bytes", "l3_to_l2_seconds")}}},
       {"queue_depth_max", maxima},
-      {"prefetch_revokes", counters["prefetch_revokes"]},
+      {"missed_tokens_prefetch_revoked", counters["missed_tokens_prefetch_revoked"]},
+      {"missed_tokens_evicted", counters["missed_tokens_evicted"]},
       {"storage_errors", storage_errors},
       {"verified_pages", counters["verified_pages"]},
       {"mismatched_pages", counters["mismatched_pages"]},
@@ -194,7 +195,11 @@ std::string format_table(const std::vector<json>& summaries) {
              fmt("%.2f", s["tiers"][t]["gbps"].get<double>()) + ")";
     });
   }
-  add("prefetch revokes", num("%.0f", [](const json& s) { return s["prefetch_revokes"].get<double>(); }));
+  add("tokens missed: evicted",
+      num("%.0f", [](const json& s) { return s["missed_tokens_evicted"].get<double>(); }));
+  add("tokens missed: prefetch revoked", num("%.0f", [](const json& s) {
+        return s["missed_tokens_prefetch_revoked"].get<double>();
+      }));
   add("storage errors", num("%.0f", [](const json& s) { return s["storage_errors"].get<double>(); }));
   add("pages verified", num("%.0f", [](const json& s) { return s["verified_pages"].get<double>(); }));
   add("wrong pages", num("%.0f", [](const json& s) { return s["mismatched_pages"].get<double>(); }));

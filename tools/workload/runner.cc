@@ -252,13 +252,12 @@ InstanceResult Runner::result() const {
   c["evicted_device_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "device"}});
   c["evicted_host_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "host"}});
   c["prefetched_tokens"] = metric("hicache_prefetched_tokens_total", {});
-  c["prefetch_revokes"] = metric("hicache_misses_total", {{"reason", "prefetch_revoked"}});
   c["write_failures"] = metric("hicache_write_failures_total", {});
-  c["load_failures"] = metric("hicache_misses_total", {{"reason", "load_failed"}});
-  c["load_backs_refused_by_cost"] =
-      metric("hicache_misses_total", {{"reason", "load_refused_by_cost"}});
-  c["prefetches_refused_by_cost"] =
-      metric("hicache_misses_total", {{"reason", "prefetch_refused_by_cost"}});
+  // Tokens missed, by reason (hicache_misses_total).
+  for (const char* reason : {"evicted", "prefetch_revoked", "load_failed", "load_refused_by_cost",
+                             "prefetch_refused_by_cost"}) {
+    c[str_cat("missed_tokens_", reason)] = metric("hicache_misses_total", {{"reason", reason}});
+  }
   c["demotions"] = metric("hicache_demotions_total", {});
   c["l1_to_l2_bytes"] = metric("hicache_bytes_total", {{"direction", "l1_to_l2"}});
   c["l2_to_l1_bytes"] = metric("hicache_bytes_total", {{"direction", "l2_to_l1"}});
