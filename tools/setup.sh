@@ -24,6 +24,8 @@ packages=(build-essential cmake ninja-build ccache pkg-config
   libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server
   fio         # the baseline of hicache-storagebench
   prometheus  # promtool and a real server for the /metrics tests
+  python3-dev python3-pybind11 pybind11-dev python3-torch python3-pytest  # the Python package
+  python3-setuptools python3-pip  # pip install --no-build-isolation . (tests/python)
   clang)      # libFuzzer for the fuzz targets (tests/fuzz)
 
 missing=()
@@ -59,7 +61,8 @@ else
       esac
       dir="$build_dir-$san"
       say "sanitizer build $dir ($flags)"
-      cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TOOLS=OFF \
+      # No Python package: an instrumented library cannot be loaded by an uninstrumented python3.
+      cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_PYTHON=OFF \
         -DHICACHE_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="$flags" \
         -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" >/dev/null
       cmake --build "$dir" -j "$jobs"
@@ -82,7 +85,7 @@ else
     # member annotated HICACHE_GUARDED_BY without its lock, anywhere in it, fails CI here.
     say "fuzz build $dir (clang, libFuzzer + ASan + UBSan, -Wthread-safety)"
     CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF \
-      -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_FUZZ=ON -DHICACHE_WERROR=ON -DHICACHE_THREAD_SAFETY=ON \
+      -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_PYTHON=OFF -DHICACHE_FUZZ=ON -DHICACHE_WERROR=ON -DHICACHE_THREAD_SAFETY=ON \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build "$dir" -j "$jobs"
     base=${HICACHE_FUZZ_RUNS:-200000}

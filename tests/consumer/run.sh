@@ -16,3 +16,14 @@ cat >"$work/hicache.json" <<JSON
  "model_name": "consumer", "storage": {"backend": "file", "root": "$work/store"}}
 JSON
 LD_LIBRARY_PATH="$work/prefix/lib:${LD_LIBRARY_PATH:-}" "$work/build/consumer" "$work/hicache.json"
+
+# The Python package, where the build has one: imported from the prefix's site-packages with no
+# library path set (the extension finds libhicache through its RUNPATH).
+pkg=$(find "$work/prefix" -path '*-packages/hicache/__init__.py' -print -quit)
+if [ -n "$pkg" ]; then
+  PYTHONPATH=$(dirname "$(dirname "$pkg")") PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -c "
+import hicache, sys
+with hicache.HiCache(sys.argv[1]) as c:
+    assert c.store is not None and c.page_size == 16, c
+print('installed python package: ok')" "$work/hicache.json"
+fi

@@ -1,0 +1,328 @@
+// hicache._hicache: the C++ library as a Python extension (pybind11). The Python package
+// (python/hicache/) wraps it; see there for the public surface.
+//
+// Memory comes in by pointer and is never copied on the way in: torch tensors (data_ptr) and
+// objects with the buffer protocol. The GIL is released around every call that does I/O or
+// waits. C++ errors become Python exceptions: InvalidArgument -> ValueError, other hicache
+// errors -> RuntimeError; per-key I/O results stay values (IoResult).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "controller/config.h"
+#include "controller/config_schema.h"
+#include "controller/hicache.h"
+#include "controller/hi_radix_cache.h"
+#include "storage/page_key.h"
+#include "storage/storage_backend.h"
+#include "transfer/errors.h"
+#include "transfer/metrics.h"
+
+namespace py = pybind11;
+
+namespace hicache {
+namespace {
+
+// One contiguous range of a Python object's memory; `view` keeps a buffer export alive (a
+// bytearray cannot be resized under it) until the call returns with the GIL held again.
+struct Region {
+  std::byte* data = nullptr;
+  std::size_t size = 0;
+  std::optional<py::buffer_info> view;
+};
+
+Region region_of(py::handle obj, bool writable, std::size_t index) {
+  Region r;
+  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size")) {  // a torch tensor
+    if (py::str(obj.attr("device").attr("type")).cast<std::string>() != "cpu") {
+      throw InvalidArgument(str_cat("buffer ", index, ": a tensor on ",
+                                    py::str(obj.attr("device")).cast<std::string>(),
+                                    ", not in host memory"));
+    }
+    if (!obj.attr("is_contiguous")().cast<bool>()) {
+      throw InvalidArgument(str_cat("buffer ", index, ": the tensor is not contiguous"));
+    }
+    r.data = reinterpret_cast<std::byte*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
+    r.size = obj.attr("numel")().cast<std::size_t>() * obj.attr("element_size")().cast<std::size_t>();
+    return r;
+  }
+  if (!PyObject_CheckBuffer(obj.ptr())) {
+    throw InvalidArgument(str_cat("buffer ", index, ": a ", py::str(py::type::of(obj).attr("__name__")).cast<std::string>(),
+                                  " is neither a tensor nor an object with the buffer protocol"));
+  }
+  py::buffer b = py::reinterpret_borrow<py::buffer>(obj);
+  py::buffer_info info;
+  try {
+    info = b.request(writable);
+  } catch (py::error_already_set& e) {  // BufferError: not writable, or no such view
+    throw InvalidArgument(str_cat("buffer ", index, writable ? " (read into)" : "", ": ", e.what()));
+  }
+  py::ssize_t stride = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {  // C order only
+    if (info.shape[d] != 1 && info.strides[d] != stride) {
+      throw InvalidArgument(str_cat("buffer ", index, ": not C-contiguous"));
+    }
+    stride *= info.shape[d];
+  }
+  r.data = static_cast<std::byte*>(info.ptr);
+  r.size = static_cast<std::size_t>(info.size * info.itemsize);
+  r.view.emplace(std::move(info));
+  return r;
+}
+
+std::vector<std::string> keys_of(const py::sequence& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (py::handle k : keys) out.push_back(k.cast<std::string>());
+  return out;
+}
+
+// A store opened on its own (open_store) or shared with a HiCache. `batch_*_ptrs` take raw
+// (address, bytes) ranges: a key with several ranges is gathered into one record on set and
+// scattered from it on get (one copy); with one range it moves in place.
+class PyStore {
+ public:
+  explicit PyStore(std::shared_ptr<StorageBackend> store) : store_(std::move(store)) {
+    store_->register_metrics(metrics_);
+  }
+  ~PyStore() { store_->unregister_metrics(); }
+
+  const std::shared_ptr<StorageBackend>& backend() const { return store_; }
+  std::string name() const { return std::string(store_->name()); }
+
+  std::size_t batch_exists(const py::sequence& keys) {
+    const auto k = keys_of(keys);
+    py::gil_scoped_release nogil;
+    return store_->batch_exists(k);
+  }
+
+  std::vector<IoResult> batch_get(const py::sequence& keys, const py::sequence& buffers) {
+    return io(keys, buffers, true);
+  }
+  std::vector<IoResult> batch_set(const py::sequence& keys, const py::sequence& buffers) {
+    return io(keys, buffers, false);
+  }
+
+  using Ranges = std::vector<std::vector<std::pair<std::uintptr_t, std::size_t>>>;
+  std::vector<IoResult> batch_get_ptrs(const py::sequence& keys, const Ranges& ranges) {
+    return io_ptrs(keys_of(keys), ranges, true);
+  }
+  std::vector<IoResult> batch_set_ptrs(const py::sequence& keys, const Ranges& ranges) {
+    return io_ptrs(keys_of(keys), ranges, false);
+  }
+
+  bool remove(const std::string& key) {
+    py::gil_scoped_release nogil;
+    return store_->remove(key);
+  }
+  void clear() {
+    py::gil_scoped_release nogil;
+    store_->clear();
+  }
+  std::string stats_json() const { return store_->stats().to_json(); }
+  std::string metrics_json() const { return metrics_.json_text(); }
+  std::string metrics_text() const { return metrics_.prometheus_text(); }
+
+ private:
+  std::vector<IoResult> io(const py::sequence& keys, const py::sequence& buffers, bool get) {
+    const auto k = keys_of(keys);
+    if (k.size() != buffers.size()) {
+      throw InvalidArgument(str_cat(get ? "batch_get" : "batch_set", ": ", k.size(), " keys but ",
+                                    buffers.size(), " buffers"));
+    }
+    std::vector<Region> regions;
+    regions.reserve(k.size());
+    for (std::size_t i = 0; i < k.size(); ++i) regions.push_back(region_of(buffers[i], get, i));
+    std::vector<IoResult> out;
+    {
+      py::gil_scoped_release nogil;
+      if (get) {
+        std::vector<ByteSpan> spans;
+        for (const Region& r : regions) spans.emplace_back(r.data, r.size);
+        out = store_->batch_get(k, spans);
+      } else {
+        std::vector<ConstByteSpan> spans;
+        for (const Region& r : regions) spans.emplace_back(r.data, r.size);
+        out = store_->batch_set(k, spans);
+      }
+    }
+    return out;  // the views are released here, with the GIL
+  }
+
+  std::vector<IoResult> io_ptrs(const std::vector<std::string>& keys, const Ranges& ranges,
+                                bool get) {
+    if (keys.size() != ranges.size()) {
+      throw InvalidArgument(str_cat(get ? "batch_get_ptrs" : "batch_set_ptrs", ": ", keys.size(),
+                                    " keys but ", ranges.size(), " range lists"));
+    }
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      if (ranges[i].empty()) throw InvalidArgument(str_cat("key '", keys[i], "': no ranges"));
+      for (const auto& [p, n] : ranges[i]) {
+        if (p == 0 || n == 0) {
+          throw InvalidArgument(str_cat("key '", keys[i], "': range (", p, ", ", n,
+                                        ") is null or empty"));
+        }
+      }
+    }
+    py::gil_scoped_release nogil;
+    std::vector<std::vector<std::byte>> staging(keys.size());
+    std::vector<ByteSpan> spans(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (ranges[i].size() == 1) {
+        spans[i] = ByteSpan(reinterpret_cast<std::byte*>(ranges[i][0].first), ranges[i][0].second);
+        continue;
+      }
+      std::size_t total = 0;
+      for (const auto& r : ranges[i]) total += r.second;
+      staging[i].resize(total);
+      spans[i] = ByteSpan(staging[i]);
+      if (!get) {
+        std::size_t at = 0;
+        for (const auto& [p, n] : ranges[i]) {
+          std::memcpy(staging[i].data() + at, reinterpret_cast<const void*>(p), n);
+          at += n;
+        }
+      }
+    }
+    if (!get) {
+      std::vector<ConstByteSpan> src(spans.begin(), spans.end());
+      return store_->batch_set(keys, src);
+    }
+    std::vector<IoResult> out = store_->batch_get(keys, spans);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (staging[i].empty() || !out[i].is_ok()) continue;
+      std::size_t at = 0;
+      for (const auto& [p, n] : ranges[i]) {
+        std::memcpy(reinterpret_cast<void*>(p), staging[i].data() + at, n);
+        at += n;
+      }
+    }
+    return out;
+  }
+
+  std::shared_ptr<StorageBackend> store_;
+  MetricsRegistry metrics_;
+};
+
+// A HiCache; `store` (may be None) is the one its config names, opened by the Python side so
+// that it can be handed out as a Store too.
+class PyHiCache {
+ public:
+  PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store) : store_(std::move(store)) {
+    const HiCacheConfig config = HiCacheConfig::from_json_text(config_json);
+    HiCacheParts parts;
+    if (store_) parts.storage = store_->backend();
+    py::gil_scoped_release nogil;  // the TP rendezvous and pool pre-faulting wait
+    cache_ = std::make_unique<HiCache>(config, std::move(parts));
+  }
+  ~PyHiCache() {
+    py::gil_scoped_release nogil;
+    cache_.reset();
+  }
+
+  HiCache& get() {
+    if (!cache_) throw StateError("HiCache is closed");
+    return *cache_;
+  }
+  void close() {
+    py::gil_scoped_release nogil;
+    cache_.reset();
+  }
+  std::shared_ptr<PyStore> store() const { return store_; }
+
+ private:
+  std::shared_ptr<PyStore> store_;
+  std::unique_ptr<HiCache> cache_;
+};
+
+}  // namespace
+}  // namespace hicache
+
+PYBIND11_MODULE(_hicache, m) {
+  using namespace hicache;
+  m.doc() = "hicache: hierarchical KV cache (C++ core)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<IoResult>(m, "IoResult", "Outcome of one key: status 'ok', 'miss' or 'error'")
+      .def_property_readonly("status",
+                             [](const IoResult& r) { return std::string(to_string(r.status)); })
+      .def_readonly("reason", &IoResult::reason)
+      .def_property_readonly("ok", &IoResult::is_ok)
+      .def("__bool__", &IoResult::is_ok)
+      .def("__repr__", [](const IoResult& r) {
+        return str_cat("IoResult(", to_string(r.status), r.reason.empty() ? "" : ": ", r.reason,
+                       ")");
+      });
+
+  m.def("validate_config", [](const std::string& text) {
+    (void)HiCacheConfig::from_json_text(text);
+  });
+  m.def("config_reference", &config_reference_markdown);
+  m.def("key_prefix",
+        [](const std::string& model, const std::string& fingerprint, const std::string& dtype,
+           const std::string& layout, std::int64_t page_size, int tp_rank, int tp_size, bool mla) {
+          KeyNamespace ns{model, fingerprint, dtype, layout, page_size, tp_rank, tp_size, mla};
+          return ns.prefix();
+        },
+        py::arg("model"), py::arg("fingerprint"), py::arg("dtype"), py::arg("layout"),
+        py::arg("page_size"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("mla"));
+  m.def("validate_key", &validate_key);
+
+  py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
+      .def(py::init([](const std::string& json_text) {
+             std::shared_ptr<StorageBackend> backend;
+             {
+               py::gil_scoped_release nogil;  // a Redis store connects
+               backend = make_storage(json_text);
+             }
+             return std::make_shared<PyStore>(std::move(backend));
+           }),
+           py::arg("json_text"))
+      .def_property_readonly("name", &PyStore::name)
+      .def("batch_exists", &PyStore::batch_exists, py::arg("keys"))
+      .def("batch_get", &PyStore::batch_get, py::arg("keys"), py::arg("buffers"))
+      .def("batch_set", &PyStore::batch_set, py::arg("keys"), py::arg("buffers"))
+      .def("batch_get_ptrs", &PyStore::batch_get_ptrs, py::arg("keys"), py::arg("ranges"))
+      .def("batch_set_ptrs", &PyStore::batch_set_ptrs, py::arg("keys"), py::arg("ranges"))
+      .def("remove", &PyStore::remove, py::arg("key"))
+      .def("clear", &PyStore::clear)
+      .def("stats_json", &PyStore::stats_json)
+      .def("metrics_json", &PyStore::metrics_json)
+      .def("metrics_text", &PyStore::metrics_text);
+
+  py::class_<PyHiCache>(m, "HiCache")
+      .def(py::init<const std::string&, std::shared_ptr<PyStore>>(), py::arg("config_json"),
+           py::arg("store"))
+      .def("close", &PyHiCache::close)
+      .def_property_readonly("store", &PyHiCache::store)
+      .def_property_readonly("key_prefix",
+                             [](PyHiCache& c) { return c.get().key_namespace().prefix(); })
+      .def_property_readonly("metrics_port", [](PyHiCache& c) { return c.get().metrics_port(); })
+      .def_property_readonly("device_tokens",
+                             [](PyHiCache& c) { return c.get().config().device_tokens; })
+      .def_property_readonly("host_tokens",
+                             [](PyHiCache& c) { return c.get().config().host_tokens(); })
+      .def_property_readonly("page_size",
+                             [](PyHiCache& c) { return c.get().config().geometry.page_size; })
+      .def("metrics_json", [](PyHiCache& c) { return c.get().metrics().json_text(); })
+      .def("metrics_text", [](PyHiCache& c) { return c.get().metrics().prometheus_text(); })
+      .def("cached_prefix_tokens",
+           [](PyHiCache& c, const std::vector<std::int32_t>& tokens) {
+             return c.get().cache().cached_prefix_tokens(tokens);
+           },
+           py::arg("tokens"));
+}

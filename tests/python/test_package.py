@@ -1,0 +1,129 @@
+"""The Python package: HiCache from one config, stores on their own, errors, metrics."""
+import json
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="python3-torch is not installed")
+
+import hicache
+
+MODEL = {"layers": 2, "kv_heads": 1, "head_dim": 8}
+
+
+def small_config(**extra):
+    return {"device": "host", "page_size": 4, "device_tokens": 256, "model": MODEL, **extra}
+
+
+def test_hicache_from_a_dict_and_from_a_json_file_is_the_same_cache(tmp_path):
+    cfg = small_config(model_name="m", storage={"backend": "file", "root": str(tmp_path / "l3")})
+    path = tmp_path / "hicache.json"
+    path.write_text(json.dumps(cfg))
+    with hicache.HiCache(cfg) as a:
+        prefix = a.key_prefix
+        assert a.page_size == 4 and a.device_tokens == 256 and a.host_tokens == 512
+        assert a.store is not None and a.store.name == "file"
+    with hicache.HiCache(str(path)) as b:
+        assert b.key_prefix == prefix == "m.unversioned.fp16.layer_first.p4.tp0of1"
+
+
+def test_a_bad_config_is_a_value_error_naming_the_key_and_value():
+    with pytest.raises(ValueError, match="unknown key 'hostratio'; did you mean 'host_ratio'"):
+        hicache.HiCache(small_config(hostratio=1))
+    with pytest.raises(ValueError, match="page_size"):
+        hicache.HiCache(small_config(page_size=0))
+    with pytest.raises(ValueError, match="host pool"):
+        hicache.HiCache(small_config(host_ratio=0.5))
+    with pytest.raises(TypeError, match="a dict or a path"):
+        hicache.HiCache(42)
+    with pytest.raises(OSError, match="cannot read"):
+        hicache.HiCache("/nonexistent/hicache.json")
+    with pytest.raises(ValueError, match="valid backends"):
+        hicache.open_store({"backend": "nope"})
+
+
+def test_metrics_are_a_dict_and_prometheus_text():
+    with hicache.HiCache(small_config()) as c:
+        m = c.metrics()
+        assert m["hicache_pool_capacity_tokens"]["type"] == "gauge"
+        text = c.metrics_text()
+        assert '# TYPE hicache_ops_total counter' in text
+        assert 'hicache_pool_capacity_tokens{tp_rank="0",tier="device"} 256' in text
+
+
+def test_close_is_idempotent_and_a_closed_cache_refuses_work():
+    c = hicache.HiCache(small_config())
+    c.close()
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.metrics()
+
+
+def test_a_store_moves_tensors_and_buffers_in_place_byte_for_byte(tmp_path):
+    s = hicache.open_store({"backend": "file", "root": str(tmp_path)})
+    t = torch.randint(-1000, 1000, (4096,), dtype=torch.int32)
+    b = bytearray(b"\x07" * 1000)
+    res = s.batch_set(["t", "b"], [t, b])
+    assert [r.status for r in res] == ["ok", "ok"] and all(res)
+    out_t, out_b = torch.zeros_like(t), bytearray(1000)
+    res = s.batch_get(["t", "b", "absent"], [out_t, out_b, bytearray(8)])
+    assert [r.status for r in res] == ["ok", "ok", "miss"]
+    assert torch.equal(out_t, t) and out_b == b
+    assert s.batch_exists(["t", "b", "absent", "t"]) == 2
+    st = s.stats()
+    assert st["get_hits"] == 2 and st["set_written"] == 2
+    # A buffer of another size than the record is a miss, never a partial read (and the
+    # record, which does not match what its reader expects, is dropped).
+    short = torch.full((10,), 5, dtype=torch.int32)
+    assert s.batch_get(["t"], [short])[0].status == "miss"
+    assert s.batch_exists(["t"]) == 0
+    assert s.remove("b") and not s.remove("b")
+    assert s.batch_set(["c"], [b"abc"])[0].ok
+    s.clear()
+    assert s.batch_exists(["c"]) == 0
+
+
+def test_bad_buffers_and_bad_keys_are_value_errors_and_write_nothing(tmp_path):
+    s = hicache.open_store({"backend": "file", "root": str(tmp_path)})
+    with pytest.raises(ValueError, match="not contiguous"):
+        s.batch_set(["k"], [torch.zeros(8, 8)[:, 0]])
+    with pytest.raises(ValueError, match="neither a tensor nor"):
+        s.batch_set(["k"], [12])
+    with pytest.raises(ValueError, match="1 keys but 2 buffers"):
+        s.batch_set(["k"], [bytearray(4), bytearray(4)])
+    with pytest.raises(ValueError, match="bad storage key"):
+        s.batch_set(["a/b"], [bytearray(4)])
+    with pytest.raises(ValueError, match="buffer 0 .read into.: .*not writable"):
+        s.batch_get(["k"], [b"immutable"])
+    assert s.stats()["sets"] == 0
+
+
+def test_the_gil_is_released_during_io(tmp_path):
+    # Four Python threads write and read concurrently; with the GIL held across the I/O they
+    # would still finish, so this checks the bytes under concurrency (the benchmark in
+    # tools/python_store_bench.py measures the scaling).
+    s = hicache.open_store({"backend": "file", "root": str(tmp_path), "io_threads": 2})
+    errors = []
+
+    def worker(n):
+        try:
+            pages = [torch.full((16384,), n * 100 + i, dtype=torch.int32) for i in range(8)]
+            keys = [f"w{n}-{i}" for i in range(8)]
+            assert all(s.batch_set(keys, pages))
+            outs = [torch.zeros(16384, dtype=torch.int32) for _ in range(8)]
+            assert all(s.batch_get(keys, outs))
+            assert all(torch.equal(a, b) for a, b in zip(outs, pages))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_config_reference_comes_from_the_schema():
+    ref = hicache.config_reference()
+    assert "| key | flag |" in ref and "prefetch_threshold_tokens" in ref
