@@ -8,8 +8,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +86,85 @@ std::vector<std::string> keys_of(const py::sequence& keys) {
   return out;
 }
 
+// Where each page of an SGLang host pool lies, and how its records are named (hicache.sglang):
+// an MHA page is two records, its K half "<prefix>-<key>-k" and its V half "-v", each in the
+// order of SGLang's flat data page; an MLA page is one record "-kv". With the page_first layouts
+// a record is one range; with layer_first, one range per layer.
+struct PageLayout {
+  std::string prefix;
+  std::string layout;  // layer_first | page_first | page_first_direct
+  bool mla = false;
+  std::int64_t page = 0, layers = 0, slots = 0;
+  std::size_t row_bytes = 0;  // one token of one layer
+  std::uintptr_t base = 0;    // kv_buffer's first byte
+  std::size_t half = 0;       // bytes from K to V (MHA)
+
+  std::size_t record_bytes() const {
+    return static_cast<std::size_t>(layers * page) * row_bytes;
+  }
+  int records() const { return mla ? 1 : 2; }
+  void names(const std::string& key, std::vector<std::string>& out) const {
+    if (mla) {
+      out.push_back(str_cat(prefix, "-", key, "-kv"));
+    } else {
+      out.push_back(str_cat(prefix, "-", key, "-k"));
+      out.push_back(str_cat(prefix, "-", key, "-v"));
+    }
+  }
+  using Ranges = std::vector<std::vector<std::pair<std::uintptr_t, std::size_t>>>;
+  void ranges(std::int64_t slot, Ranges& out) const {
+    if (slot < 0 || slot >= slots || slot % page != 0) {
+      throw InvalidArgument(str_cat("hicache: host slot ", slot, " does not start a page of the pool (page size ",
+                                    page, ", ", slots, " slots)"));
+    }
+    const auto s = static_cast<std::uintptr_t>(slot);
+    const auto p = static_cast<std::uintptr_t>(page), l = static_cast<std::uintptr_t>(layers);
+    for (int r = 0; r < records(); ++r) {
+      const std::uintptr_t start = base + (r == 0 ? 0 : half);
+      auto& v = out.emplace_back();
+      if (layout == "layer_first") {
+        for (std::uintptr_t layer = 0; layer < l; ++layer) {
+          v.emplace_back(start + (layer * static_cast<std::uintptr_t>(slots) + s) * row_bytes,
+                         p * row_bytes);
+        }
+      } else if (layout == "page_first") {
+        v.emplace_back(start + s * l * row_bytes, record_bytes());
+      } else {
+        v.emplace_back(start + (s / p) * l * p * row_bytes, record_bytes());
+      }
+    }
+  }
+};
+
+// The first slot of each of `n` pages from SGLang's host_indices (an int64 tensor, page i
+// starting at host_indices[i * page_size], or a sequence of ints).
+std::vector<std::int64_t> page_slots(py::handle indices, std::size_t n, std::int64_t page) {
+  std::vector<std::int64_t> out(n);
+  if (py::hasattr(indices, "data_ptr")) {
+    const auto dtype = py::str(indices.attr("dtype")).cast<std::string>();
+    if (dtype != "torch.int64" || !indices.attr("is_contiguous")().cast<bool>() ||
+        py::str(indices.attr("device").attr("type")).cast<std::string>() != "cpu") {
+      throw InvalidArgument(str_cat("hicache: host_indices must be a contiguous int64 tensor on the host, not ",
+                                    dtype));
+    }
+    const auto count = indices.attr("numel")().cast<std::size_t>();
+    if (count < n * static_cast<std::size_t>(page)) {
+      throw InvalidArgument(str_cat("hicache: ", n, " keys need ", n * static_cast<std::size_t>(page),
+                                    " host indices, got ", count));
+    }
+    const auto* p = reinterpret_cast<const std::int64_t*>(indices.attr("data_ptr")().cast<std::uintptr_t>());
+    for (std::size_t i = 0; i < n; ++i) out[i] = p[i * static_cast<std::size_t>(page)];
+    return out;
+  }
+  const auto seq = py::reinterpret_borrow<py::sequence>(indices);
+  if (seq.size() < n * static_cast<std::size_t>(page)) {
+    throw InvalidArgument(str_cat("hicache: ", n, " keys need ", n * static_cast<std::size_t>(page),
+                                  " host indices, got ", seq.size()));
+  }
+  for (std::size_t i = 0; i < n; ++i) out[i] = seq[i * static_cast<std::size_t>(page)].cast<std::int64_t>();
+  return out;
+}
+
 // A store opened on its own (open_store) or shared with a HiCache. `batch_*_ptrs` take raw
 // (address, bytes) ranges: a key with several ranges is gathered into one record on set and
 // scattered from it on get (one copy); with one range it moves in place.
@@ -115,6 +197,45 @@ class PyStore {
   }
   std::vector<IoResult> batch_set_ptrs(const py::sequence& keys, const Ranges& ranges) {
     return io_ptrs(keys_of(keys), ranges, false);
+  }
+
+  // SGLang's pages (hicache.sglang): each key's records from / into its host pool page; True
+  // per key when every record of it moved.
+  std::vector<bool> pages_io(const PageLayout& layout, const py::sequence& keys,
+                             py::handle host_indices, bool get) {
+    const auto k = keys_of(keys);
+    const auto slots = page_slots(host_indices, k.size(), layout.page);
+    std::vector<std::string> names;
+    Ranges ranges;
+    names.reserve(k.size() * 2);
+    ranges.reserve(k.size() * 2);
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      layout.names(k[i], names);
+      layout.ranges(slots[i], ranges);
+    }
+    std::vector<IoResult> results;
+    {
+      py::gil_scoped_release nogil;
+      results = move_ranges(*store_, names, ranges, get);
+    }
+    std::vector<bool> out(k.size(), true);
+    const auto per = static_cast<std::size_t>(layout.records());
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (!results[i].is_ok()) out[i / per] = false;
+    }
+    return out;
+  }
+  // Leading keys whose every record is stored.
+  std::size_t pages_exist(const PageLayout& layout, const py::sequence& keys) {
+    const auto k = keys_of(keys);
+    std::vector<std::string> names;
+    for (const auto& key : k) layout.names(key, names);
+    std::size_t hit = 0;
+    {
+      py::gil_scoped_release nogil;
+      hit = store_->batch_exists(names);
+    }
+    return hit / static_cast<std::size_t>(layout.records());
   }
 
   bool remove(const std::string& key) {
@@ -157,6 +278,44 @@ class PyStore {
 
   std::vector<IoResult> io_ptrs(const std::vector<std::string>& keys, const Ranges& ranges,
                                 bool get) {
+    check_ranges(keys, ranges, get);
+    py::gil_scoped_release nogil;
+    return move_ranges(*store_, keys, ranges, get);
+  }
+
+ public:
+  // The C++ store's own batch calls on the same ranges, from `threads` C++ threads (batch i on
+  // thread i % threads), without Python in the loop: the benchmark's baseline. Seconds of wall
+  // time; RuntimeError when a key did not move.
+  double time_batches(const std::vector<std::vector<std::string>>& keys,
+                      const std::vector<Ranges>& ranges, bool get, int threads) {
+    if (keys.size() != ranges.size() || threads < 1) {
+      throw InvalidArgument(str_cat("time_batches: ", keys.size(), " key batches, ",
+                                    ranges.size(), " range batches, ", threads, " threads"));
+    }
+    for (std::size_t b = 0; b < keys.size(); ++b) check_ranges(keys[b], ranges[b], get);
+    py::gil_scoped_release nogil;
+    std::atomic<bool> failed{false};
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        for (std::size_t b = static_cast<std::size_t>(t); b < keys.size();
+             b += static_cast<std::size_t>(threads)) {
+          for (const IoResult& r : move_ranges(*store_, keys[b], ranges[b], get)) {
+            if (!r.is_ok()) failed = true;
+          }
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (failed) throw Error("time_batches: a key did not move");
+    return s;
+  }
+
+ private:
+  static void check_ranges(const std::vector<std::string>& keys, const Ranges& ranges, bool get) {
     if (keys.size() != ranges.size()) {
       throw InvalidArgument(str_cat(get ? "batch_get_ptrs" : "batch_set_ptrs", ": ", keys.size(),
                                     " keys but ", ranges.size(), " range lists"));
@@ -170,7 +329,13 @@ class PyStore {
         }
       }
     }
-    py::gil_scoped_release nogil;
+  }
+
+  // Without the GIL: one range moves in place; several are gathered into (scattered from) one
+  // record through a staging buffer.
+  static std::vector<IoResult> move_ranges(StorageBackend& store,
+                                           const std::vector<std::string>& keys,
+                                           const Ranges& ranges, bool get) {
     std::vector<std::vector<std::byte>> staging(keys.size());
     std::vector<ByteSpan> spans(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -192,9 +357,9 @@ class PyStore {
     }
     if (!get) {
       std::vector<ConstByteSpan> src(spans.begin(), spans.end());
-      return store_->batch_set(keys, src);
+      return store.batch_set(keys, src);
     }
-    std::vector<IoResult> out = store_->batch_get(keys, spans);
+    std::vector<IoResult> out = store.batch_get(keys, spans);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (staging[i].empty() || !out[i].is_ok()) continue;
       std::size_t at = 0;
@@ -282,6 +447,37 @@ PYBIND11_MODULE(_hicache, m) {
         py::arg("page_size"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("mla"));
   m.def("validate_key", &validate_key);
 
+  py::class_<PageLayout>(m, "PageLayout")
+      .def(py::init([](std::string prefix, std::string layout, bool mla, std::int64_t page,
+                       std::int64_t layers, std::int64_t slots, std::size_t row_bytes,
+                       std::uintptr_t base, std::size_t half) {
+             if (layout != "layer_first" && layout != "page_first" && layout != "page_first_direct") {
+               throw InvalidArgument(str_cat("hicache: layout '", layout, "'"));
+             }
+             if (page < 1 || layers < 1 || slots < page || row_bytes == 0 || base == 0) {
+               throw InvalidArgument(str_cat("hicache: page layout page ", page, ", layers ", layers,
+                                             ", slots ", slots, ", row bytes ", row_bytes));
+             }
+             return PageLayout{std::move(prefix), std::move(layout), mla, page, layers, slots,
+                               row_bytes, base, half};
+           }),
+           py::arg("prefix"), py::arg("layout"), py::arg("mla"), py::arg("page"),
+           py::arg("layers"), py::arg("slots"), py::arg("row_bytes"), py::arg("base"),
+           py::arg("half"))
+      .def_property_readonly("record_bytes", &PageLayout::record_bytes)
+      .def_property_readonly("records", &PageLayout::records)
+      .def("names",
+           [](const PageLayout& l, const std::string& key) {
+             std::vector<std::string> out;
+             l.names(key, out);
+             return out;
+           })
+      .def("ranges", [](const PageLayout& l, std::int64_t slot) {
+        PageLayout::Ranges out;
+        l.ranges(slot, out);
+        return out;
+      });
+
   py::class_<PyStore, std::shared_ptr<PyStore>>(m, "Store")
       .def(py::init([](const std::string& json_text) {
              std::shared_ptr<StorageBackend> backend;
@@ -298,6 +494,11 @@ PYBIND11_MODULE(_hicache, m) {
       .def("batch_set", &PyStore::batch_set, py::arg("keys"), py::arg("buffers"))
       .def("batch_get_ptrs", &PyStore::batch_get_ptrs, py::arg("keys"), py::arg("ranges"))
       .def("batch_set_ptrs", &PyStore::batch_set_ptrs, py::arg("keys"), py::arg("ranges"))
+      .def("pages_io", &PyStore::pages_io, py::arg("layout"), py::arg("keys"),
+           py::arg("host_indices"), py::arg("get"))
+      .def("pages_exist", &PyStore::pages_exist, py::arg("layout"), py::arg("keys"))
+      .def("time_batches", &PyStore::time_batches, py::arg("keys"), py::arg("ranges"),
+           py::arg("get"), py::arg("threads"))
       .def("remove", &PyStore::remove, py::arg("key"))
       .def("clear", &PyStore::clear)
       .def("stats_json", &PyStore::stats_json)

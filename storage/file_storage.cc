@@ -348,7 +348,7 @@ class FileStorage::Impl {
       }
       return IoResult::error(errno_text("open", path, err));
     }
-    std::array<std::byte, kRecordHeaderBytes + kMaxKeyBytes> head_buf;
+    std::array<std::byte, record_head_bytes_for(kMaxKeyBytes)> head_buf;
     const std::size_t head_bytes = record_head_bytes(key);
     iovec iov[2] = {{head_buf.data(), head_bytes}, {dst.data(), dst.size()}};
     const ssize_t n = full_iov<false>(fd.fd, iov, 2);
@@ -393,7 +393,7 @@ class FileStorage::Impl {
                                      " bytes exceeds the store's capacity_bytes ",
                                      config_.capacity_bytes));
     }
-    std::array<std::byte, kRecordHeaderBytes + kMaxKeyBytes> head_buf;
+    std::array<std::byte, record_head_bytes_for(kMaxKeyBytes)> head_buf;
     const std::size_t head_bytes = record_head_bytes(key);
     encode_record_head(key, src, std::span(head_buf).first(head_bytes));
     // Not named after the key: a key of kMaxKeyBytes plus ".<pid>.<seq>" would pass the file

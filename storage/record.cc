@@ -56,6 +56,8 @@ void encode_record_head(std::string_view key, std::uint64_t payload_bytes, std::
   put<std::uint64_t>(head, 16, checksum);
   put<std::uint64_t>(head, 24, head_checksum(head.first(24), key));
   std::memcpy(head.data() + kRecordHeaderBytes, key.data(), key.size());
+  std::memset(head.data() + kRecordHeaderBytes + key.size(), 0,
+              head.size() - kRecordHeaderBytes - key.size());
 }
 
 void encode_record_head(std::string_view key, std::span<const std::byte> payload,
@@ -73,7 +75,7 @@ std::string check_record_head(std::span<const std::byte> head, std::string_view 
     return str_cat("format version ", v, ", this build reads ", kRecordVersion);
   }
   const auto key_bytes = get<std::uint16_t>(head, 6);
-  if (key_bytes != key.size() || head.size() != kRecordHeaderBytes + key_bytes) {
+  if (key_bytes != key.size() || head.size() != record_head_bytes_for(key_bytes)) {
     return str_cat("key length ", key_bytes, ", expected ", key.size());
   }
   const std::string_view stored_key(reinterpret_cast<const char*>(head.data()) + kRecordHeaderBytes,
@@ -82,6 +84,9 @@ std::string check_record_head(std::span<const std::byte> head, std::string_view 
     return "header checksum mismatch";
   }
   if (stored_key != key) return str_cat("record holds key '", stored_key, "'");
+  for (std::size_t i = kRecordHeaderBytes + key_bytes; i < head.size(); ++i) {
+    if (head[i] != std::byte{0}) return str_cat("nonzero padding at byte ", i);
+  }
   if (const auto n = get<std::uint64_t>(head, 8); n != payload_bytes) {
     return str_cat("payload of ", n, " bytes, expected ", payload_bytes);
   }

@@ -136,81 +136,48 @@ class HiCacheStore(_Base):
         row = 1  # elements of one token of one layer (H * D, or 1 * D for MLA)
         for d in shape[-2:]:
             row *= d
-        self._geo = dict(layout=layout, page=page, layers=layers, slots=slots, row_bytes=row * es,
-                         base=buf.data_ptr(), half=(buf.numel() // 2) * es if not mla else 0)
-        self._record_bytes = layers * page * row * es
-        self._pool = mem_pool_host
-        self._buf = buf  # keeps the memory alive
-        self._prefix = _hicache.key_prefix(
+        prefix = _hicache.key_prefix(
             self.model_name, self._fingerprint, _dtype_name(buf.dtype), layout, page,
             self.tp_rank, self.tp_size, mla)
+        self._layout = _hicache.PageLayout(
+            prefix=prefix, layout=layout, mla=mla, page=page, layers=layers, slots=slots,
+            row_bytes=row * es, base=buf.data_ptr(), half=0 if mla else (buf.numel() // 2) * es)
+        self._record_bytes = self._layout.record_bytes
+        self._pool = mem_pool_host
+        self._buf = buf  # keeps the memory alive
+        self._prefix = prefix
 
     def _ready(self):
         if self._prefix is None:
             raise RuntimeError("hicache: register_mem_pool_host(host_pool) was not called")
-
-    def _record_keys(self, key):
-        base = f"{self._prefix}-{key}"
-        return [base + "-kv"] if self.is_mla else [base + "-k", base + "-v"]
-
-    def _ranges(self, slot):
-        """(address, bytes) ranges of each record of the page at host slot `slot`."""
-        g = self._geo
-        page, layers, rb = g["page"], g["layers"], g["row_bytes"]
-        if slot % page != 0 or not 0 <= slot < g["slots"]:
-            raise ValueError(f"hicache: host slot {slot} does not start a page of the pool "
-                             f"(page size {page}, {g['slots']} slots)")
-        halves = [0] if self.is_mla else [0, g["half"]]
-        out = []
-        for h in halves:
-            start = g["base"] + h
-            if g["layout"] == "layer_first":
-                out.append([(start + (l * g["slots"] + slot) * rb, page * rb)
-                            for l in range(layers)])
-            elif g["layout"] == "page_first":
-                out.append([(start + slot * layers * rb, page * layers * rb)])
-            else:
-                out.append([(start + (slot // page) * layers * page * rb, layers * page * rb)])
-        return out
-
-    def _page_io(self, keys, host_indices, get):
-        self._ready()
-        page = self._geo["page"]
-        if hasattr(host_indices, "tolist"):
-            host_indices = host_indices.tolist()
-        if len(host_indices) < len(keys) * page:
-            raise ValueError(f"hicache: {len(keys)} keys need {len(keys) * page} host indices, "
-                             f"got {len(host_indices)}")
-        slots = [int(host_indices[i * page]) for i in range(len(keys))]
-        return self._records(keys, self._ranges, slots, get)
 
     def _records(self, keys, ranges_of, items, get):
         """Moves the records of each key from / to ranges_of(item); True per key when all of
         its records moved."""
         names, ranges = [], []
         for key, item in zip(keys, items):
-            names.extend(self._record_keys(key))
+            names.extend(self._layout.names(key))
             ranges.extend(ranges_of(item))
         io = self._store.batch_get_ptrs if get else self._store.batch_set_ptrs
         results = io(names, ranges)
-        per = 1 if self.is_mla else 2
+        per = self._layout.records
         return [all(r.ok for r in results[i * per:(i + 1) * per]) for i in range(len(keys))]
 
     # --- SGLang's zero-copy interface -----------------------------------------------------
 
     def batch_get_v1(self, keys, host_indices, extra_info=None):
-        return self._page_io(list(keys), host_indices, get=True)
+        self._ready()
+        return self._store.pages_io(self._layout, keys, host_indices, True)
 
     def batch_set_v1(self, keys, host_indices, extra_info=None):
-        return self._page_io(list(keys), host_indices, get=False)
+        self._ready()
+        return self._store.pages_io(self._layout, keys, host_indices, False)
 
     # --- the classic interface (flat data pages) ------------------------------------------
 
     def batch_exists(self, keys, extra_info=None):
         self._ready()
-        names = [n for k in keys for n in self._record_keys(k)]
-        per = 1 if self.is_mla else 2
-        return self._store.batch_exists(names) // per
+        return self._store.pages_exist(self._layout, keys)
 
     def exists(self, key):
         return self.batch_exists([key]) == 1
@@ -267,7 +234,7 @@ class HiCacheStore(_Base):
 
     def delete(self, key):
         self._ready()
-        removed = [self._store.remove(n) for n in self._record_keys(key)]
+        removed = [self._store.remove(n) for n in self._layout.names(key)]
         return any(removed)
 
     def clear(self):

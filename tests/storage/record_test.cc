@@ -68,6 +68,30 @@ TEST(Record, EveryMismatchIsNamed) {
   EXPECT_NE(check_record_payload(bad_payload, checksum), "");
 }
 
+// The payload starts at a multiple of 64 bytes whatever the key's length (the padding is zero),
+// and a head whose padding is not zero is refused.
+TEST(Record, ThePayloadIsAlignedAndThePaddingIsChecked) {
+  for (std::size_t k = 1; k <= 240; ++k) {
+    const std::string key(k, 'a');
+    const std::size_t head = record_head_bytes(key);
+    EXPECT_EQ(head % kPayloadAlignment, 0u) << k;
+    EXPECT_GE(head, kRecordHeaderBytes + k);
+    EXPECT_LT(head, kRecordHeaderBytes + k + kPayloadAlignment);
+  }
+  Encoded e = encode("pad", 64);
+  ASSERT_EQ(e.head.size(), 64u);
+  std::uint64_t checksum = 0;
+  ASSERT_EQ(check_record_head(e.head, "pad", 64, &checksum), "");
+  e.head[63] = std::byte{1};
+  EXPECT_NE(check_record_head(e.head, "pad", 64, &checksum).find("nonzero padding at byte 63"),
+            std::string::npos);
+  // A version-1 head (no padding) is not this format's: a miss, never data.
+  Encoded old = encode("pad", 64);
+  old.head[4] = std::byte{1};
+  EXPECT_NE(check_record_head(old.head, "pad", 64, &checksum).find("format version 1"),
+            std::string::npos);
+}
+
 TEST(Record, EncodeRejectsWrongBuffer) {
   std::vector<std::byte> head(10);
   const auto p = payload_for("k", 16);
