@@ -1,17 +1,106 @@
 #include "pools/device_kv_pool.h"
 
+#include <algorithm>
+
 #include "transfer/errors.h"
 
 namespace hicache {
 
 DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens)
-    : device_(&device),
-      geometry_(geometry),
-      allocator_((check_token_count(geometry, num_tokens, "DeviceKVPool"), num_tokens),
-                 geometry.page_size) {
+    : device_(&device), geometry_(geometry) {
   geometry_.validate();
-  memory_ = device.alloc_device(static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens)));
-  desc_ = make_device_layout(geometry_, num_tokens, memory_.data());
+  check_token_count(geometry_, num_tokens, "DeviceKVPool");
+  use_allocator(num_tokens, nullptr);
+  memory_.push_back(
+      device.alloc_device(static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens))));
+  desc_ = make_device_layout(geometry_, num_tokens, memory_[0].data());
+}
+
+DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
+                           const ExternalKVBuffer& external, TokenSlotAllocator* engine_allocator)
+    : device_(&device), geometry_(geometry), wrapped_(true) {
+  geometry_.validate();
+  check_token_count(geometry_, num_tokens, "DeviceKVPool");
+  const auto need = static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens));
+  if (external.data == nullptr || external.bytes < need) {
+    throw InvalidArgument(str_cat("DeviceKVPool: the engine's buffer (", external.bytes,
+                                  " bytes at ", external.data, ") is smaller than ", num_tokens,
+                                  " slots of ", geometry_.token_bytes(), " bytes (", need, ")"));
+  }
+  use_allocator(num_tokens, engine_allocator);
+  memory_.push_back(device.wrap_device(external.data, external.bytes));
+  desc_ = make_device_layout(geometry_, num_tokens, memory_[0].data(), external.order);
+}
+
+DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
+                           std::span<void* const> k, std::span<void* const> v,
+                           TokenSlotAllocator* engine_allocator)
+    : device_(&device), geometry_(geometry), wrapped_(true) {
+  geometry_.validate();
+  check_token_count(geometry_, num_tokens, "DeviceKVPool");
+  const auto layers = static_cast<std::size_t>(geometry_.num_layers);
+  const auto kv = static_cast<std::size_t>(geometry_.num_kv());
+  if (k.size() != layers || v.size() != (kv == 2 ? layers : 0)) {
+    throw InvalidArgument(str_cat("DeviceKVPool: ", k.size(), " K and ", v.size(),
+                                  " V buffers for ", layers, " layers of ",
+                                  kv == 2 ? "MHA (one K and one V each)" : "MLA (one each, no V)"));
+  }
+  const std::int64_t run = num_tokens * geometry_.unit_bytes();  // one buffer's bytes
+  std::vector<std::uintptr_t> all;
+  for (void* p : k) all.push_back(reinterpret_cast<std::uintptr_t>(p));
+  for (void* p : v) all.push_back(reinterpret_cast<std::uintptr_t>(p));
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i] == 0) throw InvalidArgument(str_cat("DeviceKVPool: buffer ", i, " is null"));
+  }
+  const auto at = [&](std::size_t i) { return static_cast<std::int64_t>(all[i]); };
+  const std::int64_t layer_stride = layers > 1 ? at(1) - at(0) : run;
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t c = 0; c < kv; ++c) {
+      const std::size_t i = c * layers + l;
+      const std::int64_t want = at(c * layers) + static_cast<std::int64_t>(l) * layer_stride;
+      if (at(i) != want) {
+        throw InvalidArgument(str_cat("DeviceKVPool: the ", c == 0 ? "K" : "V", " buffer of layer ",
+                                      l, " is at ", reinterpret_cast<void*>(all[i]),
+                                      ", not at the constant layer stride ", layer_stride,
+                                      " from layer 0: the engine's buffers must come from one "
+                                      "allocation cut into layers"));
+      }
+    }
+  }
+  std::vector<std::uintptr_t> sorted = all;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i] - sorted[i - 1] < static_cast<std::uintptr_t>(run)) {
+      throw InvalidArgument(str_cat("DeviceKVPool: the engine's buffers at ",
+                                    reinterpret_cast<void*>(sorted[i - 1]), " and ",
+                                    reinterpret_cast<void*>(sorted[i]), " overlap (each holds ",
+                                    run, " bytes)"));
+    }
+  }
+  use_allocator(num_tokens, engine_allocator);
+  for (std::uintptr_t p : all) {
+    memory_.push_back(device.wrap_device(reinterpret_cast<void*>(p), static_cast<std::size_t>(run)));
+  }
+  desc_ = make_device_layout(geometry_, num_tokens, k[0]);
+  desc_.layer_stride = layer_stride;
+  desc_.kv_stride = kv == 2 ? at(layers) - at(0) : 0;
+}
+
+void DeviceKVPool::use_allocator(std::int64_t num_tokens, TokenSlotAllocator* engine_allocator) {
+  if (engine_allocator == nullptr) {
+    own_allocator_ = std::make_unique<PagedTokenAllocator>(num_tokens, geometry_.page_size);
+    allocator_ = own_allocator_.get();
+    return;
+  }
+  if (engine_allocator->page_size() != geometry_.page_size ||
+      engine_allocator->capacity_tokens() > num_tokens) {
+    throw InvalidArgument(str_cat("DeviceKVPool: the engine's allocator (page size ",
+                                  engine_allocator->page_size(), ", ",
+                                  engine_allocator->capacity_tokens(),
+                                  " slots) does not fit the pool (page size ", geometry_.page_size,
+                                  ", ", num_tokens, " slots)"));
+  }
+  allocator_ = engine_allocator;
 }
 
 std::byte* DeviceKVPool::buffer(std::int32_t layer, std::int32_t kv) const {

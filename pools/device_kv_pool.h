@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <span>
+#include <vector>
 
 #include "kernels/layout_math.h"
 #include "pools/kv_geometry.h"
@@ -21,16 +24,36 @@ class DeviceKVPool {
   // Allocates num_tokens slots of device memory. Throws InvalidArgument for a bad geometry or
   // a token count that is not a positive page multiple, DeviceError when memory is refused.
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens);
+  // Wraps the engine's device KV buffer (one allocation, in `external.order`) of num_tokens
+  // slots, in place. `engine_allocator` (may be null: the pool's own) hands out the slots that
+  // writes read and loads fill; it must have the geometry's page size and at most num_tokens
+  // slots, and outlive the pool. Throws InvalidArgument naming a null or short buffer, an
+  // allocator that does not fit; DeviceError when the runtime refuses the memory.
+  DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
+               const ExternalKVBuffer& external, TokenSlotAllocator* engine_allocator = nullptr);
+  // Wraps the engine's per-layer buffers: k[l] (and v[l] for MHA), each [num_tokens][unit]
+  // (SGLang's k_buffer / v_buffer lists). They must lie at one constant stride from layer to
+  // layer (as one allocation cut into layers puts them) and not overlap; buffers at unrelated
+  // addresses are refused naming the first one off the stride (the copy kernels address every
+  // layer from one base).
+  DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
+               std::span<void* const> k, std::span<void* const> v,
+               TokenSlotAllocator* engine_allocator = nullptr);
 
   const KVGeometry& geometry() const { return geometry_; }
   const LayoutDesc& layout() const { return desc_; }
-  std::int64_t capacity_tokens() const { return allocator_.capacity_tokens(); }
-  std::size_t size_bytes() const { return memory_.size(); }
+  std::int64_t capacity_tokens() const { return allocator_->capacity_tokens(); }
+  std::size_t size_bytes() const {
+    return static_cast<std::size_t>(kv_buffer_bytes(geometry_, desc_.num_tokens));
+  }
   Device& device() const { return *device_; }
 
-  // The allocator of this pool's slots. Not thread-safe: the engine's main loop owns it.
-  PagedTokenAllocator& allocator() { return allocator_; }
-  const PagedTokenAllocator& allocator() const { return allocator_; }
+  // The allocator of this pool's slots (its own, or the engine's). Not thread-safe: the
+  // engine's main loop owns it.
+  TokenSlotAllocator& allocator() { return *allocator_; }
+  const TokenSlotAllocator& allocator() const { return *allocator_; }
+  // True when the KV memory is the engine's (wrapped, never freed here).
+  bool wraps_engine_memory() const { return wrapped_; }
 
   // Device pointer of the [tokens][unit] buffer of `layer` for K (kv = 0) or V (kv = 1); MLA
   // has only kv = 0, the latent buffer. Throws InvalidArgument for an index out of range.
@@ -49,9 +72,13 @@ class DeviceKVPool {
  private:
   Device* device_;
   KVGeometry geometry_;
-  Buffer memory_;
+  void use_allocator(std::int64_t num_tokens, TokenSlotAllocator* engine_allocator);
+
+  std::vector<Buffer> memory_;  // one buffer, or the engine's per-layer buffers
   LayoutDesc desc_;
-  PagedTokenAllocator allocator_;
+  std::unique_ptr<PagedTokenAllocator> own_allocator_;
+  TokenSlotAllocator* allocator_ = nullptr;
+  bool wrapped_ = false;
   std::function<bool(std::int32_t)> layer_wait_hook_;
 };
 

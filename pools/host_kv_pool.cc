@@ -72,6 +72,25 @@ HostKVPool::HostKVPool(Device& device, const KVGeometry& geometry, HostLayout la
   states_.assign(allocator_.num_pages(), PageState::kFree);
 }
 
+HostKVPool::HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
+                       std::int64_t num_tokens, const ExternalKVBuffer& external)
+    : geometry_(geometry),
+      host_layout_(layout),
+      wrapped_(true),
+      allocator_((check_token_count(geometry, num_tokens, "HostKVPool"), num_tokens),
+                 geometry.page_size) {
+  geometry_.validate();
+  const auto need = static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens));
+  if (external.data == nullptr || external.bytes < need) {
+    throw InvalidArgument(str_cat("HostKVPool: the engine's buffer (", external.bytes, " bytes at ",
+                                  external.data, ") is smaller than ", num_tokens, " slots of ",
+                                  geometry_.token_bytes(), " bytes (", need, ")"));
+  }
+  memory_ = device.wrap_host(external.data, external.bytes);
+  desc_ = make_host_layout(layout, geometry_, num_tokens, memory_.data(), external.order);
+  states_.assign(allocator_.num_pages(), PageState::kFree);
+}
+
 std::int64_t HostKVPool::free_tokens() const {
   MutexLock lock(mu_);
   return allocator_.free_tokens();

@@ -40,6 +40,12 @@ class HostKVPool {
   // geometry or token count, DeviceError when the memory is refused.
   HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
              std::int64_t num_tokens, const HostMemoryOptions& memory = {});
+  // Wraps the engine's host KV buffer in place (`external.order`: SGLang's kv_buffer shapes, or
+  // hicache's); page-locks it on CUDA when it is not already (undone when the pool goes). The
+  // page states start free: the engine hands the pool's pages to hicache. Throws
+  // InvalidArgument naming a null or short buffer; DeviceError when it cannot be page-locked.
+  HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
+             std::int64_t num_tokens, const ExternalKVBuffer& external);
 
   const KVGeometry& geometry() const { return geometry_; }
   HostLayout host_layout() const { return host_layout_; }
@@ -52,7 +58,11 @@ class HostKVPool {
     return allocator_.num_pages();
   }
   std::int64_t free_tokens() const;
-  std::size_t size_bytes() const { return memory_.size(); }
+  std::size_t size_bytes() const {
+    return static_cast<std::size_t>(kv_buffer_bytes(geometry_, desc_.num_tokens));
+  }
+  // True when the KV memory is the engine's (wrapped, never freed here).
+  bool wraps_engine_memory() const { return wrapped_; }
 
   // Allocates whole pages (free -> reserved). Returns nothing, with nothing changed, when the
   // pool is short. Throws InvalidArgument unless num_tokens is a positive page multiple.
@@ -105,6 +115,7 @@ class HostKVPool {
   HostLayout host_layout_;
   Buffer memory_;
   LayoutDesc desc_;
+  bool wrapped_ = false;
   mutable Mutex mu_;
   PagedTokenAllocator allocator_ HICACHE_GUARDED_BY(mu_);
   std::vector<PageState> states_ HICACHE_GUARDED_BY(mu_);

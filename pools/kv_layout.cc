@@ -12,6 +12,16 @@ HostLayout parse_host_layout(std::string_view name) {
                                 "': valid are layer_first, page_first, page_first_direct"));
 }
 
+DimOrder parse_dim_order(std::string_view name) {
+  if (name == "hicache") return DimOrder::kHicache;
+  if (name == "sglang") return DimOrder::kSglang;
+  throw InvalidArgument(str_cat("unknown dimension order '", name, "': valid are hicache, sglang"));
+}
+
+std::string_view to_string(DimOrder order) {
+  return order == DimOrder::kSglang ? "sglang" : "hicache";
+}
+
 std::string_view to_string(HostLayout layout) {
   switch (layout) {
     case HostLayout::kLayerFirst:
@@ -53,13 +63,34 @@ LayoutDesc base_desc(const KVGeometry& geometry, std::int64_t num_tokens, void* 
 }  // namespace
 
 LayoutDesc make_host_layout(HostLayout layout, const KVGeometry& geometry, std::int64_t num_tokens,
-                            void* base) {
+                            void* base, DimOrder order) {
   check_token_count(geometry, num_tokens, "make_host_layout");
   LayoutDesc d = base_desc(geometry, num_tokens, base);
   const std::int64_t u = d.unit_bytes;
   const std::int64_t kv = d.num_kv;
   const std::int64_t layers = d.num_layers;
   const std::int64_t ps = d.page_size;
+  if (order == DimOrder::kSglang) {
+    // K/V outermost: the V half starts after every layer's K.
+    d.kv_stride = kv > 1 ? layers * num_tokens * u : 0;
+    switch (layout) {
+      case HostLayout::kLayerFirst:  // (2, L, S, unit)
+        d.token_stride = u;
+        d.page_stride = ps * u;
+        d.layer_stride = num_tokens * u;
+        return d;
+      case HostLayout::kPageFirst:  // (2, S, L, unit)
+        d.layer_stride = u;
+        d.token_stride = layers * u;
+        d.page_stride = ps * d.token_stride;
+        return d;
+      case HostLayout::kPageFirstDirect:  // (2, S/P, L, P, unit)
+        d.token_stride = u;
+        d.layer_stride = ps * u;
+        d.page_stride = layers * d.layer_stride;
+        return d;
+    }
+  }
   switch (layout) {
     case HostLayout::kLayerFirst:
       d.token_stride = u;
@@ -83,10 +114,11 @@ LayoutDesc make_host_layout(HostLayout layout, const KVGeometry& geometry, std::
   throw InvalidArgument(str_cat("make_host_layout: unknown layout value ", static_cast<int>(layout)));
 }
 
-LayoutDesc make_device_layout(const KVGeometry& geometry, std::int64_t num_tokens, void* base) {
+LayoutDesc make_device_layout(const KVGeometry& geometry, std::int64_t num_tokens, void* base,
+                              DimOrder order) {
   check_token_count(geometry, num_tokens, "make_device_layout");
   // The device buffer is token-indexed per (layer, K/V), the same strides as layer_first.
-  return make_host_layout(HostLayout::kLayerFirst, geometry, num_tokens, base);
+  return make_host_layout(HostLayout::kLayerFirst, geometry, num_tokens, base, order);
 }
 
 }  // namespace hicache

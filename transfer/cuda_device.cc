@@ -253,6 +253,34 @@ Buffer CudaDevice::alloc_host(std::size_t bytes, const HostMemoryOptions& option
   });
 }
 
+Buffer CudaDevice::wrap_device(void* data, std::size_t bytes) {
+  Buffer checked = Device::wrap_device(data, bytes);  // the argument checks
+  cudaPointerAttributes attr{};
+  check(cudaPointerGetAttributes(&attr, data), "cudaPointerGetAttributes");
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) ||
+      attr.device != ordinal_) {
+    throw DeviceError(str_cat("CudaDevice::wrap_device: ", data, " is not memory of GPU ",
+                              ordinal_, " (cudaPointerGetAttributes type ",
+                              static_cast<int>(attr.type), ", device ", attr.device, ")"));
+  }
+  return checked;
+}
+
+Buffer CudaDevice::wrap_host(void* data, std::size_t bytes) {
+  Buffer checked = Device::wrap_host(data, bytes);
+  cudaPointerAttributes attr{};
+  check(cudaPointerGetAttributes(&attr, data), "cudaPointerGetAttributes");
+  if (attr.type == cudaMemoryTypeHost) return checked;  // page-locked already (pin_memory)
+  if (attr.type != cudaMemoryTypeUnregistered) {
+    throw DeviceError(str_cat("CudaDevice::wrap_host: ", data,
+                              " is device memory, not host memory (type ",
+                              static_cast<int>(attr.type), ")"));
+  }
+  check(cudaHostRegister(data, bytes, cudaHostRegisterDefault),
+        str_cat("cudaHostRegister of the engine's ", bytes, " bytes").c_str());
+  return Buffer(data, bytes, [](void* p, std::size_t) { cudaHostUnregister(p); });
+}
+
 std::unique_ptr<Stream> CudaDevice::create_stream() { return std::make_unique<CudaStream>(ordinal_); }
 
 std::unique_ptr<Stream> CudaDevice::wrap_stream(void* native) {

@@ -24,6 +24,8 @@ class CudaDevice final : public Device {
   std::string name() const override { return name_; }
   Buffer alloc_device(std::size_t bytes) override;
   Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options = {}) override;
+  Buffer wrap_device(void* data, std::size_t bytes) override;
+  Buffer wrap_host(void* data, std::size_t bytes) override;
   bool device_memory_is_host_accessible() const override { return false; }
   std::unique_ptr<Stream> create_stream() override;
   std::unique_ptr<Stream> wrap_stream(void* native) override;

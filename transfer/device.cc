@@ -46,4 +46,20 @@ std::unique_ptr<Device> Device::create(std::string_view backend, int cuda_ordina
 #endif
 }
 
+Buffer Device::wrap_device(void* data, std::size_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    throw InvalidArgument(str_cat("Device::wrap_device: ", bytes, " bytes at ", data,
+                                  ": the engine's memory must be a non-null, non-empty range"));
+  }
+  return Buffer(data, bytes, [](void*, std::size_t) {});  // the engine's: never freed here
+}
+
+Buffer Device::wrap_host(void* data, std::size_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    throw InvalidArgument(str_cat("Device::wrap_host: ", bytes, " bytes at ", data,
+                                  ": the engine's memory must be a non-null, non-empty range"));
+  }
+  return Buffer(data, bytes, [](void*, std::size_t) {});
+}
+
 }  // namespace hicache

@@ -102,6 +102,13 @@ class Device {
   virtual Buffer alloc_device(std::size_t bytes) = 0;
   // Page-locked host memory that the device's copies reach directly, zeroed and pre-faulted.
   virtual Buffer alloc_host(std::size_t bytes, const HostMemoryOptions& options = {}) = 0;
+  // Memory the engine owns, used in place and never freed or reallocated: the Buffer returned
+  // holds it without owning it, and its release undoes only what wrapping did (a CUDA host
+  // registration it made). Throws InvalidArgument for a null pointer or 0 bytes, DeviceError
+  // when the runtime refuses it (CUDA: wrap_device of memory that is not the device's,
+  // wrap_host of memory that cannot be page-locked). The host backend takes any memory.
+  virtual Buffer wrap_device(void* data, std::size_t bytes);
+  virtual Buffer wrap_host(void* data, std::size_t bytes);
   // True when device memory is ordinary host memory the CPU may read and write directly.
   virtual bool device_memory_is_host_accessible() const = 0;
 
