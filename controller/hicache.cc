@@ -45,6 +45,14 @@ void check_collectives(const HiCacheCollectives& given, const TensorParallelConf
 
 HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     : config_(config), device_(parts.device), storage_(std::move(parts.storage)) {
+  if (parts.device_kv && (!parts.device_k.empty() || !parts.device_v.empty())) {
+    throw InvalidArgument("HiCache: the engine's device KV is one buffer (device_kv) or per-layer "
+                          "buffers (device_k, device_v), not both");
+  }
+  if (parts.device_allocator != nullptr && !parts.device_kv && parts.device_k.empty()) {
+    throw InvalidArgument("HiCache: an engine allocator (device_allocator) hands out slots of the "
+                          "engine's device KV memory: pass that memory too");
+  }
   // Everything that can be refused is refused before a thread starts.
   config_.validate();
   if (storage_ && !config_.radix.host_tier) {
@@ -89,10 +97,23 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
   }
 
   const auto& g = config_.geometry;
-  device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens);
-  host_pool_ = std::make_unique<HostKVPool>(
-      *device_, g, config_.host_layout,
-      config_.radix.host_tier ? config_.host_tokens() : g.page_size);
+  if (parts.device_kv) {
+    device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens,
+                                                  *parts.device_kv, parts.device_allocator);
+  } else if (!parts.device_k.empty()) {
+    device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens,
+                                                  parts.device_k, parts.device_v,
+                                                  parts.device_allocator);
+  } else {
+    device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens);
+  }
+  const std::int64_t host_tokens = config_.radix.host_tier ? config_.host_tokens() : g.page_size;
+  if (parts.host_kv) {
+    host_pool_ = std::make_unique<HostKVPool>(*device_, g, config_.host_layout, host_tokens,
+                                              *parts.host_kv);
+  } else {
+    host_pool_ = std::make_unique<HostKVPool>(*device_, g, config_.host_layout, host_tokens);
+  }
   controller_ = std::make_unique<HiCacheController>(*device_, *device_pool_, *host_pool_,
                                                     config_.controller);
   try {

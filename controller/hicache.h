@@ -24,6 +24,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "controller/config.h"
@@ -60,6 +61,17 @@ struct HiCacheParts {
   // TP collectives; none: one LocalCollective for tp_size 1, Gloo groups from config.tp for
   // more ranks.
   HiCacheCollectives collectives;
+  // The engine's KV memory, wrapped in place instead of allocated (never freed by hicache; the
+  // engine keeps it alive and unmoved while the HiCache lives). Device: one buffer
+  // (device_kv, of config.device_tokens slots) or per-layer K/V buffers (device_k, device_v, at
+  // a constant stride); host: one buffer of config's host tokens in config.host_layout, in
+  // host_kv.order. Empty: allocated by the device runtime.
+  std::optional<ExternalKVBuffer> device_kv;
+  std::vector<void*> device_k, device_v;
+  std::optional<ExternalKVBuffer> host_kv;
+  // The engine's slot allocator for the device pool (must outlive the HiCache); null: the
+  // pool's own.
+  TokenSlotAllocator* device_allocator = nullptr;
 };
 
 class HiCache {

@@ -119,7 +119,7 @@ void HiCacheController::start_threads() {
 void HiCacheController::check_write_slots(std::span<const std::int64_t> device_slots) {
   check_pages_.clear();
   slots_to_pages(device_slots, device_pool_.geometry().page_size,
-                 device_pool_.allocator().num_pages(), "HiCacheController::write", check_pages_);
+                 device_pool_.num_pages(), "HiCacheController::write", check_pages_);
   if (device_slots.empty()) throw InvalidArgument("HiCacheController::write: no slots");
 }
 
@@ -182,15 +182,47 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
   host_pool_.require_state(host_slots, PageState::kBackup, "HiCacheController::load");
   auto device_slots = device_pool_.allocator().alloc(static_cast<std::int64_t>(host_slots.size()));
   if (!device_slots) return std::nullopt;
-  host_pool_.protect_load(host_slots);
-  auto op = make_op(host_slots, *device_slots, priority, ack_node);
-  if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
-    arena_.give(std::move(op));
-    host_pool_.complete_io(host_slots, PageState::kBackup);
+  if (!queue_load(host_slots, *device_slots, priority, ack_node)) {
     device_pool_.allocator().free(*device_slots);
     return std::nullopt;
   }
   return device_slots;
+}
+
+bool HiCacheController::load_into(std::span<const std::int64_t> host_slots,
+                                  std::span<const std::int64_t> device_slots,
+                                  std::int64_t priority, std::optional<NodeId> ack_node) {
+  constexpr const char* kWhat = "HiCacheController::load_into";
+  if (host_slots.empty()) throw InvalidArgument(str_cat(kWhat, ": no slots"));
+  if (host_slots.size() != device_slots.size()) {
+    throw InvalidArgument(str_cat(kWhat, ": ", host_slots.size(), " host slots for ",
+                                  device_slots.size(), " device slots"));
+  }
+  host_pool_.require_state(host_slots, PageState::kBackup, kWhat);
+  check_pages_.clear();
+  slots_to_pages(device_slots, device_pool_.geometry().page_size, device_pool_.num_pages(), kWhat,
+                 check_pages_);
+  for (std::int64_t page : check_pages_) {
+    if (!device_pool_.allocator().is_allocated(page)) {
+      throw StateError(str_cat(kWhat, ": device page ", page, " (slot ",
+                               page * device_pool_.geometry().page_size,
+                               ") is not allocated: take the slots from device_pool().allocator()"));
+    }
+  }
+  return queue_load(host_slots, device_slots, priority, ack_node);
+}
+
+bool HiCacheController::queue_load(std::span<const std::int64_t> host_slots,
+                                   std::span<const std::int64_t> device_slots,
+                                   std::int64_t priority, std::optional<NodeId> ack_node) {
+  host_pool_.protect_load(host_slots);
+  auto op = make_op(host_slots, device_slots, priority, ack_node);
+  if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
+    arena_.give(std::move(op));
+    host_pool_.complete_io(host_slots, PageState::kBackup);
+    return false;
+  }
+  return true;
 }
 
 std::int32_t HiCacheController::start_loading(const Event* ready_after) {
@@ -241,7 +273,7 @@ void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
   s.device_pages.clear();
   slots_to_pages(op.host_slots, ps, host_pool_.num_pages(), "controller host slots",
                  s.host_pages);
-  slots_to_pages(op.device_slots, ps, device_pool_.allocator().num_pages(),
+  slots_to_pages(op.device_slots, ps, device_pool_.num_pages(),
                  "controller device slots", s.device_pages);
   if (config_.io_backend == IoBackend::kDirect) {
     // Sorted host pages read or write host memory in address order (as the reference does).

@@ -109,6 +109,15 @@ class HiCacheController {
   std::optional<std::vector<std::int64_t>> load(std::span<const std::int64_t> host_slots,
                                                 std::int64_t priority,
                                                 std::optional<NodeId> ack_node);
+  // Loads host pages in backup state into device slots the engine chose: slots it took from
+  // device_pool().allocator() (the engine's allocator where it passed one), whole pages, as
+  // many as host_slots. They belong to the load from here on, as load()'s do: a load that
+  // fails, or one dropped by stop() or reset(), frees them back to that allocator. False
+  // (nothing changed, the slots still the caller's) when the load queue is full. Throws
+  // InvalidArgument for mismatched or malformed slot lists, StateError for a host page not in
+  // backup or a device page not allocated; nothing changes then.
+  bool load_into(std::span<const std::int64_t> host_slots, std::span<const std::int64_t> device_slots,
+                 std::int64_t priority, std::optional<NodeId> ack_node);
   // Hands every load queued since the last call to the load thread as one batch and returns the
   // LayerDoneCounter slot its consumer waits on (also installed as the device pool's layer-wait
   // hook), or -1 when nothing was queued (the pool's layer waits then return true at once). The caller releases the slot when its forward pass is
@@ -176,6 +185,10 @@ class HiCacheController {
                          std::span<const std::int64_t> device_slots, std::int64_t priority,
                          std::optional<NodeId> ack_node);
   void run_load(LoadBatch& batch, Scratch& scratch);
+  // Protects the host pages and queues the load; false (host pages back to backup) when full.
+  bool queue_load(std::span<const std::int64_t> host_slots,
+                  std::span<const std::int64_t> device_slots, std::int64_t priority,
+                  std::optional<NodeId> ack_node);
   // Gives a finished op's lists back to the arena, then acks its nodes and wakes the waiters.
   void finish_op(CacheOperation& op, moodycamel::ConcurrentQueue<Ack>& acks, bool ok,
                  Scratch& scratch);

@@ -42,7 +42,11 @@ class DeviceKVPool {
 
   const KVGeometry& geometry() const { return geometry_; }
   const LayoutDesc& layout() const { return desc_; }
+  // Slots the allocator hands out (the engine's allocator may keep some, as SGLang's padding page).
   std::int64_t capacity_tokens() const { return allocator_->capacity_tokens(); }
+  // Slots and pages of the KV buffer: the range every slot passed to the pool must lie in.
+  std::int64_t num_slots() const { return desc_.num_tokens; }
+  std::int64_t num_pages() const { return desc_.num_tokens / geometry_.page_size; }
   std::size_t size_bytes() const {
     return static_cast<std::size_t>(kv_buffer_bytes(geometry_, desc_.num_tokens));
   }

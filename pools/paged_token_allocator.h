@@ -28,7 +28,8 @@ void pages_to_slots(std::span<const std::int64_t> pages, std::int32_t page_size,
 // What hands out the device pool's token slots: the pool's own PagedTokenAllocator, or the
 // engine's allocator behind this interface (the engine then chooses the slots loads go into).
 // Contract, as PagedTokenAllocator's below: whole pages, no partial success, a bad free throws
-// and changes nothing. Called from the engine's main loop only.
+// and changes nothing. Called from the engine's main loop only. (An implementation that
+// overrides alloc adds `using TokenSlotAllocator::alloc;` to keep the optional-returning form.)
 class TokenSlotAllocator {
  public:
   virtual ~TokenSlotAllocator() = default;
