@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "controller/config.h"
@@ -375,14 +376,51 @@ class PyStore {
   MetricsRegistry metrics_;
 };
 
+// Address and byte size of a tensor on any device (the engine's KV memory), contiguous.
+std::pair<void*, std::size_t> tensor_memory(py::handle t, const char* what) {
+  if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "element_size")) {
+    throw InvalidArgument(str_cat(what, ": a tensor, not a ",
+                                  py::str(py::type::of(t).attr("__name__")).cast<std::string>()));
+  }
+  if (!t.attr("is_contiguous")().cast<bool>()) {
+    throw InvalidArgument(str_cat(what, ": the tensor is not contiguous"));
+  }
+  return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<std::uintptr_t>()),
+          t.attr("numel")().cast<std::size_t>() * t.attr("element_size")().cast<std::size_t>()};
+}
+
 // A HiCache; `store` (may be None) is the one its config names, opened by the Python side so
-// that it can be handed out as a Store too.
+// that it can be handed out as a Store too. The engine's KV tensors (optional) are wrapped in
+// place; `keep` holds them alive as long as the cache.
 class PyHiCache {
  public:
-  PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store) : store_(std::move(store)) {
+  PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store, py::object device_kv,
+            py::object host_kv, py::object device_k, py::object device_v,
+            const std::string& dim_order)
+      : store_(std::move(store)) {
     const HiCacheConfig config = HiCacheConfig::from_json_text(config_json);
     HiCacheParts parts;
     if (store_) parts.storage = store_->backend();
+    const DimOrder order = parse_dim_order(dim_order);
+    if (!device_kv.is_none()) {
+      auto [p, n] = tensor_memory(device_kv, "device_kv");
+      parts.device_kv = ExternalKVBuffer{p, n, order};
+      keep_.push_back(device_kv);
+    }
+    if (!host_kv.is_none()) {
+      auto [p, n] = tensor_memory(host_kv, "host_kv");
+      parts.host_kv = ExternalKVBuffer{p, n, order};
+      keep_.push_back(host_kv);
+    }
+    for (auto [list, out, what] : {std::tuple{&device_k, &parts.device_k, "device_k"},
+                                   std::tuple{&device_v, &parts.device_v, "device_v"}}) {
+      if (list->is_none()) continue;
+      std::size_t i = 0;
+      for (py::handle t : py::reinterpret_borrow<py::sequence>(*list)) {
+        out->push_back(tensor_memory(t, str_cat(what, "[", i++, "]").c_str()).first);
+      }
+      keep_.push_back(*list);
+    }
     py::gil_scoped_release nogil;  // the TP rendezvous and pool pre-faulting wait
     cache_ = std::make_unique<HiCache>(config, std::move(parts));
   }
@@ -401,8 +439,34 @@ class PyHiCache {
   }
   std::shared_ptr<PyStore> store() const { return store_; }
 
+  // Acks of `kind` ("write" or "load") until `n` arrived or `timeout_s` passed, waiting on the
+  // controller's event signal without the GIL: [(node id, ok)].
+  std::vector<std::pair<NodeId, bool>> wait_acks(const std::string& kind, std::size_t n,
+                                                 double timeout_s) {
+    if (kind != "write" && kind != "load") {
+      throw InvalidArgument(str_cat("wait_acks: kind '", kind, "': valid are write, load"));
+    }
+    HiCacheController& c = get().controller();
+    std::vector<Ack> acks;
+    {
+      py::gil_scoped_release nogil;
+      const auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(timeout_s));
+      while (true) {
+        const std::uint64_t seen = c.events()->seq();
+        kind == "write" ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
+        if (acks.size() >= n || !c.events()->wait(seen, deadline)) break;
+      }
+    }
+    std::vector<std::pair<NodeId, bool>> out;
+    for (const Ack& a : acks) out.emplace_back(a.node, a.ok);
+    return out;
+  }
+
  private:
   std::shared_ptr<PyStore> store_;
+  std::vector<py::object> keep_;
   std::unique_ptr<HiCache> cache_;
 };
 
@@ -506,8 +570,53 @@ PYBIND11_MODULE(_hicache, m) {
       .def("metrics_text", &PyStore::metrics_text);
 
   py::class_<PyHiCache>(m, "HiCache")
-      .def(py::init<const std::string&, std::shared_ptr<PyStore>>(), py::arg("config_json"),
-           py::arg("store"))
+      .def(py::init<const std::string&, std::shared_ptr<PyStore>, py::object, py::object,
+                    py::object, py::object, const std::string&>(),
+           py::arg("config_json"), py::arg("store"), py::arg("device_kv") = py::none(),
+           py::arg("host_kv") = py::none(), py::arg("device_k") = py::none(),
+           py::arg("device_v") = py::none(), py::arg("dim_order") = "sglang")
+      .def("alloc_device",
+           [](PyHiCache& c, std::int64_t tokens) {
+             return c.get().device_pool().allocator().alloc(tokens);
+           },
+           py::arg("tokens"))
+      .def("free_device",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots) {
+             c.get().device_pool().allocator().free(slots);
+           },
+           py::arg("slots"))
+      .def("write",
+           [](PyHiCache& c, const std::vector<std::int64_t>& device_slots, NodeId node) {
+             return c.get().controller().write(device_slots, 0, node);
+           },
+           py::arg("device_slots"), py::arg("node_id"))
+      .def("load_into",
+           [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
+              const std::vector<std::int64_t>& device_slots, NodeId node) {
+             return c.get().controller().load_into(host_slots, device_slots, 0, node);
+           },
+           py::arg("host_slots"), py::arg("device_slots"), py::arg("node_id"))
+      .def("evict_device",
+           [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
+              const std::vector<std::int64_t>& host_slots) {
+             return c.get().controller().evict_device(device_slots, host_slots);
+           },
+           py::arg("device_slots"), py::arg("host_slots"))
+      .def("start_loading", [](PyHiCache& c) { return c.get().controller().start_loading(); })
+      .def("wait_for_layer",
+           [](PyHiCache& c, std::int32_t layer) {
+             HiCache& hc = c.get();
+             py::gil_scoped_release nogil;
+             return hc.device_pool().wait_for_layer(layer);
+           },
+           py::arg("layer"))
+      .def("release_loading",
+           [](PyHiCache& c, std::int32_t slot) {
+             c.get().controller().layer_done_counter().release(slot);
+           },
+           py::arg("slot"))
+      .def("wait_acks", &PyHiCache::wait_acks, py::arg("kind"), py::arg("n"),
+           py::arg("timeout_s") = 60.0)
       .def("close", &PyHiCache::close)
       .def_property_readonly("store", &PyHiCache::store)
       .def_property_readonly("key_prefix",

@@ -97,9 +97,18 @@ def open_store(config):
 
 
 class HiCache:
-    """The whole cache (pools, controllers, store, radix tree, metrics) built from one config."""
+    """The whole cache (pools, controllers, store, radix tree, metrics) built from one config.
 
-    def __init__(self, config):
+    The engine's KV tensors, when given, are the pools' memory, wrapped in place and never
+    freed, copied or moved (the cache keeps a reference to them): `device_kv` one tensor of the
+    device pool (SGLang's order: MHA (2, L, S, H, D), MLA (L, S, 1, D)), or `device_k` /
+    `device_v` lists of per-layer tensors (S, H, D) cut from one allocation at a constant
+    stride; `host_kv` one tensor in the config's host_layout (SGLang's kv_buffer shapes).
+    `dim_order` "hicache" reads them in hicache's own orders instead.
+    """
+
+    def __init__(self, config, *, device_kv=None, host_kv=None, device_k=None, device_v=None,
+                 dim_order="sglang"):
         text = _json_text(config, "HiCache")
         _hicache.validate_config(text)  # a bad config is refused before a store is opened
         parsed = _json.loads(text)
@@ -107,8 +116,49 @@ class HiCache:
         storage = parsed.get("storage", parsed.get("hicache_storage_backend"))
         if isinstance(storage, dict):
             native_store = _hicache.Store(_json.dumps(storage))
-        self._c = _hicache.HiCache(text, native_store)
+        self._c = _hicache.HiCache(text, native_store, device_kv=device_kv, host_kv=host_kv,
+                                   device_k=device_k, device_v=device_v, dim_order=dim_order)
         self._store = Store(native_store) if native_store is not None else None
+
+    # --- the controller, for an engine that drives it (slots are token slot lists) ---------
+
+    def alloc_device(self, tokens):
+        """Whole pages of device slots from the pool's allocator, or None when short."""
+        return self._c.alloc_device(tokens)
+
+    def free_device(self, slots):
+        self._c.free_device(list(slots))
+
+    def write(self, device_slots, node_id):
+        """Backs up device slots to new host slots (returned; None when the host pool or the
+        queue is full); an ack (node_id, ok) follows."""
+        return self._c.write(list(device_slots), node_id)
+
+    def load_into(self, host_slots, device_slots, node_id):
+        """Loads host pages (backup state) into device slots the engine allocated; False when
+        the load queue is full. Runs at the next start_loading()."""
+        return self._c.load_into(list(host_slots), list(device_slots), node_id)
+
+    def evict_device(self, device_slots, host_slots):
+        """Frees device slots whose host copy is synced; the host copy stays (backup)."""
+        return self._c.evict_device(list(device_slots), list(host_slots))
+
+    def start_loading(self):
+        """Starts the queued loads as one batch; its layer counter (release it after the
+        forward pass with release_loading), or -1 when nothing was queued."""
+        return self._c.start_loading()
+
+    def wait_for_layer(self, layer):
+        """Waits (without the GIL) until `layer` of the current batch is loaded; False when
+        the batch failed."""
+        return self._c.wait_for_layer(layer)
+
+    def release_loading(self, counter):
+        self._c.release_loading(counter)
+
+    def wait_acks(self, kind, n, timeout_s=60.0):
+        """Acks of "write" or "load" ops, [(node_id, ok)], until n arrived or the timeout."""
+        return self._c.wait_acks(kind, n, timeout_s)
 
     @property
     def store(self):

@@ -127,3 +127,78 @@ def test_the_gil_is_released_during_io(tmp_path):
 def test_config_reference_comes_from_the_schema():
     ref = hicache.config_reference()
     assert "| key | flag |" in ref and "prefetch_threshold_tokens" in ref
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla):
+    """Device and host KV as torch tensors in SGLang's shapes: a page written to the host and
+    loaded back into slots the engine chose lands where SGLang's indexing reads it, in the
+    engine's own tensors (host backend: "device" memory is host memory here)."""
+    L, P, S_dev, S_host = 3, 4, 64, 128
+    H, D = (1, 32) if mla else (2, 8)
+    model = ({"attention": "mla", "layers": L, "kv_lora_rank": 24, "qk_rope_head_dim": 8}
+             if mla else {"layers": L, "kv_heads": H, "head_dim": D})
+    model["dtype"] = "bf16"
+    cfg = {"device": "host", "page_size": P, "device_tokens": S_dev, "host_tokens": S_host,
+           "host_layout": layout, "io_backend": "kernel", "model": model, "metrics": False}
+    if mla:
+        dev = torch.zeros((L, S_dev, 1, D), dtype=torch.bfloat16)
+        host = torch.zeros({"layer_first": (L, S_host, 1, D), "page_first": (S_host, L, 1, D),
+                            "page_first_direct": (S_host // P, L, P, 1, D)}[layout],
+                           dtype=torch.bfloat16)
+    else:
+        dev = torch.zeros((2, L, S_dev, H, D), dtype=torch.bfloat16)
+        host = torch.zeros({"layer_first": (2, L, S_host, H, D),
+                            "page_first": (2, S_host, L, H, D),
+                            "page_first_direct": (2, S_host // P, L, P, H, D)}[layout],
+                           dtype=torch.bfloat16)
+    dev.view(torch.int16).random_(-30000, 30000)
+    original = dev.clone()
+    with hicache.HiCache(cfg, device_kv=dev, host_kv=host) as c:
+        slots = c.alloc_device(2 * P)
+        host_slots = c.write(slots, 1)
+        assert c.wait_acks("write", 1) == [(1, True)]
+
+        def host_unit(kv, layer, t):  # SGLang's indexing of its host kv_buffer
+            b = host if mla else host[kv]
+            if layout == "layer_first":
+                return b[layer, t]
+            if layout == "page_first":
+                return b[t, layer]
+            return b[t // P, layer, t % P]
+
+        def dev_unit(tensor, kv, layer, t):
+            return tensor[layer, t] if mla else tensor[kv, layer, t]
+
+        for s, h in zip(slots, host_slots):
+            for kv in range(1 if mla else 2):
+                for layer in range(L):
+                    assert torch.equal(host_unit(kv, layer, h).view(torch.int16),
+                                       dev_unit(original, kv, layer, s).view(torch.int16))
+        c.evict_device(slots, host_slots)
+        into = c.alloc_device(2 * P)
+        dev.zero_()
+        assert c.load_into(host_slots, into, 2)
+        counter = c.start_loading()
+        assert all(c.wait_for_layer(layer) for layer in range(L))
+        c.release_loading(counter)
+        assert c.wait_acks("load", 1) == [(2, True)]
+        for s, d in zip(slots, into):
+            for kv in range(1 if mla else 2):
+                for layer in range(L):
+                    assert torch.equal(dev_unit(dev, kv, layer, d).view(torch.int16),
+                                       dev_unit(original, kv, layer, s).view(torch.int16))
+
+
+def test_engine_tensors_that_do_not_fit_are_refused():
+    cfg = {"device": "host", "page_size": 4, "device_tokens": 64, "model": MODEL}
+    with pytest.raises(ValueError, match="smaller than 64 slots"):
+        hicache.HiCache(cfg, device_kv=torch.zeros(10))
+    with pytest.raises(ValueError, match="not contiguous"):
+        hicache.HiCache(cfg, device_kv=torch.zeros(2, 2, 64, 1, 8).transpose(0, 2))
+    with pytest.raises(ValueError, match="unknown dimension order"):
+        hicache.HiCache(cfg, dim_order="sideways")
+    with pytest.raises(ValueError, match="not at the constant layer stride"):
+        hicache.HiCache(cfg, device_k=[torch.zeros(64, 1, 8) for _ in range(2)],
+                        device_v=[torch.zeros(64, 1, 8) for _ in range(2)])

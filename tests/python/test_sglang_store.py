@@ -1,6 +1,7 @@
 """hicache as SGLang's L3 (HiCacheStore), exercised the way SGLang's controller calls it, over a
 host pool built with SGLang's shapes and attributes (conftest.HostPool). Every byte is checked
 through the pool's own tensor."""
+import gc
 import hashlib
 import importlib
 import os
@@ -228,13 +229,19 @@ def test_a_full_disk_gives_false_for_the_pages_that_did_not_fit(tmp_path, host_p
         assert True in ok and False in ok
         assert store.get_stats()["set_errors"] > 0
         dst = host_pool("page_first", layers=4, heads=4, head_dim=64, page_size=16, pages=24)
-        got = make_store(dst, mnt).batch_get_v1(keys, indices(range(24), 16))
+        reader = make_store(dst, mnt)
+        got = reader.batch_get_v1(keys, indices(range(24), 16))
         for p, (wrote, read) in enumerate(zip(ok, got)):
             assert read == wrote
             if read:
                 assert dst.page_bytes(p * 16) == pool.page_bytes(p * 16)
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        # The stores hold the directory open (and a thread that empties its trash): close them
+        # before the unmount.
+        store = reader = None
+        gc.collect()
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_killed_redis_gives_false_never_an_exception(host_pool, redis_server):
