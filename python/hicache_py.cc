@@ -3,8 +3,9 @@
 //
 // Memory comes in by pointer and is never copied on the way in: torch tensors (data_ptr) and
 // objects with the buffer protocol. The GIL is released around every call that does I/O or
-// waits. C++ errors become Python exceptions: InvalidArgument -> ValueError, other hicache
-// errors -> RuntimeError; per-key I/O results stay values (IoResult).
+// waits. C++ errors become Python exceptions: InvalidArgument -> ValueError, IoError (a store
+// directory that cannot be created or opened) -> OSError, other hicache errors -> RuntimeError;
+// per-key I/O results stay values (IoResult).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -481,6 +482,8 @@ PYBIND11_MODULE(_hicache, m) {
       if (p) std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
     } catch (const Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

@@ -112,16 +112,16 @@ class FileStorage::Impl {
     std::error_code ec;
     fs::create_directories(root_, ec);
     if (!fs::is_directory(root_)) {
-      throw InvalidArgument(str_cat("file storage: root '", config.root,
-                                    "' is not a directory and cannot be created",
+      throw IoError(str_cat("file storage: root '", config.root,
+                            "' is not a directory and cannot be created",
                                     ec ? ": " + ec.message() : std::string()));
     }
     if (::access(root_.c_str(), R_OK | W_OK | X_OK) != 0) {
-      throw InvalidArgument(errno_text("file storage: root not writable:", root_, errno));
+      throw IoError(errno_text("file storage: root not writable:", root_, errno));
     }
     ensure_dirs();
     root_fd_ = ::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (root_fd_ < 0) throw InvalidArgument(errno_text("file storage: open", root_, errno));
+    if (root_fd_ < 0) throw IoError(errno_text("file storage: open", root_, errno));
     // Crash debris: half-written temporaries and records evicted but not yet unlinked.
     // (Shared: another live instance's temporaries are its writes in progress; only those of
     // processes that are gone are debris.)

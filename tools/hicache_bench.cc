@@ -53,6 +53,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using hicache::InvalidArgument;
+using hicache::IoError;
 using hicache::str_cat;
 using nlohmann::json;
 namespace wl = hicache::workload;
@@ -766,6 +767,8 @@ int main(int argc, char** argv) {
   try {
     return run(settings);
   } catch (const InvalidArgument& e) {
+    usage_error(e.what());
+  } catch (const IoError& e) {  // a storage directory that cannot be created: a bad setting
     usage_error(e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hicache-bench: %s\n", e.what());

@@ -28,6 +28,13 @@ class StateError : public Error {
   using Error::Error;
 };
 
+// The system refused I/O the caller asked for at set-up: a directory that cannot be created or
+// opened, a file that cannot be read. (Per-key storage I/O never throws: it is a result.)
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
 // The device runtime failed (CUDA error, a stream task that raised, memory refused).
 class DeviceError : public Error {
  public:

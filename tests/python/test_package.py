@@ -42,6 +42,13 @@ def test_a_bad_config_is_a_value_error_naming_the_key_and_value():
         hicache.open_store({"backend": "nope"})
 
 
+def test_a_store_directory_that_cannot_be_created_is_an_os_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="cannot be created"):
+        hicache.open_store({"backend": "file", "root": str(blocker / "store")})
+
+
 def test_metrics_are_a_dict_and_prometheus_text():
     with hicache.HiCache(small_config()) as c:
         m = c.metrics()
@@ -131,24 +138,30 @@ def test_config_reference_comes_from_the_schema():
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla):
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla, backend):
     """Device and host KV as torch tensors in SGLang's shapes: a page written to the host and
     loaded back into slots the engine chose lands where SGLang's indexing reads it, in the
-    engine's own tensors (host backend: "device" memory is host memory here)."""
+    engine's own tensors (host backend: "device" memory is host memory; CUDA: the device
+    tensor is torch-allocated GPU memory)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU for torch here (python3-torch is CPU-only, or no device): the "
+                    "CUDA case of the engine's tensors is not run")
     L, P, S_dev, S_host = 3, 4, 64, 128
     H, D = (1, 32) if mla else (2, 8)
     model = ({"attention": "mla", "layers": L, "kv_lora_rank": 24, "qk_rope_head_dim": 8}
              if mla else {"layers": L, "kv_heads": H, "head_dim": D})
     model["dtype"] = "bf16"
-    cfg = {"device": "host", "page_size": P, "device_tokens": S_dev, "host_tokens": S_host,
+    cfg = {"device": backend, "page_size": P, "device_tokens": S_dev, "host_tokens": S_host,
            "host_layout": layout, "io_backend": "kernel", "model": model, "metrics": False}
+    where = "cuda" if backend == "cuda" else "cpu"
     if mla:
-        dev = torch.zeros((L, S_dev, 1, D), dtype=torch.bfloat16)
+        dev = torch.zeros((L, S_dev, 1, D), dtype=torch.bfloat16, device=where)
         host = torch.zeros({"layer_first": (L, S_host, 1, D), "page_first": (S_host, L, 1, D),
                             "page_first_direct": (S_host // P, L, P, 1, D)}[layout],
                            dtype=torch.bfloat16)
     else:
-        dev = torch.zeros((2, L, S_dev, H, D), dtype=torch.bfloat16)
+        dev = torch.zeros((2, L, S_dev, H, D), dtype=torch.bfloat16, device=where)
         host = torch.zeros({"layer_first": (2, L, S_host, H, D),
                             "page_first": (2, S_host, L, H, D),
                             "page_first_direct": (2, S_host // P, L, P, H, D)}[layout],
@@ -175,7 +188,7 @@ def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla):
             for kv in range(1 if mla else 2):
                 for layer in range(L):
                     assert torch.equal(host_unit(kv, layer, h).view(torch.int16),
-                                       dev_unit(original, kv, layer, s).view(torch.int16))
+                                       dev_unit(original, kv, layer, s).cpu().view(torch.int16))
         c.evict_device(slots, host_slots)
         into = c.alloc_device(2 * P)
         dev.zero_()

@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import threading
+import sys
 import types
 
 import pytest
@@ -291,3 +292,24 @@ def test_bad_settings_are_clear_errors(tmp_path, host_pool):
     with pytest.raises(ValueError, match="2 keys need 8 host indices"):
         store.batch_get_v1(["a" * 64, "b" * 64], torch.tensor([0, 1, 2, 3]))
     assert store.get_stats()["sets"] == 0
+
+
+def test_it_subclasses_sglangs_interface_when_sglang_is_importable(tmp_path):
+    """With SGLang importable (a stand-in module of SGLang's path and class name here, since
+    SGLang is not installed), HiCacheStore is a HiCacheStorage; without it, a plain class."""
+    pkg = tmp_path / "sglang" / "srt" / "mem_cache"
+    pkg.mkdir(parents=True)
+    for d in (tmp_path / "sglang", tmp_path / "sglang" / "srt", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "hicache_storage.py").write_text(
+        "from abc import ABC\nclass HiCacheStorage(ABC):\n    pass\n")
+    code = ("import hicache.sglang as s, sys\n"
+            "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage\n"
+            "sys.exit(0 if issubclass(s.HiCacheStore, HiCacheStorage) else 3)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+    import importlib.util
+
+    import hicache.sglang
+    if importlib.util.find_spec("sglang") is None:  # this process: no SGLang, a plain class
+        assert hicache.sglang._Base is object

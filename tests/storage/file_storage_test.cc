@@ -470,7 +470,7 @@ TEST_F(FileStorageTest, RootThatIsAFileIsNamedInTheError) {
   try {
     FileStorage s(FileStorageConfig{.root = (root_ / "plain").string()});
     FAIL() << "a file as root was accepted";
-  } catch (const InvalidArgument& e) {
+  } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("plain"), std::string::npos) << e.what();
   }
   // A missing root is created.
