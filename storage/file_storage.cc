@@ -133,7 +133,7 @@ class FileStorage::Impl {
     rebuild_index();
     {
       std::lock_guard lock(mu_);
-      evict_locked({});
+      evict_locked();
     }
     if (config_.io_threads > 0) {
       pool_ = std::make_unique<boost::asio::thread_pool>(static_cast<std::size_t>(config_.io_threads));
@@ -161,8 +161,13 @@ class FileStorage::Impl {
       if (!adopt_locked(keys[n])) break;
       adopted = true;
     }
-    // What was adopted counts against capacity_bytes; the keys just reported present stay.
-    if (adopted) evict_locked(keys.first(n));
+    if (adopted) {
+      // What was adopted counts against capacity_bytes; the keys just reported present stay.
+      std::vector<Pin> pins;
+      for (std::size_t i = 0; i < n; ++i) pin_locked(index_.find(keys[i]), pins);
+      evict_locked();
+      unpin_locked(pins);
+    }
     return n;
   }
 
@@ -192,7 +197,20 @@ class FileStorage::Impl {
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
     std::vector<IoResult> results(keys.size());
-    fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys, i, dst[i]); });
+    // Shared mode adopts records during the reads, and evicts for them: the batch's records stay
+    // pinned until every read of it is done (their reads may not have started).
+    std::vector<Pin> pins;
+    if (config_.shared) {
+      std::lock_guard lock(mu_);
+      for (const std::string& key : keys) {
+        if (auto it = index_.find(key); it != index_.end()) pin_locked(it, pins);
+      }
+    }
+    fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys, i, dst[i], pins); });
+    if (!pins.empty()) {
+      std::lock_guard lock(mu_);
+      unpin_locked(pins);
+    }
     return results;
   }
 
@@ -201,7 +219,19 @@ class FileStorage::Impl {
     std::vector<IoResult> results(n);
     std::vector<fs::path> tmps(n);
     const bool group = config_.durability == Durability::kGroupCommit;
-    fan_out(n, [&](std::size_t i) { results[i] = write_one(keys, i, src[i], tmps[i], !group); });
+    // Every record this batch reports stored stays pinned (never evicted) until it returns.
+    std::vector<Pin> pins;
+    struct Unpin {
+      Impl& impl;
+      std::vector<Pin>& pins;
+      ~Unpin() {
+        std::lock_guard lock(impl.mu_);
+        impl.unpin_locked(pins);
+      }
+    } unpin{*this, pins};
+    fan_out(n, [&](std::size_t i) {
+      results[i] = write_one(keys, i, src[i], tmps[i], !group, pins);
+    });
     if (group && std::any_of(tmps.begin(), tmps.end(), [](const fs::path& p) { return !p.empty(); })) {
       // Group commit: the payloads reach the disk before any rename makes them visible, and the
       // renames before the batch reports ok.
@@ -212,7 +242,7 @@ class FileStorage::Impl {
           ::unlink(tmps[i].c_str());
           results[i] = IoResult::error(sync_error);
         } else {
-          results[i] = publish(keys, i, tmps[i], record_head_bytes(keys[i]) + src[i].size());
+          results[i] = publish(keys, i, tmps[i], record_head_bytes(keys[i]) + src[i].size(), pins);
         }
       }
       if (sync_error.empty()) {
@@ -258,6 +288,13 @@ class FileStorage::Impl {
   struct Entry {
     std::uint64_t bytes;
     std::list<std::string>::iterator lru;
+    std::uint64_t generation = 0;  // distinguishes a key re-inserted after it left the index
+    std::uint32_t pins = 0;        // calls answering for this record now: never evicted
+  };
+  // A record a call pinned: unpinned when the call ends (if it is still the same record).
+  struct Pin {
+    std::string key;
+    std::uint64_t generation;
   };
   using Index = std::unordered_map<std::string, Entry>;
 
@@ -319,7 +356,8 @@ class FileStorage::Impl {
 
   // Reads keys[i]; the batch's other keys are never evicted for an adoption here (their reads
   // may not have started).
-  IoResult get_one(std::span<const std::string> keys, std::size_t i, ByteSpan dst) {
+  IoResult get_one(std::span<const std::string> keys, std::size_t i, ByteSpan dst,
+                   std::vector<Pin>& pins) {
     const std::string& key = keys[i];
     const fs::path path = root_ / key;
     const std::uint64_t want = record_head_bytes(key) + dst.size();
@@ -328,8 +366,9 @@ class FileStorage::Impl {
       auto it = index_.find(key);
       if (it == index_.end()) {
         if (!adopt_locked(key)) return IoResult::miss();
-        evict_locked(keys);
         it = index_.find(key);
+        pin_locked(it, pins);
+        evict_locked();
       }
       lru_.splice(lru_.end(), lru_, it->second.lru);
       if (const std::uint64_t stored = it->second.bytes; stored != want) {
@@ -378,12 +417,13 @@ class FileStorage::Impl {
   // Writes the record to a temporary file; publishes it at once unless the caller batches the
   // publication (group commit), in which case `tmp` keeps the temporary's path.
   IoResult write_one(std::span<const std::string> keys, std::size_t i, ConstByteSpan src,
-                     fs::path& tmp, bool publish_now) {
+                     fs::path& tmp, bool publish_now, std::vector<Pin>& pins) {
     const std::string& key = keys[i];
     const std::uint64_t bytes = record_head_bytes(key) + src.size();
     {
       std::lock_guard lock(mu_);
       if (indexed_locked(key)) {
+        pin_locked(index_.find(key), pins);
         ++owner_.counters_.set_deduplicated;
         return IoResult::ok();
       }
@@ -419,7 +459,7 @@ class FileStorage::Impl {
       tmp = std::move(path);
       return IoResult::ok();
     }
-    return publish(keys, i, path, bytes);
+    return publish(keys, i, path, bytes, pins);
   }
 
   // Renames a written temporary into place and indexes it, then evicts over capacity.
@@ -427,11 +467,12 @@ class FileStorage::Impl {
   // stored when it returns (one larger than the capacity leaves the store over it until the next
   // write).
   IoResult publish(std::span<const std::string> keys, std::size_t i, const fs::path& tmp,
-                   std::uint64_t bytes) {
+                   std::uint64_t bytes, std::vector<Pin>& pins) {
     const std::string& key = keys[i];
     std::lock_guard lock(mu_);
-    if (index_.count(key) != 0) {  // a concurrent writer of this process got there first
+    if (auto it = index_.find(key); it != index_.end()) {  // a concurrent writer got there first
       ::unlink(tmp.c_str());
+      pin_locked(it, pins);
       ++owner_.counters_.set_deduplicated;
       return IoResult::ok();
     }
@@ -441,34 +482,45 @@ class FileStorage::Impl {
       ::unlink(tmp.c_str());
       return IoResult::error(errno_text("rename into", path, err));
     }
-    insert_locked(key, bytes);
+    pin_locked(insert_locked(key, bytes), pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
-    evict_locked(keys);
+    evict_locked();
     return IoResult::ok();
   }
 
-  void insert_locked(const std::string& key, std::uint64_t bytes) {
+  Index::iterator insert_locked(const std::string& key, std::uint64_t bytes) {
     lru_.push_back(key);
-    index_.emplace(key, Entry{bytes, std::prev(lru_.end())});
+    auto [it, inserted] =
+        index_.emplace(key, Entry{bytes, std::prev(lru_.end()), ++generation_, 0});
     total_bytes_ += bytes;
+    return it;
   }
 
-  // Evicts least recently used records until the total fits (never one of `keep`).
-  void evict_locked(std::span<const std::string> keep) {
+  // Pins a record for the call that owns `pins` and makes it the most recently used: a call
+  // that answers for a record (stored, already there, adopted) keeps it until it returns.
+  void pin_locked(Index::iterator it, std::vector<Pin>& pins) {
+    ++it->second.pins;
+    pins.push_back(Pin{it->first, it->second.generation});
+    lru_.splice(lru_.end(), lru_, it->second.lru);
+  }
+  void unpin_locked(std::vector<Pin>& pins) {
+    for (const Pin& p : pins) {
+      auto it = index_.find(p.key);
+      if (it != index_.end() && it->second.generation == p.generation) --it->second.pins;
+    }
+    pins.clear();
+  }
+
+  // Evicts least recently used records until the total fits, never a pinned one. Pinned
+  // records are the most recently used, so the walk from the oldest end meets few of them:
+  // the cost is linear in what is evicted.
+  void evict_locked() {
     if (config_.capacity_bytes == 0 || total_bytes_ <= config_.capacity_bytes) return;
-    std::unordered_set<std::string_view> kept;
-    if (keep.size() > 1) kept.insert(keep.begin(), keep.end());
-    const auto is_kept = [&](const std::string& key) {
-      return keep.size() == 1 ? key == keep[0] : kept.count(key) != 0;
-    };
     auto victim = lru_.begin();
     while (total_bytes_ > config_.capacity_bytes && victim != lru_.end()) {
-      if (is_kept(*victim)) {
-        ++victim;
-        continue;
-      }
       auto it = index_.find(*victim++);
+      if (it->second.pins > 0) continue;
       drop_locked(it, /*count_eviction=*/true);
     }
   }
@@ -609,6 +661,7 @@ class FileStorage::Impl {
   mutable std::mutex mu_;
   Index index_;
   std::list<std::string> lru_;  // front: least recently used
+  std::uint64_t generation_ = 0;  // under mu_
   std::uint64_t total_bytes_ = 0;
 
   std::unique_ptr<boost::asio::thread_pool> pool_;

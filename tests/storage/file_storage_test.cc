@@ -400,6 +400,27 @@ TEST_F(FileStorageTest, ABatchNeverEvictsItsOwnRecords) {
   }
 }
 
+// A batch that finds some of its keys stored already (the oldest records of a full store)
+// reports them ok and keeps them: they are pinned for the batch, and the new records evict
+// other, older ones. Once the batch returns they are ordinary records again: the next write
+// may evict them.
+TEST_F(FileStorageTest, ABatchKeepsTheRecordsItFoundStored) {
+  const std::size_t record = 4096 + record_head_bytes("pin-0");
+  FileStorage s(config(4 * record));
+  const auto keys = make_keys("pin", 8);
+  for (int i = 0; i < 4; ++i) put(s, {keys[i]}, 4096);  // full, keys[0] the oldest
+  // keys[0] again (deduplicated, oldest) and three new ones: 1, 2 and 3 go, 0 stays.
+  put(s, {keys[0], keys[4], keys[5], keys[6]}, 4096);
+  EXPECT_EQ(s.stats().set_deduplicated, 1u);
+  EXPECT_EQ(exists(s, {keys[0], keys[4], keys[5], keys[6]}), 4u);
+  EXPECT_EQ(exists(s, {keys[1]}) + exists(s, {keys[2]}) + exists(s, {keys[3]}), 0u);
+  // Unpinned: keys[0] is now the oldest but one (the batch touched it first), and is evicted.
+  put(s, {keys[7]}, 4096);
+  EXPECT_EQ(exists(s, {keys[0]}), 0u);
+  EXPECT_EQ(exists(s, {keys[7]}), 1u);
+  EXPECT_EQ(s.stats().stored_bytes, 4 * record);
+}
+
 TEST_F(FileStorageTest, RecordLargerThanCapacityIsRefusedNotThrashed) {
   FileStorage s(config(10000));
   put(s, {"small"}, 4096);

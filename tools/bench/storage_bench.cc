@@ -32,6 +32,7 @@
 #include "controller/hicache.h"
 #include "tools/support/redis_launcher.h"
 #include "storage/page_key.h"
+#include "storage/record.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
 #include "transfer/host_memory.h"
@@ -110,6 +111,41 @@ void BM_FileExists(benchmark::State& state) {
   fs::remove_all(dir);
 }
 BENCHMARK(BM_FileExists)->Unit(benchmark::kMillisecond);
+
+// batch_set into a full store, every record evicting an older one: the cost per record must not
+// grow with the batch (arg: records per batch). 512-byte payloads, a store of 8192 records.
+void BM_FileEvictingSet(benchmark::State& state) {
+  const auto batch = static_cast<std::size_t>(state.range(0));
+  const fs::path dir = bench_dir() / "evict";
+  fs::remove_all(dir);
+  constexpr std::size_t kRecords = 8192, kPayload = 512;
+  const std::uint64_t record = record_head_bytes("e-00000000-0000000") + kPayload;
+  FileStorage store(FileStorageConfig{.root = dir.string(), .capacity_bytes = kRecords * record,
+                                      .io_threads = 1});
+  std::vector<std::byte> page(kPayload, std::byte{7});
+  const auto fill = [&](std::uint64_t round, std::size_t n) {
+    std::vector<std::string> keys;
+    for (std::size_t i = 0; i < n; ++i) keys.push_back(str_cat("e-", 10000000 + round, "-", 1000000 + i));
+    std::vector<ConstByteSpan> spans(n, ConstByteSpan(page));
+    return std::pair{keys, spans};
+  };
+  {
+    auto [keys, spans] = fill(0, kRecords);  // full: every later record evicts one
+    store.batch_set(keys, spans);
+  }
+  std::uint64_t round = 1;
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto [keys, spans] = fill(round++, batch);
+    state.ResumeTiming();
+    benchmark::DoNotOptimize(store.batch_set(keys, spans));
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * batch));
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+BENCHMARK(BM_FileEvictingSet)->Arg(16)->Arg(4096)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // A batch of `pages` pages of `page_bytes`, in one pre-faulted buffer filled with key data.
 struct PageBatch {
@@ -527,6 +563,13 @@ int main(int argc, char** argv) {
   if (ips.count("BM_FileExists")) {
     std::printf("file batch_exists, 4096 keys per batch: %.2f M keys/s (target >= 1)\n",
                 ips["BM_FileExists"] / 1e6);
+  }
+  if (ips.count("BM_FileEvictingSet/16/real_time") && ips.count("BM_FileEvictingSet/4096/real_time")) {
+    const double small = 1e6 / ips["BM_FileEvictingSet/16/real_time"];
+    const double large = 1e6 / ips["BM_FileEvictingSet/4096/real_time"];
+    std::printf("file batch_set into a full store (every record evicts one): %.1f us per record "
+                "at 16 per batch, %.1f at 4096, ratio %.2f (target <= 2)\n",
+                small, large, large / small);
   }
   for (const auto& [name, p] : reporter.pairs) {
     std::printf("%s: controller %.2f GB/s, the store's own call %.2f GB/s, ratio %.2f "
