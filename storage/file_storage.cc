@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -37,12 +38,21 @@ FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) 
   constexpr std::string_view what = "file storage config";
   const auto j = json_fields::parse_object(json_text, what);
   json_fields::reject_unknown(
-      j, {"backend", "root", "capacity_bytes", "durability", "io_threads", "shared"}, what);
+      j, {"backend", "root", "capacity_bytes", "disk_reserve", "durability", "io_threads", "shared"},
+      what);
   FileStorageConfig c;
   c.root = json_fields::get<std::string>(j, "root", "", what);
   if (c.root.empty()) throw InvalidArgument(str_cat(what, ": 'root' (a directory) is required"));
   c.capacity_bytes = static_cast<std::uint64_t>(
       json_fields::get_int(j, "capacity_bytes", 0, 0, INT64_MAX, what));
+  if (j.contains("disk_reserve")) {
+    if (!j["disk_reserve"].is_number() || !(j["disk_reserve"].get<double>() >= 0.0) ||
+        !(j["disk_reserve"].get<double>() <= 0.9)) {
+      throw InvalidArgument(str_cat(what, ": disk_reserve ", j["disk_reserve"].dump(),
+                                    " is not a fraction of the filesystem in [0, 0.9]"));
+    }
+    c.disk_reserve = j["disk_reserve"].get<double>();
+  }
   const auto durability = json_fields::get<std::string>(j, "durability", "none", what);
   if (durability == "none") {
     c.durability = Durability::kNone;
@@ -133,6 +143,7 @@ class FileStorage::Impl {
     rebuild_index();
     {
       std::lock_guard lock(mu_);
+      capacity_ = config_.capacity_bytes != 0 ? config_.capacity_bytes : disk_capacity_locked();
       evict_locked();
     }
     if (config_.io_threads > 0) {
@@ -282,6 +293,12 @@ class FileStorage::Impl {
     std::lock_guard lock(mu_);
     s.stored_keys = index_.size();
     s.stored_bytes = total_bytes_;
+    s.capacity_bytes = capacity_;
+  }
+
+  std::uint64_t capacity() const {
+    std::lock_guard lock(mu_);
+    return capacity_;
   }
 
  private:
@@ -428,38 +445,83 @@ class FileStorage::Impl {
         return IoResult::ok();
       }
     }
-    if (config_.capacity_bytes != 0 && bytes > config_.capacity_bytes) {
+    if (const std::uint64_t cap = capacity(); cap != 0 && bytes > cap) {
       return IoResult::error(str_cat("record '", key, "' of ", bytes,
-                                     " bytes exceeds the store's capacity_bytes ",
-                                     config_.capacity_bytes));
+                                     " bytes exceeds the store's capacity of ", cap, " bytes"));
     }
     std::array<std::byte, record_head_bytes_for(kMaxKeyBytes)> head_buf;
     const std::size_t head_bytes = record_head_bytes(key);
     encode_record_head(key, src, std::span(head_buf).first(head_bytes));
-    // Not named after the key: a key of kMaxKeyBytes plus ".<pid>.<seq>" would pass the file
-    // system's 255-byte name limit once seq_ grows.
-    fs::path path = tmp_ / str_cat("w.", ::getpid(), ".", seq_.fetch_add(1));
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0 && errno == ENOENT) {  // the directory was removed under us: recreate it
-      ensure_dirs();
-      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    fs::path path;
+    int err = 0;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      // Not named after the key: a key of kMaxKeyBytes plus ".<pid>.<seq>" would pass the file
+      // system's 255-byte name limit once seq_ grows.
+      path = tmp_ / str_cat("w.", ::getpid(), ".", seq_.fetch_add(1));
+      err = write_file(path, std::span(head_buf).first(head_bytes), src);
+      // The disk is full although the store is within its capacity (another program filled
+      // it): the capacity shrinks to what fits, older records make room, and the write is
+      // tried once more.
+      if (err != ENOSPC || attempt == 1) break;
+      make_room_after_enospc(bytes);
     }
-    if (fd < 0) return IoResult::error(errno_text("create", path, errno));
-    iovec iov[2] = {{head_buf.data(), head_bytes},
-                    {const_cast<std::byte*>(src.data()), src.size()}};
-    const ssize_t n = full_iov<true>(fd, iov, 2);
-    const int close_rc = ::close(fd);
-    const int close_err = errno;
-    if (n < 0 || static_cast<std::uint64_t>(n) != bytes || close_rc != 0) {
-      ::unlink(path.c_str());
-      const int err = n < 0 ? static_cast<int>(-n) : close_rc != 0 ? close_err : ENOSPC;
-      return IoResult::error(errno_text("write", path, err));
-    }
+    if (err != 0) return IoResult::error(errno_text("write", path, err));
     if (!publish_now) {
       tmp = std::move(path);
       return IoResult::ok();
     }
     return publish(keys, i, path, bytes, pins);
+  }
+
+  // Writes head + payload to a new file at `path`; 0, or the errno (the file removed).
+  int write_file(const fs::path& path, std::span<const std::byte> head, ConstByteSpan src) {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno == ENOENT) {  // the directory was removed under us: recreate it
+      ensure_dirs();
+      fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) return errno;
+    iovec iov[2] = {{const_cast<std::byte*>(head.data()), head.size()},
+                    {const_cast<std::byte*>(src.data()), src.size()}};
+    const ssize_t n = full_iov<true>(fd, iov, 2);
+    const int close_rc = ::close(fd);
+    const int close_err = errno;
+    if (n < 0 || static_cast<std::size_t>(n) != head.size() + src.size() || close_rc != 0) {
+      ::unlink(path.c_str());
+      return n < 0 ? static_cast<int>(-n) : close_rc != 0 ? close_err : ENOSPC;
+    }
+    return 0;
+  }
+
+  // ENOSPC within the capacity: the capacity becomes what is stored less room for the record
+  // that did not fit and for each other write that may be in flight (io_threads of them; never
+  // below one record), least recently used records are evicted down to it, and their files are
+  // unlinked before the caller retries.
+  void make_room_after_enospc(std::uint64_t bytes) {
+    {
+      std::lock_guard lock(mu_);
+      const std::uint64_t room =
+          bytes * static_cast<std::uint64_t>(std::max(1, config_.io_threads) + 1);
+      const std::uint64_t fits = total_bytes_ > room ? total_bytes_ - room : 0;
+      capacity_ = std::max<std::uint64_t>(fits, bytes);
+      ++owner_.counters_.capacity_shrinks;
+      evict_locked();
+    }
+    flush_trash();
+  }
+
+  // capacity_bytes 0: what is stored plus the filesystem's free space, less a reserve of
+  // disk_reserve of the filesystem (at least 1 MiB) left to everything else. 0 (no bound) when
+  // the filesystem cannot be asked.
+  std::uint64_t disk_capacity_locked() const {
+    struct statvfs v {};
+    if (::fstatvfs(root_fd_, &v) != 0) return 0;
+    const auto total = static_cast<double>(v.f_blocks) * static_cast<double>(v.f_frsize);
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(v.f_bavail) * v.f_frsize;
+    const auto reserve =
+        std::max<std::uint64_t>(std::uint64_t{1} << 20,
+                                static_cast<std::uint64_t>(config_.disk_reserve * total));
+    return total_bytes_ + (free_bytes > reserve ? free_bytes - reserve : 0);
   }
 
   // Renames a written temporary into place and indexes it, then evicts over capacity.
@@ -516,9 +578,9 @@ class FileStorage::Impl {
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
   void evict_locked() {
-    if (config_.capacity_bytes == 0 || total_bytes_ <= config_.capacity_bytes) return;
+    if (capacity_ == 0 || total_bytes_ <= capacity_) return;
     auto victim = lru_.begin();
-    while (total_bytes_ > config_.capacity_bytes && victim != lru_.end()) {
+    while (total_bytes_ > capacity_ && victim != lru_.end()) {
       auto it = index_.find(*victim++);
       if (it->second.pins > 0) continue;
       drop_locked(it, /*count_eviction=*/true);
@@ -662,6 +724,7 @@ class FileStorage::Impl {
   Index index_;
   std::list<std::string> lru_;  // front: least recently used
   std::uint64_t generation_ = 0;  // under mu_
+  std::uint64_t capacity_ = 0;    // under mu_; 0: no bound
   std::uint64_t total_bytes_ = 0;
 
   std::unique_ptr<boost::asio::thread_pool> pool_;
@@ -703,6 +766,14 @@ std::vector<IoResult> FileStorage::do_batch_set(std::span<const std::string> key
 }
 
 void FileStorage::fill_gauges(StorageStats& stats) const { impl_->gauges(stats); }
+
+std::int64_t FileStorage::preferred_batch_pages(std::int64_t page_bytes) const {
+  std::int64_t bytes = std::int64_t{64} << 20;
+  if (const std::uint64_t cap = impl_->capacity(); cap != 0) {
+    bytes = std::min<std::int64_t>(bytes, static_cast<std::int64_t>(cap / 4));
+  }
+  return std::max<std::int64_t>(1, bytes / std::max<std::int64_t>(page_bytes, 1));
+}
 
 std::unique_ptr<StorageBackend> make_file_storage(std::string_view json_text) {
   return std::make_unique<FileStorage>(FileStorageConfig::from_json_text(json_text));

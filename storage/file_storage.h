@@ -27,8 +27,12 @@
 //   too (one fstatat) before exists or a put's deduplication trusts it: another process may have
 //   evicted it.
 //
-// JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "durability": "none",
-//        "io_threads": 4, "shared": false}
+// - A write that meets ENOSPC although the store is within its capacity (another program filled
+//   the disk) shrinks the capacity to what fits, evicts least recently used records down to it
+//   (unlinked at once) and is tried once more.
+//
+// JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "disk_reserve": 0.05,
+//        "durability": "none", "io_threads": 4, "shared": false}
 #pragma once
 
 #include <cstdint>
@@ -44,7 +48,11 @@ enum class Durability { kNone, kGroupCommit };
 
 struct FileStorageConfig {
   std::string root;
+  // Record bytes the store keeps (least recently used evicted beyond). 0: follow the
+  // filesystem: what is stored at start plus the free space, less disk_reserve of the
+  // filesystem's size (at least 1 MiB) left to everything else.
   std::uint64_t capacity_bytes = 0;
+  double disk_reserve = 0.05;
   Durability durability = Durability::kNone;
   int io_threads = 4;
   bool shared = false;  // other processes write to the same root (see above)
@@ -64,6 +72,10 @@ class FileStorage final : public StorageBackend {
   std::size_t batch_exists(std::span<const std::string> keys) override;
   bool remove(const std::string& key) override;
   void clear() override;
+
+  // The default's 64 MiB per call, but at most a quarter of the capacity: a batch's own records
+  // are never evicted for it, so a batch near the capacity could not make room.
+  std::int64_t preferred_batch_pages(std::int64_t page_bytes) const override;
 
   // Waits until the background thread has unlinked every evicted or removed record.
   void flush_trash();

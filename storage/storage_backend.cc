@@ -30,7 +30,8 @@ std::string StorageStats::to_json() const {
                       {"bytes_read", bytes_read},         {"bytes_written", bytes_written},
                       {"removes", removes},               {"evictions", evictions},
                       {"eviction_failures", eviction_failures}, {"stored_keys", stored_keys},
-                      {"stored_bytes", stored_bytes}};
+                      {"stored_bytes", stored_bytes},     {"capacity_bytes", capacity_bytes},
+                      {"capacity_shrinks", capacity_shrinks}};
   return j.dump();
 }
 
@@ -192,6 +193,7 @@ StorageStats StorageBackend::stats() const {
   s.removes = c.removes.value();
   s.evictions = c.evictions.value();
   s.eviction_failures = c.eviction_failures.value();
+  s.capacity_shrinks = c.capacity_shrinks.value();
   fill_gauges(s);
   return s;
 }
@@ -232,6 +234,12 @@ void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels la
   metrics_.add(kMissesMetric, kMissesHelp, {{"reason", "storage_error"}}, c.get_errors);
   metrics_.add_gauge_fn("hicache_storage_stored_bytes", "Record bytes the store holds", {},
                         [this] { return static_cast<double>(stats().stored_bytes); });
+  metrics_.add_gauge_fn("hicache_storage_capacity_bytes",
+                        "The bound on the record bytes (0: none); a full disk lowers it", {},
+                        [this] { return static_cast<double>(stats().capacity_bytes); });
+  metrics_.add("hicache_storage_capacity_shrinks_total",
+               "Writes that met a full disk within the capacity (it shrank to what fits)", {},
+               c.capacity_shrinks);
 }
 
 }  // namespace hicache

@@ -65,6 +65,8 @@ struct StorageStats {
   std::uint64_t eviction_failures = 0;  // records the evictor could not remove (skipped)
   std::uint64_t stored_keys = 0;     // gauge, where the backend knows it (file store)
   std::uint64_t stored_bytes = 0;    // gauge, record bytes incl. headers
+  std::uint64_t capacity_bytes = 0;  // gauge, the bound on stored_bytes (0: none, or unknown)
+  std::uint64_t capacity_shrinks = 0;  // a full disk made the store shrink its capacity
 
   std::string to_json() const;
 };
@@ -127,7 +129,7 @@ class StorageBackend {
   struct Counters {
     Counter exists_queries, gets, get_hits, get_misses, get_errors, bad_records, sets,
         set_written, set_deduplicated, set_errors, bytes_read, bytes_written, removes, evictions,
-        eviction_failures;
+        eviction_failures, capacity_shrinks;
   };
   Counters counters_;
   MetricsScope metrics_;  // after the counters it registers

@@ -212,6 +212,14 @@ def test_engine_tensors_that_do_not_fit_are_refused():
         hicache.HiCache(cfg, device_kv=torch.zeros(2, 2, 64, 1, 8).transpose(0, 2))
     with pytest.raises(ValueError, match="unknown dimension order"):
         hicache.HiCache(cfg, dim_order="sideways")
-    with pytest.raises(ValueError, match="not at the constant layer stride"):
-        hicache.HiCache(cfg, device_k=[torch.zeros(64, 1, 8) for _ in range(2)],
-                        device_v=[torch.zeros(64, 1, 8) for _ in range(2)])
+    # Per-layer buffers cut from one tensor, K at a stride of 1000 elements, V at 2500: the
+    # V buffer of layer 1 is off the stride K set.
+    base = torch.zeros(10000, dtype=torch.float16)
+    k = [base[0:512].view(64, 1, 8), base[1000:1512].view(64, 1, 8)]
+    v = [base[3000:3512].view(64, 1, 8), base[5500:6012].view(64, 1, 8)]
+    with pytest.raises(ValueError, match="V buffer of layer 1 .* not at the constant layer stride"):
+        hicache.HiCache(cfg, device_k=k, device_v=v)
+    # The same buffers at one stride are taken as they are.
+    v = [base[3000:3512].view(64, 1, 8), base[4000:4512].view(64, 1, 8)]
+    with hicache.HiCache(cfg, device_k=k, device_v=v) as c:
+        assert c.device_tokens == 64

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -429,7 +430,7 @@ TEST_F(FileStorageTest, RecordLargerThanCapacityIsRefusedNotThrashed) {
   const std::vector<ConstByteSpan> spans = {big};
   const auto r = s.batch_set(keys, spans);
   EXPECT_EQ(r[0].status, IoStatus::kError);
-  EXPECT_NE(r[0].reason.find("capacity_bytes 10000"), std::string::npos) << r[0].reason;
+  EXPECT_NE(r[0].reason.find("capacity of 10000 bytes"), std::string::npos) << r[0].reason;
   EXPECT_EQ(exists(s, {"small"}), 1u) << "nothing was evicted for a refused record";
   EXPECT_EQ(s.stats().set_errors, 1u);
 }
@@ -532,6 +533,66 @@ TEST_F(FileStorageTest, DiskFullIsAPerKeyErrorAndTheStoreStaysUsable) {
   EXPECT_EQ(files_in(root_ / ".tmp"), 0u) << "the failed temporary was removed";
   put(s, {"full-0"}, 64 << 10);
   EXPECT_TRUE(get(s, {"full-0"}, 64 << 10)[0].is_ok());
+}
+
+// A small filesystem (a 4 MiB tmpfs; root only, else skipped with the reason): with no
+// capacity_bytes the store's capacity follows the filesystem, so it evicts instead of failing;
+// when another program then fills the disk, a write that meets ENOSPC shrinks the capacity,
+// evicts and succeeds on its retry. Every record reported stored reads back byte for byte.
+TEST_F(FileStorageTest, ASmallFilesystemFillsGracefully) {
+  const fs::path mnt = root_.string() + "-tmpfs";
+  fs::create_directories(mnt);
+  const std::string mount = "mount -t tmpfs -o size=4m tmpfs " + mnt.string() + " 2>/dev/null";
+  if (::geteuid() != 0 || std::system(mount.c_str()) != 0) {
+    fs::remove_all(mnt);
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the full-filesystem case is not run";
+  }
+  struct Unmount {
+    fs::path dir;
+    ~Unmount() {
+      (void)std::system(("umount -l " + dir.string()).c_str());
+      fs::remove_all(dir);
+    }
+  } unmount{mnt};
+  constexpr std::size_t kRecord = 128 << 10;
+  std::vector<std::string> written;
+  {
+    FileStorage s(FileStorageConfig{.root = (mnt / "store").string(), .io_threads = 2});
+    const StorageStats at_start = s.stats();
+    // 4 MiB less the 1 MiB minimum reserve (and the directories' blocks).
+    EXPECT_GT(at_start.capacity_bytes, 2u << 20);
+    EXPECT_LE(at_start.capacity_bytes, 3u << 20);
+    for (int b = 0; b < 8; ++b) {  // 64 records of 128 KiB: 8 MiB into a 4 MiB filesystem
+      const auto keys = make_keys(str_cat("fill", b), 8);
+      put(s, keys, kRecord);
+      written.insert(written.end(), keys.begin(), keys.end());
+    }
+    const StorageStats full = s.stats();
+    EXPECT_GT(full.evictions, 0u);
+    EXPECT_EQ(full.set_errors, 0u);
+    EXPECT_LE(full.stored_bytes, full.capacity_bytes);
+    const std::vector<std::string> last(written.end() - 8, written.end());
+    for (const auto& r : get(s, last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+
+    // Another program takes most of what is left.
+    struct statvfs v {};
+    ASSERT_EQ(::statvfs(mnt.c_str(), &v), 0);
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(v.f_bavail) * v.f_frsize;
+    {
+      std::ofstream filler(mnt / "other-program", std::ios::binary);
+      std::vector<char> chunk(64 << 10, 'x');
+      for (std::uint64_t n = 0; n + chunk.size() + (64 << 10) <= free_bytes; n += chunk.size()) {
+        filler.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+      }
+    }
+    const auto more = make_keys("after", 8);
+    put(s, more, kRecord);  // asserts every result ok: ENOSPC met, room made, retried
+    const StorageStats after = s.stats();
+    EXPECT_GE(after.capacity_shrinks, 1u);
+    EXPECT_LT(after.capacity_bytes, full.capacity_bytes);
+    EXPECT_LE(after.stored_bytes, after.capacity_bytes + kRecord + 4096);
+    for (const auto& r : get(s, more, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  }
 }
 
 TEST(StorageFactory, BuildsFileStoreAndNamesBadConfig) {
