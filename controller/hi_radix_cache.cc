@@ -107,6 +107,14 @@ struct HiRadixCache::Ghost {
     }
     pages += n;
     order.emplace_back(e, entry.seq);
+    if (order.size() > 2 * entries.size() + 64) {
+      // Replaced entries leave stale places in the queue (a hot prefix evicted again and again
+      // reuses one entry): drop them, keeping the order.
+      std::erase_if(order, [this](const auto& o) {
+        auto it = entries.find(o.first);
+        return it == entries.end() || it->second.seq != o.second;
+      });
+    }
     while (pages > capacity_pages && !order.empty()) {
       const auto [old, seq] = order.front();
       order.pop_front();

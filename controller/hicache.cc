@@ -103,7 +103,7 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
   } else if (!parts.device_k.empty()) {
     device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens,
                                                   parts.device_k, parts.device_v,
-                                                  parts.device_allocator);
+                                                  parts.device_layer_bytes, parts.device_allocator);
   } else {
     device_pool_ = std::make_unique<DeviceKVPool>(*device_, g, config_.device_tokens);
   }

@@ -68,6 +68,7 @@ struct HiCacheParts {
   // host_kv.order. Empty: allocated by the device runtime.
   std::optional<ExternalKVBuffer> device_kv;
   std::vector<void*> device_k, device_v;
+  std::size_t device_layer_bytes = 0;  // the size of each of device_k / device_v
   std::optional<ExternalKVBuffer> host_kv;
   // The engine's slot allocator for the device pool (must outlive the HiCache); null: the
   // pool's own.

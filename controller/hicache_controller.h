@@ -111,8 +111,9 @@ class HiCacheController {
                                                 std::optional<NodeId> ack_node);
   // Loads host pages in backup state into device slots the engine chose: slots it took from
   // device_pool().allocator() (the engine's allocator where it passed one), whole pages, as
-  // many as host_slots. They belong to the load from here on, as load()'s do: a load that
-  // fails, or one dropped by stop() or reset(), frees them back to that allocator. False
+  // many as host_slots. From here on they are handled as load()'s are: a load dropped by
+  // stop() or reset() before it ran frees them back to that allocator; a load that ran and
+  // failed is acknowledged not ok and the caller frees them (the radix cache does). False
   // (nothing changed, the slots still the caller's) when the load queue is full. Throws
   // InvalidArgument for mismatched or malformed slot lists, StateError for a host page not in
   // backup or a device page not allocated; nothing changes then.

@@ -22,10 +22,13 @@ DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int6
   geometry_.validate();
   check_token_count(geometry_, num_tokens, "DeviceKVPool");
   const auto need = static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens));
-  if (external.data == nullptr || external.bytes < need) {
+  // Exactly the size: the strides between layers (and K and V) follow from the slot count, so
+  // a buffer of another slot count would be read at the wrong offsets from layer 1 on.
+  if (external.data == nullptr || external.bytes != need) {
     throw InvalidArgument(str_cat("DeviceKVPool: the engine's buffer (", external.bytes,
-                                  " bytes at ", external.data, ") is smaller than ", num_tokens,
-                                  " slots of ", geometry_.token_bytes(), " bytes (", need, ")"));
+                                  " bytes at ", external.data, ") is not ", num_tokens,
+                                  " slots of ", geometry_.token_bytes(), " bytes (", need,
+                                  "): device_tokens must be the buffer's slot count"));
   }
   use_allocator(num_tokens, engine_allocator);
   memory_.push_back(device.wrap_device(external.data, external.bytes));
@@ -34,10 +37,17 @@ DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int6
 
 DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
                            std::span<void* const> k, std::span<void* const> v,
-                           TokenSlotAllocator* engine_allocator)
+                           std::size_t buffer_bytes, TokenSlotAllocator* engine_allocator)
     : device_(&device), geometry_(geometry), wrapped_(true) {
   geometry_.validate();
   check_token_count(geometry_, num_tokens, "DeviceKVPool");
+  if (buffer_bytes != static_cast<std::size_t>(num_tokens * geometry_.unit_bytes())) {
+    throw InvalidArgument(str_cat("DeviceKVPool: the engine's per-layer buffers hold ", buffer_bytes,
+                                  " bytes each, not ", num_tokens, " slots of ",
+                                  geometry_.unit_bytes(), " bytes (",
+                                  num_tokens * geometry_.unit_bytes(),
+                                  "): device_tokens must be their slot count"));
+  }
   const auto layers = static_cast<std::size_t>(geometry_.num_layers);
   const auto kv = static_cast<std::size_t>(geometry_.num_kv());
   if (k.size() != layers || v.size() != (kv == 2 ? layers : 0)) {
@@ -116,6 +126,7 @@ std::byte* DeviceKVPool::buffer(std::int32_t layer, std::int32_t kv) const {
 }
 
 void DeviceKVPool::set_layer_wait_hook(std::function<bool(std::int32_t)> hook) {
+  MutexLock lock(hook_mu_);
   layer_wait_hook_ = std::move(hook);
 }
 
@@ -124,7 +135,14 @@ bool DeviceKVPool::wait_for_layer(std::int32_t layer) const {
     throw InvalidArgument(str_cat("DeviceKVPool::wait_for_layer: layer ", layer,
                                   " is out of range [0, ", geometry_.num_layers, ")"));
   }
-  return layer_wait_hook_ ? layer_wait_hook_(layer) : true;
+  std::function<bool(std::int32_t)> hook;
+  {
+    MutexLock lock(hook_mu_);
+    hook = layer_wait_hook_;  // a small capture: copied without allocating
+  }
+  // Called without the lock: the forward thread waits here while the main loop may install the
+  // next batch's hook.
+  return hook ? hook(layer) : true;
 }
 
 }  // namespace hicache

@@ -16,6 +16,7 @@
 #include "pools/kv_layout.h"
 #include "pools/paged_token_allocator.h"
 #include "transfer/device.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -24,20 +25,20 @@ class DeviceKVPool {
   // Allocates num_tokens slots of device memory. Throws InvalidArgument for a bad geometry or
   // a token count that is not a positive page multiple, DeviceError when memory is refused.
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens);
-  // Wraps the engine's device KV buffer (one allocation, in `external.order`) of num_tokens
-  // slots, in place. `engine_allocator` (may be null: the pool's own) hands out the slots that
+  // Wraps the engine's device KV buffer (one allocation, in `external.order`) of exactly
+  // num_tokens slots (external.bytes must be kv_buffer_bytes), in place. `engine_allocator` (may be null: the pool's own) hands out the slots that
   // writes read and loads fill; it must have the geometry's page size and at most num_tokens
   // slots, and outlive the pool. Throws InvalidArgument naming a null or short buffer, an
   // allocator that does not fit; DeviceError when the runtime refuses the memory.
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
                const ExternalKVBuffer& external, TokenSlotAllocator* engine_allocator = nullptr);
-  // Wraps the engine's per-layer buffers: k[l] (and v[l] for MHA), each [num_tokens][unit]
-  // (SGLang's k_buffer / v_buffer lists). They must lie at one constant stride from layer to
-  // layer (as one allocation cut into layers puts them) and not overlap; buffers at unrelated
-  // addresses are refused naming the first one off the stride (the copy kernels address every
-  // layer from one base).
+  // Wraps the engine's per-layer buffers: k[l] (and v[l] for MHA), each [num_tokens][unit] of
+  // exactly `buffer_bytes` (SGLang's k_buffer / v_buffer lists). They must lie at one constant
+  // stride from layer to layer (as one allocation cut into layers puts them) and not overlap;
+  // buffers at unrelated addresses are refused naming the first one off the stride (the copy
+  // kernels address every layer from one base).
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
-               std::span<void* const> k, std::span<void* const> v,
+               std::span<void* const> k, std::span<void* const> v, std::size_t buffer_bytes,
                TokenSlotAllocator* engine_allocator = nullptr);
 
   const KVGeometry& geometry() const { return geometry_; }
@@ -65,7 +66,8 @@ class DeviceKVPool {
   std::byte* k_buffer(std::int32_t layer) const { return buffer(layer, 0); }
   std::byte* v_buffer(std::int32_t layer) const { return buffer(layer, 1); }
 
-  // Installs the function that wait_for_layer() calls; an empty one removes it.
+  // Installs the function that wait_for_layer() calls; an empty one removes it. Thread-safe
+  // against wait_for_layer on other threads (which keep calling the hook they started with).
   void set_layer_wait_hook(std::function<bool(std::int32_t layer)> hook);
   // Called by attention before it reads `layer`: returns once the layer's loads are complete
   // (at once when no hook is installed). False when they failed: the pages this step loaded
@@ -83,7 +85,10 @@ class DeviceKVPool {
   std::unique_ptr<PagedTokenAllocator> own_allocator_;
   TokenSlotAllocator* allocator_ = nullptr;
   bool wrapped_ = false;
-  std::function<bool(std::int32_t)> layer_wait_hook_;
+  mutable Mutex hook_mu_;
+  // Replaced by the main loop (start_loading) while the forward thread may be waiting on the
+  // last one: copied and replaced under hook_mu_, called outside it.
+  std::function<bool(std::int32_t)> layer_wait_hook_ HICACHE_GUARDED_BY(hook_mu_);
 };
 
 }  // namespace hicache

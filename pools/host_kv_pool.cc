@@ -81,10 +81,11 @@ HostKVPool::HostKVPool(Device& device, const KVGeometry& geometry, HostLayout la
                  geometry.page_size) {
   geometry_.validate();
   const auto need = static_cast<std::size_t>(kv_buffer_bytes(geometry_, num_tokens));
-  if (external.data == nullptr || external.bytes < need) {
+  if (external.data == nullptr || external.bytes != need) {  // strides follow the slot count
     throw InvalidArgument(str_cat("HostKVPool: the engine's buffer (", external.bytes, " bytes at ",
-                                  external.data, ") is smaller than ", num_tokens, " slots of ",
-                                  geometry_.token_bytes(), " bytes (", need, ")"));
+                                  external.data, ") is not ", num_tokens, " slots of ",
+                                  geometry_.token_bytes(), " bytes (", need,
+                                  "): the host pool's tokens must be the buffer's slot count"));
   }
   memory_ = device.wrap_host(external.data, external.bytes);
   desc_ = make_host_layout(layout, geometry_, num_tokens, memory_.data(), external.order);

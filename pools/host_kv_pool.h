@@ -40,10 +40,10 @@ class HostKVPool {
   // geometry or token count, DeviceError when the memory is refused.
   HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
              std::int64_t num_tokens, const HostMemoryOptions& memory = {});
-  // Wraps the engine's host KV buffer in place (`external.order`: SGLang's kv_buffer shapes, or
-  // hicache's); page-locks it on CUDA when it is not already (undone when the pool goes). The
+  // Wraps the engine's host KV buffer of exactly num_tokens slots in place (`external.order`:
+  // SGLang's kv_buffer shapes, or hicache's); page-locks it on CUDA when it is not already (undone when the pool goes). The
   // page states start free: the engine hands the pool's pages to hicache. Throws
-  // InvalidArgument naming a null or short buffer; DeviceError when it cannot be page-locked.
+  // InvalidArgument naming a null buffer or one of another size; DeviceError when it cannot be page-locked.
   HostKVPool(Device& device, const KVGeometry& geometry, HostLayout layout,
              std::int64_t num_tokens, const ExternalKVBuffer& external);
 

@@ -39,7 +39,7 @@ std::string_view to_string(DimOrder order);
 // resizes it, and the engine keeps it alive (and does not move it) for the pool's lifetime.
 struct ExternalKVBuffer {
   void* data = nullptr;
-  std::size_t bytes = 0;  // at least kv_buffer_bytes(geometry, num_tokens)
+  std::size_t bytes = 0;  // exactly kv_buffer_bytes(geometry, num_tokens)
   DimOrder order = DimOrder::kSglang;
 };
 

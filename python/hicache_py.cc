@@ -16,6 +16,7 @@
 #include <thread>
 #include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -418,24 +419,38 @@ class PyHiCache {
       if (list->is_none()) continue;
       std::size_t i = 0;
       for (py::handle t : py::reinterpret_borrow<py::sequence>(*list)) {
-        out->push_back(tensor_memory(t, str_cat(what, "[", i++, "]").c_str()).first);
+        const auto [p, n] = tensor_memory(t, str_cat(what, "[", i, "]").c_str());
+        if (parts.device_layer_bytes == 0) parts.device_layer_bytes = n;
+        if (n != parts.device_layer_bytes) {
+          throw InvalidArgument(str_cat(what, "[", i, "] holds ", n, " bytes, the first buffer ",
+                                        parts.device_layer_bytes));
+        }
+        out->push_back(p);
+        ++i;
       }
       keep_.push_back(*list);
     }
     py::gil_scoped_release nogil;  // the TP rendezvous and pool pre-faulting wait
     cache_ = std::make_unique<HiCache>(config, std::move(parts));
   }
-  ~PyHiCache() {
-    py::gil_scoped_release nogil;
-    cache_.reset();
-  }
+  ~PyHiCache() { close(); }
 
-  HiCache& get() {
+  // The cache for one call. Calls may run on several Python threads at once (the scheduler's
+  // start_loading while the forward thread waits for a layer, with the GIL released): each holds
+  // a shared lock on the cache's life, and close() waits for them, so no call runs on a cache
+  // that is being destroyed.
+  struct Use {
+    std::shared_lock<std::shared_mutex> lock;
+    HiCache& hc;
+  };
+  Use use() {
+    std::shared_lock lock(life_);
     if (!cache_) throw StateError("HiCache is closed");
-    return *cache_;
+    return Use{std::move(lock), *cache_};
   }
   void close() {
-    py::gil_scoped_release nogil;
+    py::gil_scoped_release nogil;  // calls in flight finish first; none of them needs the GIL
+    std::unique_lock lock(life_);
     cache_.reset();
   }
   std::shared_ptr<PyStore> store() const { return store_; }
@@ -447,7 +462,8 @@ class PyHiCache {
     if (kind != "write" && kind != "load") {
       throw InvalidArgument(str_cat("wait_acks: kind '", kind, "': valid are write, load"));
     }
-    HiCacheController& c = get().controller();
+    Use u = use();
+    HiCacheController& c = u.hc.controller();
     std::vector<Ack> acks;
     {
       py::gil_scoped_release nogil;
@@ -468,6 +484,7 @@ class PyHiCache {
  private:
   std::shared_ptr<PyStore> store_;
   std::vector<py::object> keep_;
+  std::shared_mutex life_;
   std::unique_ptr<HiCache> cache_;
 };
 
@@ -580,42 +597,47 @@ PYBIND11_MODULE(_hicache, m) {
            py::arg("device_v") = py::none(), py::arg("dim_order") = "sglang")
       .def("alloc_device",
            [](PyHiCache& c, std::int64_t tokens) {
-             return c.get().device_pool().allocator().alloc(tokens);
+             return c.use().hc.device_pool().allocator().alloc(tokens);
            },
            py::arg("tokens"))
       .def("free_device",
            [](PyHiCache& c, const std::vector<std::int64_t>& slots) {
-             c.get().device_pool().allocator().free(slots);
+             c.use().hc.device_pool().allocator().free(slots);
            },
            py::arg("slots"))
       .def("write",
            [](PyHiCache& c, const std::vector<std::int64_t>& device_slots, NodeId node) {
-             return c.get().controller().write(device_slots, 0, node);
+             return c.use().hc.controller().write(device_slots, 0, node);
            },
            py::arg("device_slots"), py::arg("node_id"))
       .def("load_into",
            [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
               const std::vector<std::int64_t>& device_slots, NodeId node) {
-             return c.get().controller().load_into(host_slots, device_slots, 0, node);
+             return c.use().hc.controller().load_into(host_slots, device_slots, 0, node);
            },
            py::arg("host_slots"), py::arg("device_slots"), py::arg("node_id"))
       .def("evict_device",
            [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
               const std::vector<std::int64_t>& host_slots) {
-             return c.get().controller().evict_device(device_slots, host_slots);
+             return c.use().hc.controller().evict_device(device_slots, host_slots);
            },
            py::arg("device_slots"), py::arg("host_slots"))
-      .def("start_loading", [](PyHiCache& c) { return c.get().controller().start_loading(); })
+      .def("start_loading",
+           [](PyHiCache& c) {
+             auto u = c.use();
+             py::gil_scoped_release nogil;  // blocks while every layer slot is still in use
+             return u.hc.controller().start_loading();
+           })
       .def("wait_for_layer",
            [](PyHiCache& c, std::int32_t layer) {
-             HiCache& hc = c.get();
+             auto u = c.use();
              py::gil_scoped_release nogil;
-             return hc.device_pool().wait_for_layer(layer);
+             return u.hc.device_pool().wait_for_layer(layer);
            },
            py::arg("layer"))
       .def("release_loading",
            [](PyHiCache& c, std::int32_t slot) {
-             c.get().controller().layer_done_counter().release(slot);
+             c.use().hc.controller().layer_done_counter().release(slot);
            },
            py::arg("slot"))
       .def("wait_acks", &PyHiCache::wait_acks, py::arg("kind"), py::arg("n"),
@@ -623,19 +645,19 @@ PYBIND11_MODULE(_hicache, m) {
       .def("close", &PyHiCache::close)
       .def_property_readonly("store", &PyHiCache::store)
       .def_property_readonly("key_prefix",
-                             [](PyHiCache& c) { return c.get().key_namespace().prefix(); })
-      .def_property_readonly("metrics_port", [](PyHiCache& c) { return c.get().metrics_port(); })
+                             [](PyHiCache& c) { return c.use().hc.key_namespace().prefix(); })
+      .def_property_readonly("metrics_port", [](PyHiCache& c) { return c.use().hc.metrics_port(); })
       .def_property_readonly("device_tokens",
-                             [](PyHiCache& c) { return c.get().config().device_tokens; })
+                             [](PyHiCache& c) { return c.use().hc.config().device_tokens; })
       .def_property_readonly("host_tokens",
-                             [](PyHiCache& c) { return c.get().config().host_tokens(); })
+                             [](PyHiCache& c) { return c.use().hc.config().host_tokens(); })
       .def_property_readonly("page_size",
-                             [](PyHiCache& c) { return c.get().config().geometry.page_size; })
-      .def("metrics_json", [](PyHiCache& c) { return c.get().metrics().json_text(); })
-      .def("metrics_text", [](PyHiCache& c) { return c.get().metrics().prometheus_text(); })
+                             [](PyHiCache& c) { return c.use().hc.config().geometry.page_size; })
+      .def("metrics_json", [](PyHiCache& c) { return c.use().hc.metrics().json_text(); })
+      .def("metrics_text", [](PyHiCache& c) { return c.use().hc.metrics().prometheus_text(); })
       .def("cached_prefix_tokens",
            [](PyHiCache& c, const std::vector<std::int32_t>& tokens) {
-             return c.get().cache().cached_prefix_tokens(tokens);
+             return c.use().hc.cache().cached_prefix_tokens(tokens);
            },
            py::arg("tokens"));
 }

@@ -138,12 +138,15 @@ class FileStorage::Impl {
     for (const auto& entry : fs::directory_iterator(tmp_, ec)) {
       if (!config_.shared || !writer_alive(entry.path())) queue_trash_file(entry.path());
     }
-    for (const auto& entry : fs::directory_iterator(trash_, ec)) trash_queue_.push_back(entry.path());
+    for (const auto& entry : fs::directory_iterator(trash_, ec)) {
+      trash_queue_.push_back({entry.path(), 0});
+    }
     trash_pending_ = trash_queue_.size();
     rebuild_index();
     {
       std::lock_guard lock(mu_);
-      capacity_ = config_.capacity_bytes != 0 ? config_.capacity_bytes : disk_capacity_locked();
+      capacity_from_disk_ = config_.capacity_bytes == 0;
+      capacity_ = capacity_from_disk_ ? disk_capacity_locked() : config_.capacity_bytes;
       evict_locked();
     }
     if (config_.io_threads > 0) {
@@ -217,11 +220,8 @@ class FileStorage::Impl {
         if (auto it = index_.find(key); it != index_.end()) pin_locked(it, pins);
       }
     }
+    Unpin unpin{*this, pins};
     fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys, i, dst[i], pins); });
-    if (!pins.empty()) {
-      std::lock_guard lock(mu_);
-      unpin_locked(pins);
-    }
     return results;
   }
 
@@ -232,14 +232,7 @@ class FileStorage::Impl {
     const bool group = config_.durability == Durability::kGroupCommit;
     // Every record this batch reports stored stays pinned (never evicted) until it returns.
     std::vector<Pin> pins;
-    struct Unpin {
-      Impl& impl;
-      std::vector<Pin>& pins;
-      ~Unpin() {
-        std::lock_guard lock(impl.mu_);
-        impl.unpin_locked(pins);
-      }
-    } unpin{*this, pins};
+    Unpin unpin{*this, pins};
     fan_out(n, [&](std::size_t i) {
       results[i] = write_one(keys, i, src[i], tmps[i], !group, pins);
     });
@@ -300,6 +293,15 @@ class FileStorage::Impl {
     std::lock_guard lock(mu_);
     return capacity_;
   }
+  // The capacity a record of `bytes` is held against: a capacity that follows the filesystem
+  // and has shrunk below it is asked again first (space may have come back).
+  std::uint64_t capacity_for(std::uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    if (capacity_from_disk_ && capacity_ != 0 && bytes > capacity_) {
+      capacity_ = disk_capacity_locked();
+    }
+    return capacity_;
+  }
 
  private:
   struct Entry {
@@ -312,6 +314,16 @@ class FileStorage::Impl {
   struct Pin {
     std::string key;
     std::uint64_t generation;
+  };
+  // Unpins a call's records when it ends, however it ends.
+  struct Unpin {
+    Impl& impl;
+    std::vector<Pin>& pins;
+    ~Unpin() {
+      if (pins.empty()) return;
+      std::lock_guard lock(impl.mu_);
+      impl.unpin_locked(pins);
+    }
   };
   using Index = std::unordered_map<std::string, Entry>;
 
@@ -445,7 +457,7 @@ class FileStorage::Impl {
         return IoResult::ok();
       }
     }
-    if (const std::uint64_t cap = capacity(); cap != 0 && bytes > cap) {
+    if (const std::uint64_t cap = capacity_for(bytes); cap != 0 && bytes > cap) {
       return IoResult::error(str_cat("record '", key, "' of ", bytes,
                                      " bytes exceeds the store's capacity of ", cap, " bytes"));
     }
@@ -495,23 +507,27 @@ class FileStorage::Impl {
 
   // ENOSPC within the capacity: the capacity becomes what is stored less room for the record
   // that did not fit and for each other write that may be in flight (io_threads of them; never
-  // below one record), least recently used records are evicted down to it, and their files are
-  // unlinked before the caller retries.
+  // below one record), and no more than the filesystem now gives when the capacity follows it;
+  // least recently used records are evicted down to it, and their files are unlinked before the
+  // caller retries.
   void make_room_after_enospc(std::uint64_t bytes) {
     {
       std::lock_guard lock(mu_);
       const std::uint64_t room =
           bytes * static_cast<std::uint64_t>(std::max(1, config_.io_threads) + 1);
-      const std::uint64_t fits = total_bytes_ > room ? total_bytes_ - room : 0;
-      capacity_ = std::max<std::uint64_t>(fits, bytes);
+      const std::uint64_t fits = std::max(total_bytes_ > room ? total_bytes_ - room : 0, bytes);
+      const std::uint64_t bound = capacity_from_disk_ ? disk_capacity_locked() : capacity_;
+      // Never below the record that is retried: it is refused otherwise, not stored.
+      capacity_ = std::max(bound == 0 ? fits : std::min(bound, fits), bytes);
       ++owner_.counters_.capacity_shrinks;
-      evict_locked();
+      evict_locked(/*recheck_disk=*/false);
     }
     flush_trash();
   }
 
   // capacity_bytes 0: what is stored plus the filesystem's free space, less a reserve of
-  // disk_reserve of the filesystem (at least 1 MiB) left to everything else. 0 (no bound) when
+  // disk_reserve of the filesystem (at least 1 MiB) left to everything else; at least 1 byte
+  // (a filesystem already past its reserve leaves the store nothing). 0 (no bound) only when
   // the filesystem cannot be asked.
   std::uint64_t disk_capacity_locked() const {
     struct statvfs v {};
@@ -521,7 +537,11 @@ class FileStorage::Impl {
     const auto reserve =
         std::max<std::uint64_t>(std::uint64_t{1} << 20,
                                 static_cast<std::uint64_t>(config_.disk_reserve * total));
-    return total_bytes_ + (free_bytes > reserve ? free_bytes - reserve : 0);
+    // May be below what is stored: the store then evicts down to it. Records in the trash are
+    // free space to come (the trash thread unlinks them): counting them as used would evict
+    // far more than the disk needs whenever the thread lags.
+    const std::uint64_t usable = total_bytes_ + free_bytes + trash_bytes_.load();
+    return usable > reserve ? usable - reserve : 1;
   }
 
   // Renames a written temporary into place and indexes it, then evicts over capacity.
@@ -577,8 +597,14 @@ class FileStorage::Impl {
   // Evicts least recently used records until the total fits, never a pinned one. Pinned
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
-  void evict_locked() {
+  void evict_locked(bool recheck_disk = true) {
     if (capacity_ == 0 || total_bytes_ <= capacity_) return;
+    // A capacity that follows the filesystem is asked again before anything is evicted: space
+    // another program freed (or took) since moves it.
+    if (recheck_disk && capacity_from_disk_) {
+      capacity_ = disk_capacity_locked();
+      if (capacity_ == 0 || total_bytes_ <= capacity_) return;
+    }
     auto victim = lru_.begin();
     while (total_bytes_ > capacity_ && victim != lru_.end()) {
       auto it = index_.find(*victim++);
@@ -598,9 +624,10 @@ class FileStorage::Impl {
   // is skipped and counted: it stays on disk, out of the index, until the next start sees it.
   void drop_locked(Index::iterator it, bool count_eviction) {
     const fs::path path = root_ / it->first;
+    const std::uint64_t bytes = it->second.bytes;
     unindex_locked(it);
     if (count_eviction) ++owner_.counters_.evictions;
-    if (!queue_trash_file(path) && count_eviction) ++owner_.counters_.eviction_failures;
+    if (!queue_trash_file(path, bytes) && count_eviction) ++owner_.counters_.eviction_failures;
   }
 
   // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from
@@ -637,26 +664,29 @@ class FileStorage::Impl {
     return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM);
   }
 
-  bool queue_trash_file(const fs::path& path) {
+  // Moves a file to the trash; `bytes` (its size where known) counts as space about to be
+  // freed until the trash thread has unlinked it.
+  bool queue_trash_file(const fs::path& path, std::uint64_t bytes = 0) {
     const fs::path to = trash_ / str_cat(::getpid(), ".", seq_.fetch_add(1));
     if (::rename(path.c_str(), to.c_str()) != 0) {
       if (errno == ENOENT && ::access(path.c_str(), F_OK) != 0) {
         if (!fs::exists(trash_)) {  // the trash folder itself vanished: recreate it and retry
           ensure_dirs();
-          if (::rename(path.c_str(), to.c_str()) == 0) return push_trash(to);
+          if (::rename(path.c_str(), to.c_str()) == 0) return push_trash(to, bytes);
         }
         return true;  // the record is gone already
       }
       return false;
     }
-    return push_trash(to);
+    return push_trash(to, bytes);
   }
 
-  bool push_trash(fs::path to) {
+  bool push_trash(fs::path to, std::uint64_t bytes) {
     {
       std::lock_guard lock(trash_mu_);
-      trash_queue_.push_back(std::move(to));
+      trash_queue_.push_back({std::move(to), bytes});
       ++trash_pending_;
+      trash_bytes_ += bytes;
     }
     trash_cv_.notify_one();
     return true;
@@ -667,12 +697,13 @@ class FileStorage::Impl {
     while (true) {
       trash_cv_.wait(lock, [&] { return trash_stop_ || !trash_queue_.empty(); });
       if (trash_stop_) return;
-      fs::path path = std::move(trash_queue_.front());
+      auto [path, bytes] = std::move(trash_queue_.front());
       trash_queue_.pop_front();
       lock.unlock();
       std::error_code ec;
       fs::remove_all(path, ec);  // a failure leaves it for the next start; nothing waits on it
       lock.lock();
+      trash_bytes_ -= bytes;
       if (--trash_pending_ == 0) trash_idle_cv_.notify_all();
     }
   }
@@ -725,13 +756,15 @@ class FileStorage::Impl {
   std::list<std::string> lru_;  // front: least recently used
   std::uint64_t generation_ = 0;  // under mu_
   std::uint64_t capacity_ = 0;    // under mu_; 0: no bound
+  bool capacity_from_disk_ = false;
   std::uint64_t total_bytes_ = 0;
 
   std::unique_ptr<boost::asio::thread_pool> pool_;
 
   std::mutex trash_mu_;
   std::condition_variable trash_cv_, trash_idle_cv_;
-  std::deque<fs::path> trash_queue_;
+  std::deque<std::pair<fs::path, std::uint64_t>> trash_queue_;  // path, bytes (0: unknown)
+  std::atomic<std::uint64_t> trash_bytes_{0};  // queued for unlinking: free space to come
   std::size_t trash_pending_ = 0;
   bool trash_stop_ = false;
   std::thread trash_thread_;

@@ -27,7 +27,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       j,
       {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
        "connect_timeout_ms", "reconnect_backoff_ms", "password", "max_value_bytes",
-       "zero_copy_min_bytes"},
+       "zero_copy_min_bytes", "check_at_start"},
       what);
   RedisConfig c;
   c.cluster = json_fields::get<bool>(j, "cluster", false, what);
@@ -82,6 +82,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       json_fields::get_int(j, "max_value_bytes", 512ll << 20, 1, INT64_MAX, what));
   c.zero_copy_min_bytes = static_cast<std::uint64_t>(
       json_fields::get_int(j, "zero_copy_min_bytes", 64 << 10, 0, INT64_MAX, what));
+  c.check_at_start = json_fields::get<bool>(j, "check_at_start", true, what);
   return c;
 }
 
@@ -123,6 +124,17 @@ class RedisStorage::Impl {
 
   void start() {
     if (config_.cluster) refresh_slots();
+    if (!config_.check_at_start) return;
+    static constexpr std::string_view kPing = "*1\r\n$4\r\nPING\r\n";
+    const std::size_t known = known_nodes();
+    for (std::size_t n = 0; n < known; ++n) {
+      std::vector<Request> reqs = ask_node(n, kPing);
+      if (reqs[0].outcome == Outcome::kStatus || reqs[0].outcome == Outcome::kString) continue;
+      const redis::HostPort at = endpoint_of(n);
+      throw IoError(str_cat("redis storage: ", at.host, ":", at.port, " does not answer at start: ",
+                            reqs[0].text.empty() ? "no reply" : reqs[0].text,
+                            " (\"check_at_start\": false starts without it and retries)"));
+    }
   }
 
   std::uint64_t zero_copy_bytes() const {
@@ -526,6 +538,25 @@ class RedisStorage::Impl {
     }
   }
 
+  std::size_t known_nodes() {
+    std::shared_lock lock(map_mu_);
+    return nodes_.size();
+  }
+
+  // One command to one node, waited for; the reply is in the request.
+  std::vector<Request> ask_node(std::size_t node, std::string_view command) {
+    std::vector<Request> reqs(1);
+    reqs[0].command = command;
+    reqs[0].node = node;
+    dispatch(reqs);
+    return reqs;
+  }
+
+  redis::HostPort endpoint_of(std::size_t node) {
+    std::shared_lock lock(map_mu_);
+    return nodes_[node]->address;
+  }
+
   std::string host_of(std::size_t node) {
     std::shared_lock lock(map_mu_);
     return nodes_[node]->address.host;
@@ -569,16 +600,9 @@ class RedisStorage::Impl {
   void refresh_slots() {
     std::lock_guard refresh(refresh_mu_);
     static constexpr std::string_view kClusterSlots = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
-    std::size_t known = 0;
-    {
-      std::shared_lock lock(map_mu_);
-      known = nodes_.size();
-    }
+    const std::size_t known = known_nodes();
     for (std::size_t n = 0; n < known; ++n) {
-      std::vector<Request> reqs(1);
-      reqs[0].command = kClusterSlots;
-      reqs[0].node = n;
-      dispatch(reqs);
+      std::vector<Request> reqs = ask_node(n, kClusterSlots);
       if (reqs[0].outcome != Outcome::kArray) continue;
       const auto ranges = redis::parse_cluster_slots(*reqs[0].array);
       if (ranges.empty()) continue;

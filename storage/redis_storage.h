@@ -41,7 +41,7 @@
 //        "nodes": ["host:port", ...] (instead of host/port: the seeds of a cluster),
 //        "connections": 4, "io_threads": 0, "timeout_ms": 2000, "connect_timeout_ms": 1000,
 //        "reconnect_backoff_ms": [100, 5000], "password": "", "max_value_bytes": 536870912,
-//        "zero_copy_min_bytes": 65536}
+//        "zero_copy_min_bytes": 65536, "check_at_start": true}
 #pragma once
 
 #include <chrono>
@@ -74,6 +74,11 @@ struct RedisConfig {
   // Payloads of at least this many bytes are sent without copying them into the socket (see
   // redis::ConnectionOptions::splice_min_bytes); 0 copies every byte.
   std::uint64_t zero_copy_min_bytes = 64 << 10;
+  // At construction, PING every node (a cluster: after reading its slot map): a store that
+  // cannot be reached, or refuses the password, is an IoError at start naming the node and the
+  // cause. false: start anyway; batches fail per key and reconnect as they go (a fleet that
+  // prefers to serve without L3 until it comes back).
+  bool check_at_start = true;
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static RedisConfig from_json_text(std::string_view json_text);
@@ -81,8 +86,10 @@ struct RedisConfig {
 
 class RedisStorage final : public StorageBackend {
  public:
-  // Connects lazily; in cluster mode asks the seeds for the slot map (a cluster that cannot be
-  // reached yet is retried by later batches, whose keys go to the first seed until then).
+  // In cluster mode asks the seeds for the slot map; with check_at_start (the default) PINGs
+  // every node and throws IoError when one cannot be reached or refuses the password. Without
+  // it connects lazily (a cluster that cannot be reached yet is retried by later batches, whose
+  // keys go to the first seed until then).
   explicit RedisStorage(RedisConfig config);
   // Closes every connection and joins the I/O threads. REQUIRES: no call in progress.
   ~RedisStorage() override;

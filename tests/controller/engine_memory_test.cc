@@ -198,7 +198,8 @@ TEST(EngineMemoryBuffers, PerLayerBuffersAtAConstantStrideAreWrappedOthersRefuse
     k.push_back(memory.data() + 2 * l * run);
     v.push_back(memory.data() + (2 * l + 1) * run);
   }
-  DeviceKVPool pool(*device, g, kDeviceTokens, k, v);
+  const auto each = static_cast<std::size_t>(run);
+  DeviceKVPool pool(*device, g, kDeviceTokens, k, v, each);
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_EQ(static_cast<void*>(pool.k_buffer(l)), k[l]);
     EXPECT_EQ(static_cast<void*>(pool.v_buffer(l)), v[l]);
@@ -206,15 +207,24 @@ TEST(EngineMemoryBuffers, PerLayerBuffersAtAConstantStrideAreWrappedOthersRefuse
   auto bad = k;
   bad[2] = memory.data() + 5 * run + 64;
   try {
-    DeviceKVPool refused(*device, g, kDeviceTokens, bad, v);
+    DeviceKVPool refused(*device, g, kDeviceTokens, bad, v, each);
     ADD_FAILURE() << "buffers off the stride were wrapped";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("K buffer of layer 2"), std::string::npos) << e.what();
   }
   auto overlapping = v;
   for (auto& p : overlapping) p = static_cast<std::byte*>(p) - run / 2;
-  EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens, k, overlapping), InvalidArgument);
-  EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens, std::span(k).first(2), v), InvalidArgument);
+  EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens, k, overlapping, each), InvalidArgument);
+  EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens, std::span(k).first(2), v, each),
+               InvalidArgument);
+  // Buffers of another slot count than device_tokens: refused, naming both sizes.
+  try {
+    DeviceKVPool refused(*device, g, kDeviceTokens, k, v, each + g.unit_bytes() * kPage);
+    ADD_FAILURE() << "buffers of another size were wrapped";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("must be their slot count"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(EngineMemoryBuffers, ShortOrNullBuffersAreRefusedNamingTheSizes) {
@@ -228,6 +238,12 @@ TEST(EngineMemoryBuffers, ShortOrNullBuffersAreRefusedNamingTheSizes) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("(100 bytes at"), std::string::npos) << e.what();
   }
+  // One page more than the config says (SGLang's padding page forgotten in device_tokens): the
+  // layers would be read at the wrong strides, so it is refused too.
+  std::vector<std::byte> larger(static_cast<std::size_t>(kv_buffer_bytes(g, kDeviceTokens + kPage)));
+  EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens,
+                            ExternalKVBuffer{larger.data(), larger.size(), DimOrder::kSglang}),
+               InvalidArgument);
   EXPECT_THROW(DeviceKVPool(*device, g, kDeviceTokens, ExternalKVBuffer{nullptr, 1 << 20}),
                InvalidArgument);
   EXPECT_THROW((void)device->wrap_host(nullptr, 8), InvalidArgument);

@@ -206,8 +206,11 @@ def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla, backend):
 
 def test_engine_tensors_that_do_not_fit_are_refused():
     cfg = {"device": "host", "page_size": 4, "device_tokens": 64, "model": MODEL}
-    with pytest.raises(ValueError, match="smaller than 64 slots"):
+    with pytest.raises(ValueError, match="is not 64 slots"):
         hicache.HiCache(cfg, device_kv=torch.zeros(10))
+    # SGLang's device buffers have a padding page: device_tokens must count it.
+    with pytest.raises(ValueError, match="device_tokens must be the buffer's slot count"):
+        hicache.HiCache(cfg, device_kv=torch.zeros((2, 2, 64 + 4, 1, 8), dtype=torch.float16))
     with pytest.raises(ValueError, match="not contiguous"):
         hicache.HiCache(cfg, device_kv=torch.zeros(2, 2, 64, 1, 8).transpose(0, 2))
     with pytest.raises(ValueError, match="unknown dimension order"):

@@ -47,8 +47,11 @@ def same(a, b):
     return a.numel() == b.numel() and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def make_store(pool, root, **kw):
-    store = HiCacheStore(storage_config(root, mla=pool.mla, layout=pool.layout, **kw), None)
+def make_store(pool, root, storage=None, **kw):
+    cfg = storage_config(root, mla=pool.mla, layout=pool.layout, **kw)
+    if storage is not None:
+        cfg.extra_config["storage"] = storage
+    store = HiCacheStore(cfg, None)
     store.register_mem_pool_host(pool)
     return store
 
@@ -224,13 +227,17 @@ def test_a_full_disk_gives_false_for_the_pages_that_did_not_fit(tmp_path, host_p
     try:
         pool = host_pool("page_first", layers=4, heads=4, head_dim=64, page_size=16, pages=24)
         pool.fill_random(7)  # 64 KiB per record, two records per page: 24 pages = 3 MiB
-        store = make_store(pool, mnt)
+        # A capacity larger than the disk (left to follow the filesystem, the store would evict
+        # instead): the disk fills within one batch, whose own records are never evicted for it.
+        store = make_store(pool, mnt, storage={"backend": "file", "root": str(mnt),
+                                               "capacity_bytes": 64 << 20})
         keys = sglang_keys(list(range(24 * 16)), 16)
         ok = store.batch_set_v1(keys, indices(range(24), 16))
         assert True in ok and False in ok
         assert store.get_stats()["set_errors"] > 0
         dst = host_pool("page_first", layers=4, heads=4, head_dim=64, page_size=16, pages=24)
-        reader = make_store(dst, mnt)
+        reader = make_store(dst, mnt, storage={"backend": "file", "root": str(mnt),
+                                               "capacity_bytes": 64 << 20})
         got = reader.batch_get_v1(keys, indices(range(24), 16))
         for p, (wrote, read) in enumerate(zip(ok, got)):
             assert read == wrote
@@ -279,6 +286,10 @@ def test_bad_settings_are_clear_errors(tmp_path, host_pool):
         HiCacheStore(storage_config(tmp_path, storag={}), None)
     with pytest.raises(ValueError, match="valid backends"):
         HiCacheStore(types.SimpleNamespace(extra_config={"storage": {"backend": "s3"}}), None)
+    # A Redis nobody answers for: an error at start naming it (SGLang does not start on it).
+    with pytest.raises(OSError, match="127.0.0.1:1 does not answer at start"):
+        HiCacheStore(types.SimpleNamespace(extra_config={"storage": {
+            "backend": "redis", "port": 1, "connect_timeout_ms": 200}}), None)
     store = HiCacheStore(storage_config(tmp_path), None)
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         store.batch_exists(["a" * 64])

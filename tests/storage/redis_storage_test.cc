@@ -165,9 +165,14 @@ TEST(RedisStorageConfig, ParsesFieldsAndDefaults) {
   EXPECT_EQ(d.max_value_bytes, 512u << 20);
   EXPECT_EQ(d.io_threads, 0);  // automatic: the store resolves it
   EXPECT_EQ(d.zero_copy_min_bytes, 64u << 10);
+  EXPECT_TRUE(d.check_at_start);
   const auto cpus = static_cast<int>(std::thread::hardware_concurrency());
-  EXPECT_EQ(RedisStorage(d).config().io_threads, std::clamp(cpus / 4, 1, 4));
-  EXPECT_EQ(RedisStorage(c).config().io_threads, 1);
+  auto lazy = [](RedisConfig x) {  // no server here: opened without the check at start
+    x.check_at_start = false;
+    return x;
+  };
+  EXPECT_EQ(RedisStorage(lazy(d)).config().io_threads, std::clamp(cpus / 4, 1, 4));
+  EXPECT_EQ(RedisStorage(lazy(c)).config().io_threads, 1);
   const auto cl = RedisConfig::from_json_text(
       R"({"backend": "redis", "cluster": true, "nodes": ["127.0.0.1:7000", "[::1]:7001"]})");
   ASSERT_EQ(cl.nodes.size(), 2u);
@@ -217,14 +222,31 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
 }
 
 TEST(RedisStorageConfig, FactoryBuildsARedisBackend) {
-  auto s = make_storage(R"({"backend": "redis", "port": 1, "connect_timeout_ms": 100})");
+  auto s = make_storage(
+      R"({"backend": "redis", "port": 1, "connect_timeout_ms": 100, "check_at_start": false})");
   EXPECT_EQ(s->name(), "redis");
+}
+
+// A server that cannot be reached is an error at start naming it and the cause, unless
+// check_at_start is false (then batches fail per key, as below).
+TEST(RedisStorageConfig, AnUnreachableServerIsAnErrorAtStart) {
+  try {
+    auto s = make_storage(R"({"backend": "redis", "port": 1, "connect_timeout_ms": 200})");
+    ADD_FAILURE() << "a store nobody answers for was opened";
+  } catch (const IoError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("127.0.0.1:1 does not answer at start"), std::string::npos) << what;
+    EXPECT_NE(what.find("check_at_start"), std::string::npos) << what;
+  }
+  EXPECT_THROW(make_storage(R"({"backend": "redis", "port": 1, "check_at_start": 1})"),
+               InvalidArgument);
 }
 
 // Batches of about 4 MiB, and at least one page per connection; a file store takes 64 MiB.
 TEST(RedisStorageConfig, PreferredBatchIsAboutFourMiBAndAPagePerConnection) {
   auto redis = make_storage(
-      R"({"backend": "redis", "port": 1, "connections": 3, "connect_timeout_ms": 100})");
+      R"({"backend": "redis", "port": 1, "connections": 3, "connect_timeout_ms": 100,
+          "check_at_start": false})");
   EXPECT_EQ(redis->preferred_batch_pages(256 << 10), 16);
   EXPECT_EQ(redis->preferred_batch_pages(2 << 10), 2048);
   EXPECT_EQ(redis->preferred_batch_pages(8 << 20), 3);
@@ -676,7 +698,8 @@ TEST(RedisStorageFakeServer, AHugeArrayReplyIsRefusedWithTheReason) {
   });
   ASSERT_NE(server.port(), 0);
   {
-    auto s = open_redis(server.port(), R"("connections": 1, "timeout_ms": 10000)");
+    auto s = open_redis(server.port(),
+                        R"("connections": 1, "timeout_ms": 10000, "check_at_start": false)");
     const auto t0 = Clock::now();
     const auto r = get(*s, {"k"}, 4096);
     ASSERT_EQ(r.size(), 1u);
@@ -707,7 +730,7 @@ TEST(RedisStorageFakeServer, AConnectionAbandonedMidBatchIsResetAndAnIdleOneClos
   ASSERT_NE(server.port(), 0);
   {
     // A timeout the answered batch below keeps on a loaded machine under a sanitizer.
-    auto s = open_redis(server.port(), R"("connections": 1, "timeout_ms": 1500)");
+    auto s = open_redis(server.port(), R"("connections": 1, "timeout_ms": 1500, "check_at_start": false)");
     const auto w = put(*s, {"abandoned"}, 1 << 20);  // spliced: over zero_copy_min_bytes
     EXPECT_EQ(w[0].status, IoStatus::kError);
     EXPECT_NE(w[0].reason.find("timed out"), std::string::npos) << w[0].reason;
@@ -727,7 +750,7 @@ TEST_F(RedisStorageFaults, UnreachableServerGivesPerKeyErrorsAndBacksOff) {
   const int port = server_.port();
   server_.stop();
   auto s = open_redis(port, R"("connections": 1, "connect_timeout_ms": 500,
-                              "reconnect_backoff_ms": [20000, 40000])");
+                              "reconnect_backoff_ms": [20000, 40000], "check_at_start": false)");
   const auto t0 = Clock::now();
   const auto r = get(*s, {"a", "b"}, 4096);
   expect_all(r, IoStatus::kError);
@@ -878,11 +901,25 @@ TEST_F(RedisStorageFaults, PasswordIsSentAtConnect) {
   auto s = open_redis(server_.port(), R"("password": "s3cret")");
   put_ok(*s, {"locked"}, 4096);
   expect_all(get(*s, {"locked"}, 4096), IoStatus::kOk);
-  auto anonymous = open_redis(server_.port());
+  // No password, or a wrong one: an error at start naming the cause...
+  for (const char* extra : {"", R"("password": "nope")"}) {
+    try {
+      auto refused = open_redis(server_.port(), extra);
+      ADD_FAILURE() << "opened with " << extra;
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("NOAUTH") != std::string::npos ||
+                  what.find("AUTH refused") != std::string::npos)
+          << what;
+      EXPECT_EQ(what.find("nope"), std::string::npos) << "the password is printed: " << what;
+    }
+  }
+  // ... and, opened without the check, per-key errors that say why.
+  auto anonymous = open_redis(server_.port(), R"("check_at_start": false)");
   const auto r = get(*anonymous, {"locked"}, 4096);
   ASSERT_EQ(r[0].status, IoStatus::kError);
   EXPECT_NE(r[0].reason.find("NOAUTH"), std::string::npos) << r[0].reason;
-  auto wrong = open_redis(server_.port(), R"("password": "nope")");
+  auto wrong = open_redis(server_.port(), R"("password": "nope", "check_at_start": false)");
   const auto w = get(*wrong, {"locked"}, 4096);
   ASSERT_EQ(w[0].status, IoStatus::kError);
   EXPECT_NE(w[0].reason.find("AUTH refused"), std::string::npos) << w[0].reason;

@@ -177,6 +177,11 @@ TEST(HicacheBench, BadSettingsExitWithUsageAndNameTheValue) {
   r = run_bench("--tiers redis");
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.output.find("--redis"), std::string::npos) << r.output;
+  // A Redis nobody answers for fails at start (it ran to the end and said "ok" before).
+  r = run_bench(kTiny + "--tiers redis --redis 127.0.0.1:1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("127.0.0.1:1 does not answer at start"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("ok: every page verified"), std::string::npos) << r.output;
   TempFile config("hicache-bench-config.json");
   {
     std::ofstream(config.path) << R"({"workload": "tree", "depth": 0})";
