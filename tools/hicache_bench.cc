@@ -731,7 +731,7 @@ int run(const Settings& s) {
     std::ofstream out(s.report);
     out << json{{"tool", "hicache-bench"},
                 {"workload", wl::to_string(wc.kind)},
-                {"settings", settings_json(s)},
+                {"settings", wl::redact_secrets(settings_json(s))},
                 {"configurations", summaries}}
                .dump(2)
         << "\n";

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "pools/kv_layout.h"
+#include "tools/workload/report.h"
 #include "storage/file_storage.h"
 #include "tests/controller/faulty_device.h"
 #include "transfer/errors.h"
@@ -115,6 +116,26 @@ std::vector<SimulatedRequest> workload(int n, int families, std::uint32_t seed) 
     out.push_back(std::move(r));
   }
   return out;
+}
+
+// The bench's report echoes every setting: secrets at any depth are replaced, nothing else is.
+TEST(BenchReport, SecretsInTheSettingsAreRedacted) {
+  const nlohmann::json settings = nlohmann::json::parse(R"({
+      "clients": 4,
+      "cache": {"storage": {"backend": "redis", "host": "h", "password": "hunter2",
+                            "tls": {"Private_Key": "k", "ca": "ca.pem"}},
+                "model": {"layers": 2}},
+      "list": [{"api_token": "t"}, {"name": "x"}]})");
+  const nlohmann::json r = workload::redact_secrets(settings);
+  EXPECT_EQ(r["cache"]["storage"]["password"], "<redacted>");
+  EXPECT_EQ(r["cache"]["storage"]["tls"]["Private_Key"], "<redacted>");
+  EXPECT_EQ(r["list"][0]["api_token"], "<redacted>");
+  EXPECT_EQ(r["cache"]["storage"]["tls"]["ca"], "ca.pem");
+  EXPECT_EQ(r["cache"]["storage"]["host"], "h");
+  EXPECT_EQ(r["list"][1]["name"], "x");
+  EXPECT_EQ(r["clients"], 4);
+  EXPECT_EQ(r.dump().find("hunter2"), std::string::npos);
+  EXPECT_EQ(settings["cache"]["storage"]["password"], "hunter2") << "the input is not changed";
 }
 
 TEST(SimulatedEngine, ServesEveryRequestThroughAllThreeTiersWithCorrectBytes) {

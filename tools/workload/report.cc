@@ -341,4 +341,35 @@ InstanceResult instance_result_from_json(const nlohmann::json& j) {
   return r;
 }
 
+json redact_secrets(const json& settings) {
+  static constexpr std::string_view kSecretWords[] = {"password", "secret", "token", "key_file",
+                                                      "private_key"};
+  const auto is_secret = [](std::string key) {
+    std::transform(key.begin(), key.end(), key.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    for (std::string_view w : kSecretWords) {
+      if (key.find(w) != std::string::npos) return true;
+    }
+    return false;
+  };
+  json out = settings;
+  std::vector<json*> todo{&out};
+  while (!todo.empty()) {
+    json* j = todo.back();
+    todo.pop_back();
+    if (j->is_object()) {
+      for (auto it = j->begin(); it != j->end(); ++it) {
+        if (is_secret(it.key())) {
+          *it = "<redacted>";
+        } else {
+          todo.push_back(&*it);
+        }
+      }
+    } else if (j->is_array()) {
+      for (auto& v : *j) todo.push_back(&v);
+    }
+  }
+  return out;
+}
+
 }  // namespace hicache::workload

@@ -33,6 +33,10 @@ nlohmann::json summarize(const ConfigRun& run, const std::vector<PlannedRequest>
 // The configurations side by side, one column each.
 std::string format_table(const std::vector<nlohmann::json>& summaries);
 
+// A copy of `settings` for a report: the value of every key that names a secret (password,
+// secret, token, private key; at any depth, in objects and arrays) replaced by "<redacted>".
+nlohmann::json redact_secrets(const nlohmann::json& settings);
+
 // TTFT per round (lines) and hit rate per tier (stacked bars), one colour per configuration.
 std::string render_svg(const std::vector<nlohmann::json>& summaries, const std::string& title);
 
