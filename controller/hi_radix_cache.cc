@@ -4,7 +4,7 @@
 #include <cmath>
 #include <deque>
 #include <functional>
-#include <queue>
+#include <map>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -14,6 +14,11 @@
 #include "transfer/errors.h"
 
 namespace hicache {
+
+// Eviction order: (hits under LFU else 0, last access, id) ascending; the id breaks the tie
+// between the two halves of a split, the same way on every TP rank.
+using EvictKey = std::tuple<std::int64_t, std::uint64_t, NodeId>;
+using EvictIndex = std::map<EvictKey, HiRadixCache::Node*>;
 
 struct HiRadixCache::Node {
   NodeId id = 0;
@@ -31,6 +36,47 @@ struct HiRadixCache::Node {
   std::vector<PageDigest> digests;  // one per page, when storage is on (chains the keys)
   std::int64_t stored_pages = 0;    // leading pages known to be in L3
   bool evict_after_write = false;  // write_back: free the device copy on the ack
+  bool passed_over = false;  // evict_device keeps it this call: out of the device index
+  std::int64_t device_children = 0;  // children with KV on the device
+  // What the node added to the indexes and totals at its last refresh().
+  struct Indexed {
+    bool counted = false;  // in the totals (every node but the root once refreshed)
+    bool on_device = false;  // counted in the parent's device_children
+    std::int64_t device_tokens = 0, host_tokens = 0, stored_tokens = 0;
+    bool writing = false, loading = false, backing_up = false;
+    std::optional<EvictIndex::iterator> device_at, host_at;  // its entries
+  } indexed;
+};
+
+// The eviction candidates of each tier in eviction order, and the totals stats() reports, kept
+// current by refresh(): evicting k nodes costs O(k log n), and stats() reads counters.
+// Device candidates: unlocked nodes with device KV, no op in flight and no child on the device.
+// Host candidates: unlocked leaves with host KV only and no op in flight.
+struct HiRadixCache::Index {
+  EvictIndex device, host;
+  std::int64_t nodes = 0, device_tokens = 0, host_tokens = 0, stored_tokens = 0;
+  std::int64_t writing = 0, loading = 0, backing_up = 0;
+
+  void add(const Node::Indexed& x, std::int64_t sign) {
+    nodes += sign * (x.counted ? 1 : 0);
+    device_tokens += sign * x.device_tokens;
+    host_tokens += sign * x.host_tokens;
+    stored_tokens += sign * x.stored_tokens;
+    writing += sign * (x.writing ? 1 : 0);
+    loading += sign * (x.loading ? 1 : 0);
+    backing_up += sign * (x.backing_up ? 1 : 0);
+  }
+  // Moves `node`'s entry from `at` to `key` (nothing: out of the index). A touched node goes
+  // last under LRU: its insertion at the end, like the erase by iterator, is amortized O(1).
+  static void move(EvictIndex& index, std::optional<EvictIndex::iterator>& at,
+                   const std::optional<EvictKey>& key, Node* node) {
+    if (at && key && (*at)->first == *key) return;
+    if (at) index.erase(*at);
+    at.reset();
+    if (!key) return;
+    const bool last = index.empty() || std::prev(index.end())->first < *key;
+    at = last ? index.emplace_hint(index.end(), *key, node) : index.emplace(*key, node).first;
+  }
 };
 
 // Ops in flight: the node that holds the op's lock, and every node the op covers (a split adds
@@ -195,7 +241,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
       page_size_(device_pool.geometry().page_size), policy_(controller.config().write_policy),
       root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()),
       arrived_(std::make_unique<Arrived>()), ghost_(std::make_unique<Ghost>()),
-      storage_(storage), tp_(tp) {
+      index_(std::make_unique<Index>()), storage_(storage), tp_(tp) {
   ghost_->capacity_pages =
       (host_pool.capacity_tokens() + device_pool.allocator().capacity_tokens()) / page_size_;
   if ((storage == nullptr) != (keys == nullptr)) {
@@ -256,6 +302,7 @@ void HiRadixCache::reset() {
   backup_acks_.clear();
   revoked_.clear();
   ghost_->clear();  // node ids start again below the new root
+  index_ = std::make_unique<Index>();
   root_ = std::make_unique<Node>();
   root_->lock = 1;  // never evicted
   device_pool_.allocator().reset();
@@ -268,7 +315,59 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
   return it == node->children.end() ? nullptr : it->second.get();
 }
 
-void HiRadixCache::touch(Node* node) { node->last_access = ++clock_; }
+void HiRadixCache::touch(Node* node) {
+  node->last_access = ++clock_;
+  refresh(node);
+}
+
+void HiRadixCache::refresh(Node* node) {
+  if (node == root_.get()) return;  // holds no KV, never evicted
+  const bool free_to_go = node->lock == 0 && node->write_op == 0 && node->load_op == 0;
+  const EvictKey key{config_.eviction_policy == EvictionPolicy::kLfu ? node->hits : 0,
+                     node->last_access, node->id};
+  Node::Indexed now;
+  now.counted = true;
+  now.on_device = !node->device.empty();
+  now.device_tokens = static_cast<std::int64_t>(node->device.size());
+  now.host_tokens = static_cast<std::int64_t>(node->host.size());
+  now.stored_tokens = node->stored_pages * page_size_;
+  now.writing = node->write_op != 0;
+  now.loading = node->load_op != 0;
+  now.backing_up = node->backup_op != 0;
+  std::optional<EvictKey> device_key, host_key;
+  if (free_to_go && now.on_device && node->device_children == 0 && !node->passed_over) {
+    device_key = key;
+  }
+  if (free_to_go && !now.on_device && !node->host.empty() && node->children.empty()) {
+    host_key = key;
+  }
+  Node::Indexed& was = node->indexed;
+  index_->add(was, -1);
+  index_->add(now, 1);
+  now.device_at = was.device_at;
+  now.host_at = was.host_at;
+  Index::move(index_->device, now.device_at, device_key, node);
+  Index::move(index_->host, now.host_at, host_key, node);
+  const bool device_changed = was.on_device != now.on_device;
+  was = now;
+  if (device_changed) {
+    node->parent->device_children += now.on_device ? 1 : -1;
+    refresh(node->parent);  // it may have become (or stopped being) a device candidate
+  }
+}
+
+void HiRadixCache::forget(Node* node) {
+  Node::Indexed& was = node->indexed;
+  index_->add(was, -1);
+  Index::move(index_->device, was.device_at, std::nullopt, node);
+  Index::move(index_->host, was.host_at, std::nullopt, node);
+  const bool was_on_device = was.on_device;
+  was = Node::Indexed{};
+  if (was_on_device) {
+    --node->parent->device_children;
+    refresh(node->parent);
+  }
+}
 
 HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key) {
   auto leaf = std::make_unique<Node>();
@@ -277,8 +376,9 @@ HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::in
   l->parent = parent;
   l->key.assign(key.begin(), key.end());
   set_digests(l);
-  touch(l);
   parent->children.emplace(page_key(key.first(page_size_)), std::move(leaf));
+  touch(l);
+  refresh(parent);  // no longer a leaf
   return l;
 }
 
@@ -296,6 +396,7 @@ std::size_t HiRadixCache::common_tokens(const Node* child,
 }
 
 HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
+  forget(node);  // both halves are refreshed once in place
   auto mid = std::make_unique<Node>();
   Node* m = mid.get();
   m->id = next_id_++;
@@ -333,6 +434,8 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   node->parent = m;
   m->children.emplace(page_key(std::span(node->key).first(page_size_)), std::move(lower));
   parent->children[upper] = std::move(mid);
+  refresh(m);
+  refresh(node);
   return m;
 }
 
@@ -349,8 +452,8 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     if (child == nullptr) break;
     const std::size_t common = common_tokens(child, tokens.subspan(pos, usable - pos));
     if (common < child->key.size()) child = split(child, common);
-    touch(child);
     ++child->hits;
+    touch(child);
     if (device_run && !child->device.empty()) {
       append(r.device_slots, child->device);
       r.last_device_node = child;
@@ -464,6 +567,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
     if (child == nullptr) {
       Node* l = add_leaf(node, tokens.subspan(pos));
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
+      refresh(l);
       if (policy_ == WritePolicy::kWriteThrough) write_node(l);
       return duplicate;
     }
@@ -481,7 +585,9 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
 }
 
 void HiRadixCache::lock(Node* node) {
-  for (Node* n = node; n != nullptr; n = n->parent) ++n->lock;
+  for (Node* n = node; n != nullptr; n = n->parent) {
+    if (++n->lock == 1) refresh(n);  // no longer evictable
+  }
 }
 
 void HiRadixCache::unlock(Node* node) {
@@ -490,7 +596,9 @@ void HiRadixCache::unlock(Node* node) {
       throw StateError(str_cat("unlock: node ", node->id, " is not locked"));
     }
   }
-  for (Node* n = node; n != nullptr; n = n->parent) --n->lock;
+  for (Node* n = node; n != nullptr; n = n->parent) {
+    if (--n->lock == 0) refresh(n);
+  }
 }
 
 void HiRadixCache::write_node(Node* node) {
@@ -507,6 +615,7 @@ void HiRadixCache::write_node(Node* node) {
   node->host = std::move(*host);
   node->write_op = node->id;
   lock(node);
+  refresh(node);
   pending_->writes[node->id] = Pending::Op{node, {node}};
 }
 
@@ -591,6 +700,7 @@ std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
                        device->begin() + static_cast<std::ptrdiff_t>(at + n->key.size()));
       at += n->key.size();
       n->load_op = op;
+      refresh(n);
     }
     pending_->loads[op] = Pending::Op{node, missing};
     events_.loaded_back_tokens += host.size();
@@ -611,63 +721,49 @@ void HiRadixCache::drop_device(Node* node) {
     device_pool_.allocator().free(node->device);
   }
   node->device.clear();
+  refresh(node);
   events_.evicted_device_tokens += n;
 }
 
 void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
+  forget(node);
   ghost_->remember(parent->id, node->id, node->key, page_size_);
   parent->children.erase(page_key(std::span(node->key).first(page_size_)));
-}
-
-bool HiRadixCache::evicts_before(const Node* a, const Node* b) const {
-  if (config_.eviction_policy == EvictionPolicy::kLfu && a->hits != b->hits) {
-    return a->hits < b->hits;
-  }
-  return a->last_access < b->last_access;
+  refresh(parent);  // may be a leaf now
 }
 
 std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
-  auto older = [this](Node* a, Node* b) { return evicts_before(b, a); };
-  std::priority_queue<Node*, std::vector<Node*>, decltype(older)> heap(older);
-  auto candidate = [&](Node* n) {
-    if (n == root_.get() || n->device.empty() || n->lock > 0 || n->write_op != 0 ||
-        n->load_op != 0) {
-      return false;
-    }
-    for (const auto& [k, c] : n->children) {
-      if (!c->device.empty()) return false;
-    }
-    // A node without a host copy is dropped when nothing hangs below it; otherwise (and always
-    // under write-back) it is written first and freed on the ack. Under the write-through
-    // policies such a node is one whose write found the host pool full: without this the
-    // device could fill up with inner nodes that nothing ever frees.
-    return true;
-  };
-  std::function<void(Node*)> walk = [&](Node* n) {
-    if (candidate(n)) heap.push(n);
-    for (auto& [k, c] : n->children) walk(c.get());
-  };
-  walk(root_.get());
+  // The index holds the candidates in eviction order: unlocked, no op in flight, no child on
+  // the device. A node without a host copy is dropped when nothing hangs below it; otherwise
+  // (and always under write-back) it is written first and freed on the ack. Under the
+  // write-through policies such a node is one whose write found the host pool full: without
+  // this the device could fill up with inner nodes that nothing ever frees.
   std::int64_t freed = 0, scheduled = 0;  // scheduled: write-back evictions freed on the ack
-  while (freed + scheduled < tokens && !heap.empty()) {
-    Node* n = heap.top();
-    heap.pop();
-    if (!candidate(n)) continue;
-    Node* parent = n->parent;
+  std::vector<Node*> passed_over;         // host full and a subtree below: kept this call
+  while (freed + scheduled < tokens && !index_->device.empty()) {
+    Node* n = index_->device.begin()->second;
     if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
       write_node(n);
-      if (n->write_op != 0) {
+      if (n->write_op != 0) {  // out of the index while it writes
         n->evict_after_write = true;
         scheduled += static_cast<std::int64_t>(n->device.size());
         continue;
       }
-      if (!n->children.empty()) continue;  // host full and it holds a subtree: keep it
+      if (!n->children.empty()) {
+        n->passed_over = true;
+        refresh(n);
+        passed_over.push_back(n);
+        continue;
+      }
     }
     freed += static_cast<std::int64_t>(n->device.size());
-    drop_device(n);
+    drop_device(n);  // its parent may become a candidate
     if (n->host.empty()) remove_leaf(n);  // no KV anywhere: the node goes
-    if (candidate(parent)) heap.push(parent);
+  }
+  for (Node* n : passed_over) {
+    n->passed_over = false;
+    refresh(n);
   }
   return freed;
 }
@@ -679,26 +775,14 @@ std::int64_t HiRadixCache::evict_host_to_free(std::int64_t target) {
 }
 
 std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
-  auto older = [this](Node* a, Node* b) { return evicts_before(b, a); };
-  std::priority_queue<Node*, std::vector<Node*>, decltype(older)> heap(older);
-  auto candidate = [&](Node* n) {
-    return n != root_.get() && !n->host.empty() && n->device.empty() && n->children.empty() &&
-           n->lock == 0 && n->write_op == 0 && n->load_op == 0;
-  };
-  std::function<void(Node*)> walk = [&](Node* n) {
-    if (candidate(n)) heap.push(n);
-    for (auto& [k, c] : n->children) walk(c.get());
-  };
-  walk(root_.get());
+  // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
+  // goes may leave its parent such a leaf.
   std::int64_t freed = 0;
-  while (freed < tokens && !heap.empty()) {
-    Node* n = heap.top();
-    heap.pop();
-    Node* parent = n->parent;
+  while (freed < tokens && !index_->host.empty()) {
+    Node* n = index_->host.begin()->second;
     controller_.evict_host(n->host);
     freed += static_cast<std::int64_t>(n->host.size());
     remove_leaf(n);
-    if (candidate(parent)) heap.push(parent);
   }
   events_.evicted_host_tokens += freed;
   return freed;
@@ -718,6 +802,7 @@ void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t 
       n->host.clear();
       n->evict_after_write = false;
     }
+    refresh(n);
   }
   if (!ok) ++events_.write_failures;
   unlock(op.holder);
@@ -754,6 +839,7 @@ void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t l
       }
       n->device.clear();
     }
+    refresh(n);
   }
   if (!ok) ++events_.load_failures;
   unlock(op.holder);
@@ -777,6 +863,7 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t
     const auto own = static_cast<std::int64_t>(n->key.size()) / page_size_;
     n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
     pages = std::max<std::int64_t>(0, pages - own);
+    refresh(n);
   }
   unlock(taken->holder);
 }
@@ -965,6 +1052,7 @@ void HiRadixCache::backup_node(Node* node) {
   if (!id) return;  // backup queue full: the node stays host-only, L1/L2 unaffected
   node->backup_op = *id;
   lock(node);
+  refresh(node);
   pending_->backups[*id] = Pending::Op{node, {node}};
 }
 
@@ -1066,6 +1154,7 @@ std::int64_t HiRadixCache::insert_host(Node* node, std::span<const std::int32_t>
       Node* l = add_leaf(node, tokens.subspan(pos));
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
       l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
+      refresh(l);
       return static_cast<std::int64_t>(tokens.size() - pos);
     }
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
@@ -1113,24 +1202,20 @@ RadixCacheStats HiRadixCache::stats() const {
   s.revoked_prefetches = v(events_.revoked_prefetches);
   s.tp_failures = v(events_.tp_failures);
   s.write_failures = v(events_.write_failures);
-  std::function<void(const Node*)> walk = [&](const Node* n) {
-    if (n != root_.get()) {
-      ++s.nodes;
-      s.device_tokens += static_cast<std::int64_t>(n->device.size());
-      s.host_tokens += static_cast<std::int64_t>(n->host.size());
-      s.writes_in_flight += n->write_op != 0;
-      s.loads_in_flight += n->load_op != 0;
-      s.backups_in_flight += n->backup_op != 0;
-      s.stored_tokens += n->stored_pages * page_size_;
-    }
-    for (const auto& [k, c] : n->children) walk(c.get());
-  };
-  walk(root_.get());
+  s.nodes = index_->nodes;
+  s.device_tokens = index_->device_tokens;
+  s.host_tokens = index_->host_tokens;
+  s.writes_in_flight = index_->writing;
+  s.loads_in_flight = index_->loading;
+  s.backups_in_flight = index_->backing_up;
+  s.stored_tokens = index_->stored_tokens;
   return s;
 }
 
 std::string HiRadixCache::check_invariants() const {
   std::string problem;
+  std::int64_t nodes = 0, device_tokens = 0, host_tokens = 0, stored_tokens = 0;
+  std::int64_t device_candidates = 0, host_candidates = 0, ops = 0;
   std::function<void(const Node*)> walk = [&](const Node* n) {
     if (!problem.empty()) return;
     if (n != root_.get()) {
@@ -1147,6 +1232,37 @@ std::string HiRadixCache::check_invariants() const {
       if (problem.empty() && n->lock < child_locks) {
         problem = str_cat("node ", n->id, ": lock ", n->lock, " below its children's ", child_locks);
       }
+      // The indexes and totals, recomputed from the node as it is now.
+      std::int64_t on_device_children = 0;
+      for (const auto& [k, c] : n->children) on_device_children += c->device.empty() ? 0 : 1;
+      const bool free_to_go = n->lock == 0 && n->write_op == 0 && n->load_op == 0;
+      const bool device_candidate = free_to_go && !n->device.empty() && on_device_children == 0;
+      const bool host_candidate =
+          free_to_go && n->device.empty() && !n->host.empty() && n->children.empty();
+      const EvictKey key{config_.eviction_policy == EvictionPolicy::kLfu ? n->hits : 0,
+                         n->last_access, n->id};
+      auto indexed = [&](const EvictIndex& index) {
+        auto it = index.find(key);
+        return it != index.end() && it->second == n;
+      };
+      ++nodes;
+      device_tokens += static_cast<std::int64_t>(n->device.size());
+      host_tokens += static_cast<std::int64_t>(n->host.size());
+      stored_tokens += n->stored_pages * page_size_;
+      ops += (n->write_op != 0 ? 1 : 0) + (n->load_op != 0 ? 1 : 0) + (n->backup_op != 0 ? 1 : 0);
+      device_candidates += device_candidate ? 1 : 0;
+      host_candidates += host_candidate ? 1 : 0;
+      if (!problem.empty()) {
+      } else if (n->device_children != on_device_children) {
+        problem = str_cat("node ", n->id, ": counts ", n->device_children,
+                          " children on the device, has ", on_device_children);
+      } else if (indexed(index_->device) != device_candidate) {
+        problem = str_cat("node ", n->id, device_candidate ? ": missing from" : ": stale in",
+                          " the device eviction index");
+      } else if (indexed(index_->host) != host_candidate) {
+        problem = str_cat("node ", n->id, host_candidate ? ": missing from" : ": stale in",
+                          " the host eviction index");
+      }
     }
     for (const auto& [k, c] : n->children) {
       if (c->parent != n) problem = str_cat("node ", c->id, ": wrong parent");
@@ -1154,6 +1270,21 @@ std::string HiRadixCache::check_invariants() const {
     }
   };
   walk(root_.get());
+  if (!problem.empty()) return problem;
+  if (static_cast<std::int64_t>(index_->device.size()) != device_candidates ||
+      static_cast<std::int64_t>(index_->host.size()) != host_candidates) {
+    return str_cat("eviction indexes hold ", index_->device.size(), " device and ",
+                   index_->host.size(), " host entries for ", device_candidates, " and ",
+                   host_candidates, " candidates");
+  }
+  if (index_->nodes != nodes || index_->device_tokens != device_tokens ||
+      index_->host_tokens != host_tokens || index_->stored_tokens != stored_tokens ||
+      index_->writing + index_->loading + index_->backing_up != ops) {
+    return str_cat("running totals (nodes ", index_->nodes, ", device ", index_->device_tokens,
+                   ", host ", index_->host_tokens, ", stored ", index_->stored_tokens,
+                   ") differ from the tree's (", nodes, ", ", device_tokens, ", ", host_tokens,
+                   ", ", stored_tokens, ")");
+  }
   return problem;
 }
 

@@ -233,14 +233,18 @@ class HiRadixCache {
   Node* split(Node* node, std::size_t tokens);
   // A new child of `parent` holding `key` (no KV yet), with its page digests.
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key);
+  // Sets the node's access time (and its place in the eviction order).
   void touch(Node* node);
-  // True when `a` goes before `b` under the eviction policy.
-  bool evicts_before(const Node* a, const Node* b) const;
+  // Brings the eviction indexes and the running totals up to date with `node` (and its parent's
+  // count of children on the device). Every change to a node's tiers, lock, ops in flight,
+  // access time, hits or children is followed by it; check_invariants() checks that none was
+  // missed.
+  void refresh(Node* node);
+  // Takes `node` out of the indexes and the totals, before it leaves the tree or is split.
+  void forget(Node* node);
   void write_node(Node* node);
   void drop_device(Node* node);
   void remove_leaf(Node* node);
-  std::vector<Node*> device_leaves() const;
-  std::vector<Node*> host_leaves() const;
   Node* child_of(Node* node, std::span<const std::int32_t> page) const;
   // Tokens (whole pages) that `child`'s key shares with the start of `tokens`.
   std::size_t common_tokens(const Node* child, std::span<const std::int32_t> tokens) const;
@@ -291,6 +295,8 @@ class HiRadixCache {
   std::unique_ptr<Arrived> arrived_;
   struct Ghost;  // pages that left the tree, for the "evicted" miss reason
   std::unique_ptr<Ghost> ghost_;
+  struct Index;  // eviction candidates per tier in eviction order; running totals
+  std::unique_ptr<Index> index_;
   RadixCacheStats counters_;  // the estimates; the event counts are in events_
   // What happened, counted where it happens (the main loop) and read by a scrape on any
   // thread.

@@ -684,13 +684,21 @@ TEST(HiRadixCacheStorage, RandomWorkloadThroughAllThreeTiers) {
 }
 
 // A reference model of the tree, simple and slow: a map from every cached page's whole token
-// prefix to the tiers holding it. Seeded random requests (which match, load back, compute and
-// insert), and evictions of everything from the device or the host (whose outcome does not
-// depend on the order the tree picks victims in): the real tree's answers and tier sizes must
-// equal the model's after every operation, with the invariants and the slot accounting holding.
-TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
+// prefix to the tiers holding it, with the page's last access and hits. Seeded random requests
+// (which match, load back, compute and insert), evictions of everything from the device or the
+// host, and evictions of one node, whose victim the model predicts from the policy: the
+// candidate page (on the tier, nothing below it there) that goes first under LRU or LFU is the
+// last page of the node the tree must take. The real tree's answers and tier sizes must equal
+// the model's after every operation, with the invariants (the eviction indexes and running
+// totals included) and the slot accounting holding.
+class RadixModel : public ::testing::TestWithParam<EvictionPolicy> {};
+
+TEST_P(RadixModel, AgreesWithASimpleModelOnRandomOperations) {
+  const bool lfu = GetParam() == EvictionPolicy::kLfu;
   struct Tiers {
     bool device = false, host = false;
+    std::uint64_t last = 0;  // the model's clock at the page's last touch
+    std::int64_t hits = 0;
   };
   using Prefix = std::vector<std::int32_t>;
   std::map<Prefix, Tiers> model;
@@ -718,10 +726,31 @@ TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
     return n;
   };
 
-  Engine e(WritePolicy::kWriteThrough, 2048, 4096);
+  // The page of `model` that eviction from a tier takes first, among those `candidate` accepts.
+  auto first_victim = [&](auto candidate) {
+    auto best = model.end();
+    for (auto it = model.begin(); it != model.end(); ++it) {
+      if (!candidate(it)) continue;
+      auto key = [&](const auto& i) {
+        return std::pair(lfu ? i->second.hits : 0, i->second.last);
+      };
+      if (best == model.end() || key(it) < key(best)) best = it;
+    }
+    return best;
+  };
+  auto has_child = [&](const Prefix& p, bool device_only) {
+    return std::any_of(model.begin(), model.end(), [&](const auto& kv) {
+      return kv.first.size() == p.size() + kPage &&
+             std::equal(p.begin(), p.end(), kv.first.begin()) &&
+             (!device_only || kv.second.device);
+    });
+  };
+  std::uint64_t clock = 0;
+
+  Engine e(WritePolicy::kWriteThrough, 2048, 4096, {.eviction_policy = GetParam()});
   std::mt19937 rng(4242);
-  for (int step = 0; step < 500; ++step) {
-    const unsigned op = rng() % 10;
+  for (int step = 0; step < 600; ++step) {
+    const unsigned op = rng() % 12;
     if (op < 7) {
       std::vector<std::int32_t> tokens;
       const int family = static_cast<int>(rng() % 4);
@@ -735,8 +764,41 @@ TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
       ASSERT_EQ(m.host_hit_tokens, want.second) << "step " << step;
       e.run(tokens);
       e.settle();
+      // match_prefix hit what it found; insert touched the whole path last, in order.
+      const auto matched = static_cast<std::size_t>((want.first + want.second) / kPage);
       for (std::size_t p = 1; p * kPage <= tokens.size(); ++p) {
-        model[prefix(tokens, p)] = Tiers{true, true};  // computed or loaded; write-through
+        Tiers& t = model[prefix(tokens, p)];
+        t.device = t.host = true;  // computed or loaded; write-through
+        t.last = ++clock;
+        if (p <= matched) ++t.hits;
+      }
+    } else if (op == 9 || op == 10) {
+      // One node: the tree frees the whole node whose last page the model picks.
+      const bool device = op == 9;
+      const auto victim = device ? first_victim([&](auto it) {
+        return it->second.device && !has_child(it->first, true);
+      })
+                                 : first_victim([&](auto it) {
+        return !it->second.device && it->second.host && !has_child(it->first, false);
+      });
+      const std::int64_t freed = device ? e.cache.evict_device(1) : e.cache.evict_host(1);
+      if (victim == model.end()) {
+        ASSERT_EQ(freed, 0) << "step " << step;
+        continue;
+      }
+      ASSERT_GE(freed, kPage) << "step " << step;
+      ASSERT_EQ(freed % kPage, 0);
+      Prefix p = victim->first;
+      for (std::int64_t n = freed / kPage; n > 0; --n) {
+        auto it = model.find(p);
+        ASSERT_TRUE(it != model.end() && (device ? it->second.device : it->second.host))
+            << "step " << step << ": freed " << freed << " tokens, more than the victim's node";
+        if (device) {
+          it->second.device = false;
+        } else {
+          model.erase(it);
+        }
+        p.resize(p.size() - kPage);
       }
     } else if (op < 9) {
       std::int64_t want = count(&Tiers::device);
@@ -748,11 +810,7 @@ TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
       for (bool changed = true; changed;) {
         changed = false;
         for (auto it = model.begin(); it != model.end();) {
-          const bool has_child = std::any_of(model.begin(), model.end(), [&](const auto& kv) {
-            return kv.first.size() == it->first.size() + kPage &&
-                   std::equal(it->first.begin(), it->first.end(), kv.first.begin());
-          });
-          if (!it->second.device && !has_child) {
+          if (!it->second.device && !has_child(it->first, false)) {
             want += kPage;
             it = model.erase(it);
             changed = true;
@@ -766,12 +824,18 @@ TEST(HiRadixCacheModel, AgreesWithASimpleModelOnRandomOperations) {
     const auto s = e.cache.stats();
     ASSERT_EQ(s.device_tokens, count(&Tiers::device)) << "step " << step;
     ASSERT_EQ(s.host_tokens, count(&Tiers::host)) << "step " << step;
+    ASSERT_EQ(s.nodes > 0, !model.empty()) << "step " << step;
     ASSERT_EQ(e.cache.check_invariants(), "") << "step " << step;
   }
   e.expect_accounting();
   EXPECT_GT(e.loaded_requests, 10);
   EXPECT_GT(e.verified_pages, 100);
+  EXPECT_GT(e.cache.stats().evicted_host_tokens, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(HiRadixCacheModel, RadixModel,
+                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kLfu),
+                         [](const auto& p) { return std::string(to_string(p.param)); });
 
 // The three two-rank groups of a TP engine with L3: the main loop's (the radix cache and the
 // storage controller's terminate), the prefetch thread's and the backup thread's.
