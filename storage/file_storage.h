@@ -5,8 +5,13 @@
 //   kernel; "group_commit" makes a whole batch durable with one syncfs before the renames and
 //   one after (an fsync per page caps a file tier at a few hundred pages/s, docs/design-notes.md).
 // - An in-memory index (key -> record bytes, LRU order) answers batch_exists without touching the
-//   disk, and is rebuilt from the directory at start (oldest modification first), so a restarted
-//   engine finds its pages again.
+//   disk. A clean close saves it as <root>/.index (checksummed); the next start loads it (about
+//   1 s per million records), removes it durably before accepting a write, and checks its
+//   records against the directory in the background (a record removed meanwhile is dropped; a
+//   read of it before then is a miss). Without a valid snapshot (after a crash, or in shared
+//   mode, which writes none) the index is rebuilt from the directory (oldest modification
+//   first). Either way a restarted engine finds its pages again, and what a crash can lose is
+//   what was not yet acknowledged.
 // - capacity_bytes (0: unlimited) bounds the record bytes; a set that overflows it evicts least
 //   recently used records. Eviction renames a record into <root>/.trash/ (a fast metadata
 //   operation) and a background thread unlinks it (an unlink costs a disk round trip). A
@@ -79,6 +84,8 @@ class FileStorage final : public StorageBackend {
 
   // Waits until the background thread has unlinked every evicted or removed record.
   void flush_trash();
+  // True when this store started from the index snapshot of a clean close (not a scan).
+  bool started_from_snapshot() const;
   const FileStorageConfig& config() const { return config_; }
 
  protected:
