@@ -315,16 +315,34 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
   return it == node->children.end() ? nullptr : it->second.get();
 }
 
-void HiRadixCache::touch(Node* node) {
-  node->last_access = ++clock_;
-  refresh(node);
+// Lazy: the node's entry in an eviction index keeps its older key (keys only grow: hits and
+// access time), and eviction re-keys an entry it finds stale before taking it (next_victim), so
+// a hit costs no index update.
+void HiRadixCache::touch(Node* node) { node->last_access = ++clock_; }
+
+EvictKey HiRadixCache::evict_key(const Node* node) const {
+  return {config_.eviction_policy == EvictionPolicy::kLfu ? node->hits : 0, node->last_access,
+          node->id};
+}
+
+HiRadixCache::Node* HiRadixCache::next_victim(bool device) {
+  EvictIndex& index = device ? index_->device : index_->host;
+  while (!index.empty()) {
+    auto first = index.begin();
+    Node* n = first->second;
+    const EvictKey now = evict_key(n);
+    if (first->first == now) return n;  // every other key is older yet, and so is the node's
+    auto& at = device ? n->indexed.device_at : n->indexed.host_at;
+    index.erase(first);
+    at = index.emplace(now, n).first;
+  }
+  return nullptr;
 }
 
 void HiRadixCache::refresh(Node* node) {
   if (node == root_.get()) return;  // holds no KV, never evicted
   const bool free_to_go = node->lock == 0 && node->write_op == 0 && node->load_op == 0;
-  const EvictKey key{config_.eviction_policy == EvictionPolicy::kLfu ? node->hits : 0,
-                     node->last_access, node->id};
+  const EvictKey key = evict_key(node);
   Node::Indexed now;
   now.counted = true;
   now.on_device = !node->device.empty();
@@ -378,6 +396,7 @@ HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::in
   set_digests(l);
   parent->children.emplace(page_key(key.first(page_size_)), std::move(leaf));
   touch(l);
+  refresh(l);
   refresh(parent);  // no longer a leaf
   return l;
 }
@@ -741,10 +760,17 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
   // this the device could fill up with inner nodes that nothing ever frees.
   std::int64_t freed = 0, scheduled = 0;  // scheduled: write-back evictions freed on the ack
   std::vector<Node*> passed_over;         // host full and a subtree below: kept this call
-  while (freed + scheduled < tokens && !index_->device.empty()) {
-    Node* n = index_->device.begin()->second;
+  while (freed + scheduled < tokens) {
+    Node* n = next_victim(true);
+    if (n == nullptr) break;
     if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
       write_node(n);
+      if (n->write_op == 0 && !n->children.empty() && config_.host_tier) {
+        // The host is full (on some rank): host-only leaves make room for its copy (without
+        // it a device of such inner nodes could never be freed, nothing in flight to wait on).
+        evict_host(static_cast<std::int64_t>(n->device.size()));
+        write_node(n);
+      }
       if (n->write_op != 0) {  // out of the index while it writes
         n->evict_after_write = true;
         scheduled += static_cast<std::int64_t>(n->device.size());
@@ -778,8 +804,9 @@ std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
   // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
   // goes may leave its parent such a leaf.
   std::int64_t freed = 0;
-  while (freed < tokens && !index_->host.empty()) {
-    Node* n = index_->host.begin()->second;
+  while (freed < tokens) {
+    Node* n = next_victim(false);
+    if (n == nullptr) break;
     controller_.evict_host(n->host);
     freed += static_cast<std::int64_t>(n->host.size());
     remove_leaf(n);
@@ -1239,11 +1266,10 @@ std::string HiRadixCache::check_invariants() const {
       const bool device_candidate = free_to_go && !n->device.empty() && on_device_children == 0;
       const bool host_candidate =
           free_to_go && n->device.empty() && !n->host.empty() && n->children.empty();
-      const EvictKey key{config_.eviction_policy == EvictionPolicy::kLfu ? n->hits : 0,
-                         n->last_access, n->id};
-      auto indexed = [&](const EvictIndex& index) {
-        auto it = index.find(key);
-        return it != index.end() && it->second == n;
+      // An entry's key may be older than the node's (touch is lazy), never newer.
+      const EvictKey key = evict_key(n);
+      auto indexed = [&](const std::optional<EvictIndex::iterator>& at) {
+        return at && (*at)->second == n && (*at)->first <= key;
       };
       ++nodes;
       device_tokens += static_cast<std::int64_t>(n->device.size());
@@ -1256,10 +1282,10 @@ std::string HiRadixCache::check_invariants() const {
       } else if (n->device_children != on_device_children) {
         problem = str_cat("node ", n->id, ": counts ", n->device_children,
                           " children on the device, has ", on_device_children);
-      } else if (indexed(index_->device) != device_candidate) {
+      } else if (indexed(n->indexed.device_at) != device_candidate) {
         problem = str_cat("node ", n->id, device_candidate ? ": missing from" : ": stale in",
                           " the device eviction index");
-      } else if (indexed(index_->host) != host_candidate) {
+      } else if (indexed(n->indexed.host_at) != host_candidate) {
         problem = str_cat("node ", n->id, host_candidate ? ": missing from" : ": stale in",
                           " the host eviction index");
       }

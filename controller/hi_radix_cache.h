@@ -41,6 +41,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "controller/hicache_controller.h"
@@ -233,8 +234,13 @@ class HiRadixCache {
   Node* split(Node* node, std::size_t tokens);
   // A new child of `parent` holding `key` (no KV yet), with its page digests.
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key);
-  // Sets the node's access time (and its place in the eviction order).
+  // Sets the node's access time (its place in the eviction order, applied lazily).
   void touch(Node* node);
+  // The node's place in the eviction order: (hits under LFU else 0, last access, id).
+  std::tuple<std::int64_t, std::uint64_t, NodeId> evict_key(const Node* node) const;
+  // The first node eviction takes from the tier's index (re-keying stale entries on the way);
+  // null when there is none.
+  Node* next_victim(bool device);
   // Brings the eviction indexes and the running totals up to date with `node` (and its parent's
   // count of children on the device). Every change to a node's tiers, lock, ops in flight,
   // access time, hits or children is followed by it; check_invariants() checks that none was

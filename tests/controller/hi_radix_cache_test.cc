@@ -458,6 +458,37 @@ TEST(HiRadixCache, AnInnerNodeWhoseWriteFoundTheHostFullIsWrittenWhenEvicted) {
   e.expect_accounting();
 }
 
+// The same inner node when the host is full of host-only leaves: eviction frees the least
+// recently used of them for its copy (before, it kept the node, and a device full of such
+// nodes, with nothing in flight, could never admit a request again).
+TEST(HiRadixCache, AnInnerNodeFindingTheHostFullMakesRoomThereWhenEvicted) {
+  Engine e(WritePolicy::kWriteThrough, 32, 4);
+  e.run(seq({1, 2}));
+  e.run(seq({7, 8}));
+  e.settle();  // the host pool is full
+  e.run(seq({3, 4}));
+  e.settle();  // x = [3, 4]: device only
+  ASSERT_EQ(e.cache.evict_device(4 * kPage), 4 * kPage);  // [1, 2] and [7, 8] stay on host
+  ASSERT_EQ(e.cache.evict_host(2 * kPage), 2 * kPage);    // [1, 2], the older
+  const auto xy = seq({3, 4, 5, 6});
+  e.run(xy);
+  e.settle();  // y = [5, 6] written: the host is full again ([7, 8], y)
+  ASSERT_EQ(e.cache.evict_device(2 * kPage), 2 * kPage);  // y's device copy
+  ASSERT_EQ(e.host_pool.free_tokens(), 0);
+  // x: device only, a host-only child, the host full. [7, 8] goes to make room; x is written.
+  EXPECT_EQ(e.cache.evict_device(100), 0);
+  EXPECT_EQ(e.cache.stats().writes_in_flight, 1);
+  EXPECT_EQ(e.cache.stats().evicted_host_tokens, 4 * kPage);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().device_tokens, 0);
+  EXPECT_EQ(e.cache.stats().host_tokens, 4 * kPage);
+  EXPECT_EQ(e.cache.cached_prefix_tokens(seq({7, 8})), 0);
+  const auto verified = e.verified_pages;
+  e.run(xy);  // all four pages load back from the host, every byte checked
+  EXPECT_EQ(e.verified_pages, verified + 4);
+  e.expect_accounting();
+}
+
 // L3: pages backed up by one engine are prefetched by another (a restarted engine, or another
 // instance sharing the store), inserted as host-resident nodes, loaded back, verified.
 TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
@@ -749,9 +780,28 @@ TEST_P(RadixModel, AgreesWithASimpleModelOnRandomOperations) {
 
   Engine e(WritePolicy::kWriteThrough, 2048, 4096, {.eviction_policy = GetParam()});
   std::mt19937 rng(4242);
-  for (int step = 0; step < 600; ++step) {
-    const unsigned op = rng() % 12;
-    if (op < 7) {
+  for (int step = 0; step < 1500; ++step) {
+    const unsigned op = rng() % 14;
+    if (op >= 12) {
+      // A match alone (a scheduler looking at a waiting request): hits and access times move,
+      // with no lock that would re-key the eviction indexes on the way.
+      std::vector<std::int32_t> tokens;
+      const int family = static_cast<int>(rng() % 4);
+      const int shared = 1 + static_cast<int>(rng() % 6);
+      for (int i = 0; i < shared * kPage; ++i) tokens.push_back(family * 1000 + i);
+      const int own = static_cast<int>(rng() % 3);
+      for (int i = 0; i < own * kPage; ++i) tokens.push_back(100000 + static_cast<int>(rng() % 4));
+      const auto want = model_match(tokens);
+      const auto m = e.cache.match_prefix(tokens);
+      ASSERT_EQ(static_cast<std::int64_t>(m.device_slots.size()), want.first) << "step " << step;
+      ASSERT_EQ(m.host_hit_tokens, want.second) << "step " << step;
+      const auto matched = static_cast<std::size_t>((want.first + want.second) / kPage);
+      for (std::size_t p = 1; p <= matched; ++p) {
+        Tiers& t = model[prefix(tokens, p)];
+        t.last = ++clock;
+        ++t.hits;
+      }
+    } else if (op < 7) {
       std::vector<std::int32_t> tokens;
       const int family = static_cast<int>(rng() % 4);
       const int shared = 1 + static_cast<int>(rng() % 6);
