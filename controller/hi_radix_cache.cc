@@ -34,6 +34,7 @@ struct HiRadixCache::Node {
   NodeId load_op = 0;
   std::int64_t backup_op = 0;
   std::vector<PageDigest> digests;  // one per page, when storage is on (chains the keys)
+  std::string identity;  // a child of the root: its cache identity (empty: none)
   std::int64_t stored_pages = 0;    // leading pages known to be in L3
   bool evict_after_write = false;  // write_back: free the device copy on the ack
   bool passed_over = false;  // evict_device keeps it this call: out of the device index
@@ -91,6 +92,7 @@ struct HiRadixCache::Pending {
     std::shared_ptr<PrefetchOperation> op;
     Node* node = nullptr;  // locked while the prefetch lasts
     std::vector<std::int32_t> tokens;
+    std::string identity;
   };
   std::unordered_map<std::string, Prefetch> prefetches;
   // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each
@@ -132,12 +134,12 @@ struct HiRadixCache::Ghost {
   static std::uint64_t page_hash(std::span<const std::int32_t> page) {
     return XXH3_64bits(page.data(), page.size_bytes());
   }
-  static std::uint64_t edge(NodeId parent, std::span<const std::int32_t> first_page) {
+  static std::uint64_t edge(std::uint64_t parent, std::span<const std::int32_t> first_page) {
     return XXH3_64bits_withSeed(first_page.data(), first_page.size_bytes(),
                                 static_cast<std::uint64_t>(parent));
   }
 
-  void remember(NodeId parent, NodeId id, std::span<const std::int32_t> key,
+  void remember(std::uint64_t parent, NodeId id, std::span<const std::int32_t> key,
                 std::size_t page_size) {
     const auto n = static_cast<std::int64_t>(key.size() / page_size);
     if (n == 0 || n > capacity_pages) return;
@@ -174,7 +176,7 @@ struct HiRadixCache::Ghost {
   // Whole-page tokens of `tokens` (which follow node `parent`'s prefix) that were in the tree,
   // left it, and were not asked for since: each evicted page counts once, so an engine that
   // matches a waiting request every step does not count its misses again.
-  std::int64_t take_evicted_tokens(NodeId parent, std::span<const std::int32_t> tokens,
+  std::int64_t take_evicted_tokens(std::uint64_t parent, std::span<const std::int32_t> tokens,
                                    std::size_t page_size) {
     std::int64_t fresh = 0;
     std::size_t pos = 0;
@@ -191,7 +193,7 @@ struct HiRadixCache::Ghost {
       }
       entry.counted = std::max(entry.counted, i);
       if (i < entry.pages.size()) break;  // the prompt leaves the evicted path here
-      parent = entry.id;
+      parent = static_cast<std::uint64_t>(entry.id);
     }
     return fresh;
   }
@@ -214,6 +216,17 @@ namespace {
 
 std::string page_key(std::span<const std::int32_t> page) {
   return std::string(reinterpret_cast<const char*>(page.data()), page.size_bytes());
+}
+
+// The key of an edge in its parent's map: its first page, and under the root the cache
+// identity too (length first, so an identity and a page can never pose as another pair).
+std::string edge_key(bool at_root, std::string_view identity, std::span<const std::int32_t> page) {
+  if (!at_root || identity.empty()) return page_key(page);
+  const auto n = static_cast<std::uint32_t>(identity.size());
+  std::string key(reinterpret_cast<const char*>(&n), sizeof n);
+  key += identity;
+  key.append(reinterpret_cast<const char*>(page.data()), page.size_bytes());
+  return key;
 }
 
 template <typename T>
@@ -310,8 +323,9 @@ void HiRadixCache::reset() {
   ++events_.resets;
 }
 
-HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int32_t> page) const {
-  auto it = node->children.find(page_key(page));
+HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int32_t> page,
+                                           std::string_view identity) const {
+  auto it = node->children.find(edge_key(node == root_.get(), identity, page));
   return it == node->children.end() ? nullptr : it->second.get();
 }
 
@@ -319,6 +333,11 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
 // access time), and eviction re-keys an entry it finds stale before taking it (next_victim), so
 // a hit costs no index update.
 void HiRadixCache::touch(Node* node) { node->last_access = ++clock_; }
+
+std::uint64_t HiRadixCache::ghost_parent(const Node* parent, std::string_view identity) const {
+  if (parent != root_.get() || identity.empty()) return static_cast<std::uint64_t>(parent->id);
+  return XXH3_64bits(identity.data(), identity.size());
+}
 
 EvictKey HiRadixCache::evict_key(const Node* node) const {
   return {config_.eviction_policy == EvictionPolicy::kLfu ? node->hits : 0, node->last_access,
@@ -387,14 +406,17 @@ void HiRadixCache::forget(Node* node) {
   }
 }
 
-HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key) {
+HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key,
+                                           std::string_view identity) {
   auto leaf = std::make_unique<Node>();
   Node* l = leaf.get();
   l->id = next_id_++;
   l->parent = parent;
   l->key.assign(key.begin(), key.end());
+  if (parent == root_.get()) l->identity = identity;
   set_digests(l);
-  parent->children.emplace(page_key(key.first(page_size_)), std::move(leaf));
+  parent->children.emplace(edge_key(parent == root_.get(), l->identity, key.first(page_size_)),
+                           std::move(leaf));
   touch(l);
   refresh(l);
   refresh(parent);  // no longer a leaf
@@ -445,10 +467,12 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   m->write_op = node->write_op;
   m->load_op = node->load_op;
   m->evict_after_write = node->evict_after_write;
+  m->identity = node->identity;
   if (node->write_op != 0) pending_->writes[node->write_op].nodes.push_back(m);
   if (node->load_op != 0) pending_->loads[node->load_op].nodes.push_back(m);
   Node* parent = node->parent;
-  const std::string upper = page_key(std::span(m->key).first(page_size_));
+  const std::string upper =
+      edge_key(parent == root_.get(), m->identity, std::span(m->key).first(page_size_));
   std::unique_ptr<Node> lower = std::move(parent->children[upper]);
   node->parent = m;
   m->children.emplace(page_key(std::span(node->key).first(page_size_)), std::move(lower));
@@ -458,7 +482,8 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   return m;
 }
 
-HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_t> tokens) {
+HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_t> tokens,
+                                                     std::string_view identity) {
   MatchResult r;
   r.last_device_node = r.last_host_node = root_.get();
   const std::size_t usable = tokens.size() / page_size_ * page_size_;
@@ -467,7 +492,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   bool device_run = true;
   std::vector<Node*> to_write;
   while (pos < usable) {
-    Node* child = child_of(node, tokens.subspan(pos, page_size_));
+    Node* child = child_of(node, tokens.subspan(pos, page_size_), identity);
     if (child == nullptr) break;
     const std::size_t common = common_tokens(child, tokens.subspan(pos, usable - pos));
     if (common < child->key.size()) child = split(child, common);
@@ -498,7 +523,8 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
                               static_cast<std::size_t>(r.host_hit_tokens);
   if (pos < usable) {
     events_.miss_evicted_tokens +=
-        ghost_->take_evicted_tokens(node->id, tokens.subspan(pos, usable - pos), page_size_);
+        ghost_->take_evicted_tokens(ghost_parent(node, identity), tokens.subspan(pos, usable - pos),
+                                    page_size_);
   }
   return r;
 }
@@ -554,11 +580,13 @@ void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labe
                         [host_capacity] { return host_capacity; });
 }
 
-std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> tokens) const {
+std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> tokens,
+                                                std::string_view identity) const {
   const Node* node = root_.get();
   std::size_t pos = 0;
   while (pos + page_size_ <= tokens.size()) {
-    const Node* child = child_of(const_cast<Node*>(node), tokens.subspan(pos, page_size_));
+    const Node* child =
+        child_of(const_cast<Node*>(node), tokens.subspan(pos, page_size_), identity);
     if (child == nullptr) break;
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
     pos += common;
@@ -569,7 +597,8 @@ std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> to
 }
 
 std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
-                                  std::span<const std::int64_t> device_slots) {
+                                  std::span<const std::int64_t> device_slots,
+                                  std::string_view identity) {
   if (tokens.size() % page_size_ != 0) {
     throw InvalidArgument(str_cat("insert: ", tokens.size(), " tokens is not a whole number of ",
                                   page_size_, "-token pages"));
@@ -582,9 +611,9 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
   std::size_t pos = 0;
   std::int64_t duplicate = 0;
   while (pos < tokens.size()) {
-    Node* child = child_of(node, tokens.subspan(pos, page_size_));
+    Node* child = child_of(node, tokens.subspan(pos, page_size_), identity);
     if (child == nullptr) {
-      Node* l = add_leaf(node, tokens.subspan(pos));
+      Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
       refresh(l);
       if (policy_ == WritePolicy::kWriteThrough) write_node(l);
@@ -747,8 +776,9 @@ void HiRadixCache::drop_device(Node* node) {
 void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
   forget(node);
-  ghost_->remember(parent->id, node->id, node->key, page_size_);
-  parent->children.erase(page_key(std::span(node->key).first(page_size_)));
+  ghost_->remember(ghost_parent(parent, node->identity), node->id, node->key, page_size_);
+  parent->children.erase(
+      edge_key(parent == root_.get(), node->identity, std::span(node->key).first(page_size_)));
   refresh(parent);  // may be a leaf now
 }
 
@@ -1055,9 +1085,14 @@ void HiRadixCache::agree_and_apply() {
 
 void HiRadixCache::set_digests(Node* node) {
   if (!keyer_) return;
-  const PageDigest* prior =
-      node->parent == root_.get() || node->parent->digests.empty() ? nullptr
-                                                                    : &node->parent->digests.back();
+  std::optional<PageDigest> seed;
+  if (node->parent == root_.get() && !node->identity.empty()) {
+    seed = keyer_->identity_seed(node->identity);
+  }
+  const PageDigest* prior = node->parent == root_.get()
+                                ? (seed ? &*seed : nullptr)
+                                : (node->parent->digests.empty() ? nullptr
+                                                                 : &node->parent->digests.back());
   std::vector<std::string> keys;
   node->digests.clear();
   keyer_->keys(node->key, prior, keys, &node->digests);
@@ -1084,7 +1119,8 @@ void HiRadixCache::backup_node(Node* node) {
 }
 
 bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* node,
-                                         std::span<const std::int32_t> tokens) {
+                                         std::span<const std::int32_t> tokens,
+                                         std::string_view identity) {
   if (storage_ == nullptr || pending_->prefetches.count(request_id) != 0) return false;
   const std::size_t usable = tokens.size() / page_size_ * page_size_;
   if (usable == 0) return false;
@@ -1099,7 +1135,11 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
     return false;
   }
   std::optional<PageDigest> prior;
-  if (node != root_.get()) prior = node->digests.back();
+  if (node != root_.get()) {
+    prior = node->digests.back();
+  } else if (!identity.empty()) {
+    prior = keyer_->identity_seed(identity);
+  }
   lock(node);  // before making room: the prefix it continues must stay
   // Room on the host for what it fetches, as SGLang makes it: without it a full host pool
   // revokes every prefetch. The free count may differ between TP ranks (their prefetch threads
@@ -1119,9 +1159,10 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
     unlock(node);
     return false;
   }
-  pending_->prefetches[request_id] =
-      Pending::Prefetch{std::move(op), node, std::vector<std::int32_t>(tokens.begin(),
-                                                                        tokens.begin() + static_cast<std::ptrdiff_t>(usable))};
+  pending_->prefetches[request_id] = Pending::Prefetch{
+      std::move(op), node,
+      std::vector<std::int32_t>(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
+      node == root_.get() ? std::string(identity) : std::string()};
   return true;
 }
 
@@ -1163,7 +1204,7 @@ void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
   std::int64_t inserted = 0;
   if (insert && r.tokens > 0) {
     inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
-                           r.host_slots);
+                           r.host_slots, p.identity);
     events_.prefetched_tokens += r.tokens;
   } else if (!r.host_slots.empty()) {
     host_pool_.free(r.host_slots);
@@ -1173,12 +1214,13 @@ void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
 }
 
 std::int64_t HiRadixCache::insert_host(Node* node, std::span<const std::int32_t> tokens,
-                                       std::span<const std::int64_t> host_slots) {
+                                       std::span<const std::int64_t> host_slots,
+                                       std::string_view identity) {
   std::size_t pos = 0;
   while (pos < tokens.size()) {
-    Node* child = child_of(node, tokens.subspan(pos, page_size_));
+    Node* child = child_of(node, tokens.subspan(pos, page_size_), identity);
     if (child == nullptr) {
-      Node* l = add_leaf(node, tokens.subspan(pos));
+      Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
       l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
       refresh(l);
@@ -1199,7 +1241,8 @@ std::string HiRadixCache::describe() const {
   std::string out;
   std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {
     if (n != root_.get()) {
-      out += str_cat(std::string(static_cast<std::size_t>(depth), ' '), "[", n->key.front(), "..+",
+      out += str_cat(std::string(static_cast<std::size_t>(depth), ' '),
+                     n->identity.empty() ? "" : str_cat("(", n->identity, ") "), "[", n->key.front(), "..+",
                      n->key.size(), "] dev ", n->device.size(), " host ", n->host.size(),
                      n->write_op != 0 ? " writing" : "", n->load_op != 0 ? " loading" : "",
                      n->backup_op != 0 ? " backing-up" : "", " lock ", n->lock, " stored ",

@@ -133,20 +133,27 @@ class HiRadixCache {
   // evicted; misses by reason; failures) in `registry` until destroyed or registered again.
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
 
+  // Cache identity (`identity` below): what besides the tokens decides a page's KV, such as a
+  // LoRA adapter, a cache salt or a tenant (SGLang's extra_key, vLLM's cache_salt). Sequences
+  // of different identities never share a node or an L3 key; the empty identity is the cache
+  // without identities. The tree keeps one subtree per identity under the root, and L3 keys
+  // chain from PageKeyer::identity_seed.
+
   // Longest cached prefix of the whole pages of `tokens`; splits nodes at page boundaries and
   // updates access times and hit counts on the way.
-  MatchResult match_prefix(std::span<const std::int32_t> tokens);
+  MatchResult match_prefix(std::span<const std::int32_t> tokens, std::string_view identity = {});
 
   // How many leading tokens of `tokens` (whole pages) the tree holds on the device or the host,
   // without match_prefix's side effects (no split, no access time, no hit). For accounting.
-  std::int64_t cached_prefix_tokens(std::span<const std::int32_t> tokens) const;
+  std::int64_t cached_prefix_tokens(std::span<const std::int32_t> tokens,
+                                    std::string_view identity = {}) const;
 
   // Adds tokens (whole pages) whose KV is in `device_slots` (one slot per token). Returns the
   // number of leading tokens already in the tree (on the device or the host); their slots stay
   // the caller's to free, the rest belong to the tree from now on. Throws
   // InvalidArgument for a partial page or a slot count that differs.
   std::int64_t insert(std::span<const std::int32_t> tokens,
-                      std::span<const std::int64_t> device_slots);
+                      std::span<const std::int64_t> device_slots, std::string_view identity = {});
 
   // Brings the host-resident nodes on the path to `node` back to the device (one controller
   // load; the forward pass waits per layer after start_loading()). Returns the device slots of
@@ -199,9 +206,10 @@ class HiRadixCache {
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
   // right after it). When the host pool has less free than that, host-only pages are evicted
   // first (LRU/LFU) to make room. `node` stays locked until the prefetch ends. False when there is no storage,
-  // nothing to fetch, or the request id is in use.
+  // nothing to fetch, or the request id is in use. `identity` is the request's (it matters
+  // when `node` is the root: deeper nodes carry theirs).
   bool prefetch_from_storage(const std::string& request_id, Node* node,
-                             std::span<const std::int32_t> tokens);
+                             std::span<const std::int32_t> tokens, std::string_view identity = {});
   // True once the request's prefetch is over (its pages are in the tree, or it was revoked);
   // terminates it first when the policy allows. False while it still loads. With
   // `inserted_tokens`, the first true also says how many tokens the prefetch added to the tree:
@@ -233,7 +241,7 @@ class HiRadixCache {
  private:
   Node* split(Node* node, std::size_t tokens);
   // A new child of `parent` holding `key` (no KV yet), with its page digests.
-  Node* add_leaf(Node* parent, std::span<const std::int32_t> key);
+  Node* add_leaf(Node* parent, std::span<const std::int32_t> key, std::string_view identity);
   // Sets the node's access time (its place in the eviction order, applied lazily).
   void touch(Node* node);
   // The node's place in the eviction order: (hits under LFU else 0, last access, id).
@@ -251,7 +259,10 @@ class HiRadixCache {
   void write_node(Node* node);
   void drop_device(Node* node);
   void remove_leaf(Node* node);
-  Node* child_of(Node* node, std::span<const std::int32_t> page) const;
+  // `identity` counts only under the root.
+  Node* child_of(Node* node, std::span<const std::int32_t> page, std::string_view identity) const;
+  // The ghost's name for `parent` as the parent of an edge (the root: per identity).
+  std::uint64_t ghost_parent(const Node* parent, std::string_view identity) const;
   // Tokens (whole pages) that `child`'s key shares with the start of `tokens`.
   std::size_t common_tokens(const Node* child, std::span<const std::int32_t> tokens) const;
   void set_digests(Node* node);
@@ -284,7 +295,7 @@ class HiRadixCache {
   // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
   // copies are freed. Returns the tokens added.
   std::int64_t insert_host(Node* node, std::span<const std::int32_t> tokens,
-                           std::span<const std::int64_t> host_slots);
+                           std::span<const std::int64_t> host_slots, std::string_view identity);
 
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;

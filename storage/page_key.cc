@@ -69,12 +69,22 @@ PageHasher::~PageHasher() {
 PageDigest PageHasher::hash(const PageDigest* prev, std::span<const std::int32_t> tokens) {
   static_assert(std::endian::native == std::endian::little,
                 "token ids are hashed as little-endian u32; add a byte swap for this target");
+  return digest(prev == nullptr ? nullptr : prev->data(), prev == nullptr ? 0 : prev->size(),
+                tokens.data(), tokens.size_bytes());
+}
+
+PageDigest PageHasher::hash_bytes(std::string_view bytes) {
+  return digest(bytes.data(), bytes.size(), nullptr, 0);
+}
+
+PageDigest PageHasher::digest(const void* a, std::size_t a_bytes, const void* b,
+                              std::size_t b_bytes) {
   auto* ctx = static_cast<EVP_MD_CTX*>(ctx_);
   PageDigest out{};
   unsigned int len = 0;
   bool ok = EVP_DigestInit_ex2(ctx, static_cast<EVP_MD*>(md_), nullptr) == 1;
-  if (ok && prev != nullptr) ok = EVP_DigestUpdate(ctx, prev->data(), prev->size()) == 1;
-  if (ok && !tokens.empty()) ok = EVP_DigestUpdate(ctx, tokens.data(), tokens.size_bytes()) == 1;
+  if (ok && a_bytes != 0) ok = EVP_DigestUpdate(ctx, a, a_bytes) == 1;
+  if (ok && b_bytes != 0) ok = EVP_DigestUpdate(ctx, b, b_bytes) == 1;
   if (ok) ok = EVP_DigestFinal_ex(ctx, out.data(), &len) == 1 && len == out.size();
   if (!ok) throw Error("OpenSSL: SHA-256 digest failed");
   return out;
@@ -143,6 +153,12 @@ void PageKeyer::keys(std::span<const std::int32_t> tokens, const PageDigest* pri
     out.push_back(key(last));
     if (digests != nullptr) digests->push_back(last);
   }
+}
+
+PageDigest PageKeyer::identity_seed(std::string_view identity) {
+  std::string text = "hicache-identity\n";
+  text += identity;
+  return hasher_.hash_bytes(text);
 }
 
 void validate_key(std::string_view key) {

@@ -50,8 +50,12 @@ class PageHasher {
 
   // H(prev, tokens); prev == nullptr for the first page.
   PageDigest hash(const PageDigest* prev, std::span<const std::int32_t> tokens);
+  // H(bytes).
+  PageDigest hash_bytes(std::string_view bytes);
 
  private:
+  // H(a, b), either part empty.
+  PageDigest digest(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
   void* ctx_;  // EVP_MD_CTX
   void* md_;   // EVP_MD (fetched once)
 };
@@ -76,6 +80,11 @@ class PageKeyer {
 
   // The full key of one page digest.
   std::string key(const PageDigest& digest) const;
+  // A cache identity (a LoRA adapter, a cache salt, a tenant: SGLang's extra_key, vLLM's
+  // cache_salt) as the `prior` of its sequences' first page: H("hicache-identity\n" + identity).
+  // Two identities' pages never share a key; the empty identity chains from nothing (the keys
+  // of a cache without identities, SGLang's keys).
+  PageDigest identity_seed(std::string_view identity);
 
  private:
   std::string prefix_;

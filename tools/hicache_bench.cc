@@ -63,7 +63,7 @@ struct Settings {
   std::string workload = "multiturn";
   std::int64_t seed = 1, clients = 16, rounds = 6, request_tokens = 512, output_tokens = 32,
                system_prompt_tokens = 256, documents = 4, questions = 4, document_tokens = 8192,
-               trees = 2, branching = 3, depth = 3;
+               trees = 2, branching = 3, depth = 3, tenants = 1;
   std::string length_dist = "uniform";
   double request_rate = 0;
   std::int64_t max_inflight = 0;
@@ -162,6 +162,8 @@ const std::vector<Option>& options() {
       INT_OPT(trees, 1, "tree: trees (2)"),
       INT_OPT(branching, 1, "tree: at most this many children per node (3)"),
       INT_OPT(depth, 1, "tree: depth (3)"),
+      INT_OPT(tenants, 1, "cache identities sharing the prompts (multiturn: by client, "
+                          "longcontext: by question, tree: by tree); none hits another's pages (1)"),
       DBL_OPT(request_rate, 0, "Poisson arrivals, requests/s over all clients; 0: all at once (0)"),
       INT_OPT(max_inflight, 0, "requests in flight at most; 0: no cap (0)"),
       BOOL_OPT(barrier, "round r+1 starts once round r is done (always on with --instances)"),
@@ -388,6 +390,7 @@ wl::WorkloadConfig workload_config(const Settings& s) {
   w.trees = static_cast<int>(s.trees);
   w.branching = static_cast<int>(s.branching);
   w.depth = static_cast<int>(s.depth);
+  w.tenants = static_cast<int>(s.tenants);
   w.validate();
   return w;
 }

@@ -25,11 +25,14 @@ constexpr std::int32_t kPage = 4;
 
 KVGeometry geometry() { return KVGeometry::mha(2, 1, 8, DType::kFloat16, kPage); }
 
-// The data of page i of a sequence derives from its whole token prefix, as a model's KV does.
-std::uint64_t page_seed(std::span<const std::int32_t> tokens, std::size_t page) {
+// The data of page i of a sequence derives from its whole token prefix, as a model's KV does,
+// and from the cache identity (a LoRA adapter's KV differs for the same tokens).
+std::uint64_t page_seed(std::span<const std::int32_t> tokens, std::size_t page,
+                        std::string_view identity = {}) {
   const auto prefix = tokens.first((page + 1) * kPage);
   return std::hash<std::string_view>{}(std::string_view(
-      reinterpret_cast<const char*>(prefix.data()), prefix.size_bytes()));
+             reinterpret_cast<const char*>(prefix.data()), prefix.size_bytes())) ^
+         (identity.empty() ? 0 : std::hash<std::string_view>{}(identity) * 31);
 }
 
 KeyNamespace key_ns() {
@@ -79,17 +82,17 @@ struct Engine {
 
   // Runs one request: match, load back, "compute" the rest, insert, release. Every page it reads
   // from the cache is checked byte for byte against the data its prefix derives.
-  void run(std::span<const std::int32_t> tokens) {
+  void run(std::span<const std::int32_t> tokens, std::string_view identity = {}) {
     cache.check_events();
-    auto m = cache.match_prefix(tokens);
+    auto m = cache.match_prefix(tokens, identity);
     const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
     if (storage && tokens.size() / kPage * kPage > known) {
       // Past the tree: ask L3 for the rest, wait for it (a scheduler would run other requests
       // meanwhile), and match again.
       const std::string id = str_cat("req-", ++requests);
-      if (cache.prefetch_from_storage(id, m.last_host_node, tokens.subspan(known))) {
+      if (cache.prefetch_from_storage(id, m.last_host_node, tokens.subspan(known), identity)) {
         while (!cache.check_prefetch_progress(id)) cache.check_events();
-        m = cache.match_prefix(tokens);
+        m = cache.match_prefix(tokens, identity);
       }
     }
     HiRadixCache::Node* held = m.last_host_node;
@@ -114,7 +117,8 @@ struct Engine {
     }
     const std::size_t cached_pages = slots.size() / kPage;
     for (std::size_t p = 0; p < cached_pages; ++p) {
-      ASSERT_TRUE(verify_page(device_pool.layout(), slots[p * kPage] / kPage, page_seed(tokens, p)))
+      ASSERT_TRUE(verify_page(device_pool.layout(), slots[p * kPage] / kPage,
+                              page_seed(tokens, p, identity)))
           << "page " << p << " served with wrong bytes";
       ++verified_pages;
     }
@@ -143,12 +147,12 @@ struct Engine {
       }
       for (std::size_t p = cached_pages; p < total_pages; ++p) {
         fill_page(device_pool.layout(), (*fresh)[(p - cached_pages) * kPage] / kPage,
-                  page_seed(tokens, p));
+                  page_seed(tokens, p, identity));
         ++recomputed_pages;
       }
       slots.insert(slots.end(), fresh->begin(), fresh->end());
     }
-    const std::int64_t dup = cache.insert(tokens.first(total_pages * kPage), slots);
+    const std::int64_t dup = cache.insert(tokens.first(total_pages * kPage), slots, identity);
     // Slots [cached, dup) are ours and duplicate the tree's: free them.
     const auto ours_from = static_cast<std::int64_t>(cached_pages * kPage);
     if (dup > ours_from) {
@@ -193,9 +197,10 @@ std::vector<std::int32_t> seq(std::initializer_list<std::int32_t> pages_of) {
 
 // Stores `tokens` in L3 as an engine does: a write-through engine runs them and settles.
 // Returns the tokens it backed up.
-std::int64_t store_in_l3(L3& l3, std::span<const std::int32_t> tokens) {
+std::int64_t store_in_l3(L3& l3, std::span<const std::int32_t> tokens,
+                         std::string_view identity = {}) {
   Engine first(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
-  first.run(tokens);
+  first.run(tokens, identity);
   first.settle();
   first.expect_accounting();
   return first.cache.stats().stored_tokens;
@@ -487,6 +492,72 @@ TEST(HiRadixCache, AnInnerNodeFindingTheHostFullMakesRoomThereWhenEvicted) {
   e.run(xy);  // all four pages load back from the host, every byte checked
   EXPECT_EQ(e.verified_pages, verified + 4);
   e.expect_accounting();
+}
+
+// Cache identities (tenants, LoRA adapters): the same tokens under two identities are two
+// sequences on every tier of the tree; each is served only its own bytes (the page data
+// derives from the identity, so a page served across identities fails its check).
+TEST(HiRadixCache, IdentitiesNeverShareNodesOnTheDeviceOrTheHost) {
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  const auto t = seq({1, 2, 3});
+  e.run(t, "tenant-a");
+  e.settle();
+  EXPECT_EQ(e.cache.match_prefix(t, "tenant-a").device_slots.size(), 3u * kPage);
+  for (std::string_view other : {"tenant-b", "", "tenant-a "}) {
+    const auto m = e.cache.match_prefix(t, other);
+    EXPECT_EQ(m.device_slots.size(), 0u) << "'" << other << "'";
+    EXPECT_EQ(m.host_hit_tokens, 0) << "'" << other << "'";
+    EXPECT_EQ(e.cache.cached_prefix_tokens(t, other), 0) << "'" << other << "'";
+  }
+  e.run(t, "tenant-b");  // computes every page itself
+  EXPECT_EQ(e.recomputed_pages, 6);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().nodes, 2);
+  const std::string tree = e.cache.describe();
+  EXPECT_NE(tree.find("(tenant-a)"), std::string::npos) << tree;
+  EXPECT_NE(tree.find("(tenant-b)"), std::string::npos) << tree;
+  // Both on the host only: each loads back its own pages, every byte checked against its own
+  // identity's data.
+  ASSERT_EQ(e.cache.evict_device(1 << 20), 6 * kPage);
+  EXPECT_EQ(e.cache.match_prefix(t, "tenant-b").host_hit_tokens, 3 * kPage);
+  const auto verified = e.verified_pages;
+  e.run(t, "tenant-b");
+  e.run(t, "tenant-a");
+  EXPECT_EQ(e.verified_pages, verified + 6);
+  EXPECT_EQ(e.recomputed_pages, 6);
+  // A split under the root keeps the identity: a shorter prompt of tenant-a splits its node.
+  e.run(seq({1, 9}), "tenant-a");
+  EXPECT_EQ(e.cache.match_prefix(t, "tenant-b").device_slots.size(), 3u * kPage);
+  EXPECT_EQ(e.cache.cached_prefix_tokens(seq({1, 9}), "tenant-b"), kPage);
+  EXPECT_EQ(e.cache.cached_prefix_tokens(seq({1, 9}), ""), 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  e.expect_accounting();
+}
+
+// L3: a page stored under one identity is never prefetched under another (its keys chain from
+// the identity), and is prefetched, loaded back and verified under its own.
+TEST(HiRadixCacheStorage, IdentitiesNeverShareL3Pages) {
+  L3 l3("identity");
+  const auto t = seq({1, 2, 3, 4});
+  EXPECT_EQ(store_in_l3(l3, t, "lora-7"), 4 * kPage);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  for (std::string_view other : {"lora-8", ""}) {
+    auto m = second.cache.match_prefix(t, other);
+    ASSERT_TRUE(second.cache.prefetch_from_storage(str_cat("req-", other), m.last_host_node, t,
+                                                   other));
+    second.settle();
+    EXPECT_EQ(second.cache.stats().prefetched_tokens, 0) << "'" << other << "'";
+  }
+  auto m = second.cache.match_prefix(t, "lora-7");
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req-own", m.last_host_node, t, "lora-7"));
+  second.settle();
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 4 * kPage);
+  EXPECT_EQ(second.cache.match_prefix(t, "lora-7").host_hit_tokens, 4 * kPage);
+  EXPECT_EQ(second.cache.match_prefix(t, "lora-8").host_hit_tokens, 0);
+  second.run(t, "lora-7");
+  EXPECT_EQ(second.verified_pages, 4) << "every page read from L3 holds its identity's bytes";
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
 }
 
 // L3: pages backed up by one engine are prefetched by another (a restarted engine, or another

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <numeric>
 
 #include "transfer/errors.h"
@@ -46,6 +48,30 @@ TEST(PageKey, ChainingAcrossCallsEqualsOneCall) {
   ASSERT_EQ(second.size(), 1u);
   EXPECT_EQ(second[0], keyer.prefix() + "-" + kPage1);
   EXPECT_EQ(digests[0], prior);
+}
+
+// A cache identity seeds the chain: every page key differs from the keys without one and from
+// another identity's, the same identity always gives the same keys, and the chain continues
+// across calls from the identity's last digest as from any other.
+TEST(PageKey, AnIdentityChangesEveryKeyOfItsSequence) {
+  PageKeyer keyer(test_ns());
+  std::vector<std::int32_t> tokens(4 * 4);  // four pages
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i * 7);
+  auto keys_of = [&](std::optional<std::string_view> identity) {
+    std::vector<std::string> out;
+    std::optional<PageDigest> seed;
+    if (identity) seed = keyer.identity_seed(*identity);
+    keyer.keys(tokens, seed ? &*seed : nullptr, out);
+    return out;
+  };
+  const auto plain = keys_of(std::nullopt), a = keys_of("tenant-a"), b = keys_of("tenant-b");
+  ASSERT_EQ(plain.size(), 4u);
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NE(a[i], plain[i]) << i;
+    EXPECT_NE(a[i], b[i]) << i;
+  }
+  EXPECT_EQ(keys_of("tenant-a"), a);
+  EXPECT_NE(keyer.identity_seed("a"), keyer.identity_seed("b"));
 }
 
 TEST(PageKey, EveryNamespaceFieldChangesThePrefix) {

@@ -141,6 +141,27 @@ TEST(HicacheBench, InstancesShareL3AcrossProcesses) {
   EXPECT_GT(c["verified_pages"].get<double>(), 0);
 }
 
+// Tenants asking about the same document: with one identity the later questions hit the
+// document's pages; with a tenant per question none hits another's, on any tier, and every
+// page served is still verified (page data derives from the identity).
+TEST(HicacheBench, TenantsNeverHitEachOthersPages) {
+  const std::string args = kTiny + "--workload longcontext --documents 1 --questions 4 "
+                                   "--document-tokens 256 --report ";
+  TempFile shared("hicache-bench-one-tenant.json"), apart("hicache-bench-tenants.json");
+  const BenchRun one = run_bench(args + shared.path.string());
+  ASSERT_EQ(one.status, 0) << one.output;
+  const BenchRun four = run_bench(args + apart.path.string() + " --tenants 4");
+  ASSERT_EQ(four.status, 0) << four.output;
+  const json a = read_json(shared.path)["configurations"][0];
+  const json b = read_json(apart.path)["configurations"][0];
+  check_adds_up(a, 4);
+  check_adds_up(b, 4);
+  EXPECT_GT(a["tokens"]["cached"].get<double>(), 0) << "one tenant: the document is shared";
+  EXPECT_EQ(b["tokens"]["cached"].get<double>(), 0) << "a tenant hit another's pages";
+  EXPECT_GT(b["verified_pages"].get<double>() + b["tokens"]["computed"].get<double>(), 0);
+  EXPECT_NE(run_bench("--tenants 0").status, 0);
+}
+
 // An instance that does not finish a round within --instance-timeout-s fails the run (exit 1,
 // naming the instance and the round) instead of holding the parent for ever; the parent kills
 // and reaps every instance before it returns. Here each round lasts at least 10 s (1000

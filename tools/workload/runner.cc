@@ -92,9 +92,8 @@ void Runner::run_rounds(int first_round, int last_round) {
       if (options_.request_rate > 0) arrival = std::max(arrival, next_arrival);
       if (options_.max_inflight > 0) arrival = std::max(arrival, cap_freed_at);
       arrival = std::min(arrival, now);
-      engine.submit(SimulatedRequest{
-          p.id, p.tokens, p.output_tokens,
-          steady_time(arrival)});
+      engine.submit(SimulatedRequest{p.id, p.tokens, p.output_tokens, p.identity,
+                                     steady_time(arrival)});
       sent_[static_cast<std::size_t>(idx)] = 1;
       ++inflight;
       record_at_[static_cast<std::size_t>(idx)] = records_.size();

@@ -13,10 +13,11 @@
 namespace hicache {
 
 std::uint64_t page_data_seed(std::span<const std::int32_t> tokens, std::size_t page,
-                             std::int32_t page_size) {
+                             std::int32_t page_size, std::string_view identity) {
   const auto prefix = tokens.first((page + 1) * static_cast<std::size_t>(page_size));
-  return std::hash<std::string_view>{}(
+  const std::uint64_t seed = std::hash<std::string_view>{}(
       std::string_view(reinterpret_cast<const char*>(prefix.data()), prefix.size_bytes()));
+  return identity.empty() ? seed : seed ^ (std::hash<std::string_view>{}(identity) * 31);
 }
 
 SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& controller,
@@ -106,7 +107,7 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   const std::size_t prompt = request.prompt().size();
   // Whole pages of prompt and answer go into the tree at the end; slots are taken for them now.
   const std::size_t cacheable = request.tokens.size() / page_size_ * page_size_;
-  auto m = cache_.match_prefix(request.prompt());
+  auto m = cache_.match_prefix(request.prompt(), request.identity);
   Running r;
   r.held = m.last_host_node;
   cache_.lock(r.held);
@@ -176,7 +177,8 @@ void SimulatedEngine::verify(const Running& r) {
   const std::size_t pages = r.cached_tokens / page_size_;
   for (std::size_t p = 0; p < pages; ++p) {
     const std::int64_t page = r.slots[p * page_size_] / page_size_;
-    if (verify_device_page(page, page_data_seed(r.request.tokens, p, page_size_))) {
+    if (verify_device_page(page,
+                           page_data_seed(r.request.tokens, p, page_size_, r.request.identity))) {
       ++stats_.verified_pages;
     } else {
       ++stats_.mismatched_pages;
@@ -256,7 +258,7 @@ bool SimulatedEngine::step() {
       // part of the prefix since the last ask (host eviction while the request waited for
       // device memory), at most kMaxStorageAsks times per request.
       const auto span = w.request.prompt();
-      const std::int64_t known = cache_.cached_prefix_tokens(span);
+      const std::int64_t known = cache_.cached_prefix_tokens(span, w.request.identity);
       if (known < static_cast<std::int64_t>(span.size()) && (w.storage_asks == 0 || known < w.known_before_prefetch)) {
         if (static_cast<int>(prefetching_.size()) >= config_.max_prefetches) {
           deferred.push_back(std::move(w));  // waits for a prefetch slot
@@ -264,9 +266,10 @@ bool SimulatedEngine::step() {
         }
         ++w.storage_asks;
         w.known_before_prefetch = known;
-        auto m = cache_.match_prefix(span);
+        auto m = cache_.match_prefix(span, w.request.identity);
         if (cache_.prefetch_from_storage(w.request.id, m.last_host_node,
-                                         span.subspan(static_cast<std::size_t>(known)))) {
+                                         span.subspan(static_cast<std::size_t>(known)),
+                                         w.request.identity)) {
           ++stats_.prefetches;
           prefetching_.push_back(std::move(w));
           continue;
@@ -364,9 +367,10 @@ void SimulatedEngine::finish(Running& r) {
   const std::size_t cacheable = r.slots.size();
   for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
     fill_device_page(r.slots[p * page_size_] / page_size_,
-                     page_data_seed(r.request.tokens, p, page_size_));
+                     page_data_seed(r.request.tokens, p, page_size_, r.request.identity));
   }
-  const std::int64_t dup = cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots);
+  const std::int64_t dup =
+      cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots, r.request.identity);
   const auto ours = static_cast<std::int64_t>(r.cached_tokens);
   if (dup > ours) device_pool_.allocator().free(std::span(r.slots).subspan(ours, dup - ours));
   cache_.unlock(r.held);

@@ -50,6 +50,7 @@ struct SimulatedRequest {
   std::string id;
   std::vector<std::int32_t> tokens;  // prompt, then the answer's output_tokens
   std::int32_t output_tokens = 0;    // 0: prefill only
+  std::string identity;  // the cache identity (tenant, LoRA adapter); empty: none
   // When the request arrived (TTFT counts from here); default: when submitted.
   std::chrono::steady_clock::time_point arrival{};
 
@@ -110,9 +111,11 @@ struct SimulatedEngineStats {
   std::int64_t aborted = 0;  // requests reset() ended
 };
 
-// The 64-bit seed of page `page` of `tokens`: a hash of the whole prefix up to its end.
+// The 64-bit seed of page `page` of `tokens`: a hash of the whole prefix up to its end, and of
+// the cache identity (a tenant's or an adapter's KV differs for the same tokens, so a page
+// served across identities fails its check).
 std::uint64_t page_data_seed(std::span<const std::int32_t> tokens, std::size_t page,
-                             std::int32_t page_size);
+                             std::int32_t page_size, std::string_view identity = {});
 
 class SimulatedEngine {
  public:

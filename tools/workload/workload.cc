@@ -83,6 +83,7 @@ void WorkloadConfig::validate() const {
   check_positive(trees, "trees");
   check_positive(branching, "branching");
   check_positive(depth, "depth");
+  check_positive(tenants, "tenants");
   if (output_tokens < 0 || output_tokens > (1 << 20)) {
     throw InvalidArgument(str_cat("workload: output_tokens must be in [0, 1048576], got ", output_tokens));
   }
@@ -181,6 +182,12 @@ std::vector<PlannedRequest> generate(const WorkloadConfig& c) {
         }
       }
       break;
+    }
+  }
+  if (c.tenants > 1) {
+    for (PlannedRequest& p : out) {
+      const int who = c.kind == Kind::kLongContext ? p.round : p.client;
+      p.identity = str_cat("tenant-", who % c.tenants);
     }
   }
   return out;

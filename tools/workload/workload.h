@@ -48,6 +48,10 @@ struct WorkloadConfig {
   std::int64_t document_tokens = 8192;
   // tree
   int trees = 2, branching = 3, depth = 3;
+  // Cache identities (tenants): above 1, each request carries "tenant-<n>" (multiturn: its
+  // client's, longcontext: its question's, tree: its tree's, modulo `tenants`), so tenants
+  // send the same prompt tokens and never share a page.
+  int tenants = 1;
 
   // Throws InvalidArgument naming the first bad value.
   void validate() const;
@@ -60,6 +64,7 @@ struct PlannedRequest {
   std::vector<std::int32_t> tokens;  // prompt, then the answer
   std::int32_t output_tokens = 0;
   int depends_on = -1;               // index of the request that must finish first
+  std::string identity;              // the cache identity (WorkloadConfig::tenants)
 };
 
 // The requests in the order a client population would send them when nothing holds them back
