@@ -218,8 +218,11 @@ class Connection::Impl {
         read_buf_(kReadChunk),
         backoff_(opt_.backoff_initial) {
     reset_reader();
-    if (!opt_.password.empty())
-      auth_.command = auth_command_ = resp_command({"AUTH", opt_.password});
+    if (!opt_.password.empty()) {
+      auth_.command = auth_command_ =
+          opt_.username.empty() ? resp_command({"AUTH", opt_.password})
+                                : resp_command({"AUTH", opt_.username, opt_.password});
+    }
     config_command_ = resp_command({"CONFIG", "GET", "proto-max-bulk-len"});
     config_.command = config_command_;
   }

@@ -142,6 +142,7 @@ struct ConnectionOptions {
   std::chrono::milliseconds connect_timeout{1000};
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{5000};
+  std::string username;  // with password: AUTH username password (an ACL user)
   std::string password;
   // SET payloads of at least this many bytes are sent without a copy: vmsplice'd into a pipe
   // and spliced to the socket, whose packets then reference the caller's pages until the server

@@ -26,7 +26,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   json_fields::reject_unknown(
       j,
       {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
-       "connect_timeout_ms", "reconnect_backoff_ms", "password", "max_value_bytes",
+       "connect_timeout_ms", "reconnect_backoff_ms", "username", "password", "max_value_bytes",
        "zero_copy_min_bytes", "check_at_start"},
       what);
   RedisConfig c;
@@ -77,7 +77,12 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
     c.backoff_initial = std::chrono::milliseconds(lo);
     c.backoff_max = std::chrono::milliseconds(hi);
   }
+  c.username = json_fields::get<std::string>(j, "username", "", what);
   c.password = json_fields::get<std::string>(j, "password", "", what);
+  if (!c.username.empty() && c.password.empty()) {
+    throw InvalidArgument(str_cat(what, ": key 'username' ('", c.username,
+                                  "') needs a 'password' (an ACL user authenticates with both)"));
+  }
   c.max_value_bytes = static_cast<std::uint64_t>(
       json_fields::get_int(j, "max_value_bytes", 512ll << 20, 1, INT64_MAX, what));
   c.zero_copy_min_bytes = static_cast<std::uint64_t>(
@@ -587,6 +592,7 @@ class RedisStorage::Impl {
     o.connect_timeout = config_.connect_timeout;
     o.backoff_initial = config_.backoff_initial;
     o.backoff_max = config_.backoff_max;
+    o.username = config_.username;
     o.password = config_.password;
     o.splice_min_bytes = static_cast<std::size_t>(config_.zero_copy_min_bytes);
     for (int c = 0; c < config_.connections; ++c) {

@@ -40,7 +40,8 @@
 // JSON: {"backend": "redis", "host": "127.0.0.1", "port": 6379, "cluster": false,
 //        "nodes": ["host:port", ...] (instead of host/port: the seeds of a cluster),
 //        "connections": 4, "io_threads": 0, "timeout_ms": 2000, "connect_timeout_ms": 1000,
-//        "reconnect_backoff_ms": [100, 5000], "password": "", "max_value_bytes": 536870912,
+//        "reconnect_backoff_ms": [100, 5000], "username": "", "password": "",
+//        "max_value_bytes": 536870912,
 //        "zero_copy_min_bytes": 65536, "check_at_start": true}
 #pragma once
 
@@ -69,7 +70,10 @@ struct RedisConfig {
   std::chrono::milliseconds connect_timeout{1000};
   std::chrono::milliseconds backoff_initial{100};
   std::chrono::milliseconds backoff_max{5000};
-  std::string password;                          // AUTH at connect when not empty
+  // AUTH at connect when `password` is set: as an ACL user (Redis 6+) with `username`, else
+  // as the default user. A username without a password is refused at parse.
+  std::string username;
+  std::string password;
   std::uint64_t max_value_bytes = 512ull << 20;  // record bytes (header + key + payload)
   // Payloads of at least this many bytes are sent without copying them into the socket (see
   // redis::ConnectionOptions::splice_min_bytes); 0 copies every byte.

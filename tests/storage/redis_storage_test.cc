@@ -925,6 +925,39 @@ TEST_F(RedisStorageFaults, PasswordIsSentAtConnect) {
   EXPECT_NE(w[0].reason.find("AUTH refused"), std::string::npos) << w[0].reason;
 }
 
+// An ACL user (Redis 6+), the default user off: the user and its password open the store; a
+// wrong password, another user or no user is an error at start naming the cause, never
+// printing the password; a username without a password is refused at parse.
+TEST_F(RedisStorageFaults, AnAclUserAuthenticatesWithUsernameAndPassword) {
+  start({"--user", "alice", "on", ">wonder", "~*", "&*", "+@all", "--user", "default", "off"});
+  auto s = open_redis(server_.port(), R"("username": "alice", "password": "wonder")");
+  put_ok(*s, {"acl"}, 4096);
+  expect_all(get(*s, {"acl"}, 4096), IoStatus::kOk);
+  for (const char* extra : {R"("username": "alice", "password": "nope")",
+                            R"("username": "bob", "password": "wonder")", R"("password": "wonder")",
+                            ""}) {
+    try {
+      auto refused = open_redis(server_.port(), extra);
+      ADD_FAILURE() << "opened with " << extra;
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("WRONGPASS") != std::string::npos ||
+                  what.find("NOAUTH") != std::string::npos)
+          << extra << ": " << what;
+      EXPECT_EQ(what.find("nope"), std::string::npos) << "the password is printed: " << what;
+      EXPECT_EQ(what.find("wonder"), std::string::npos) << "the password is printed: " << what;
+    }
+  }
+  try {
+    RedisConfig::from_json_text(R"({"host": "127.0.0.1", "username": "alice"})");
+    ADD_FAILURE() << "a username without a password was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'username' ('alice') needs a 'password'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // ---- a 3-node cluster ----
 
 class RedisClusterTest : public ::testing::Test {
