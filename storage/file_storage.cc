@@ -148,6 +148,7 @@ class FileStorage::Impl {
     std::vector<std::string_view> unverified;  // into `snapshot`
     from_snapshot_ = load_snapshot(snapshot, unverified);
     if (!from_snapshot_) rebuild_index();
+    if (config_.shared) open_usage();
     {
       std::lock_guard lock(mu_);
       capacity_from_disk_ = config_.capacity_bytes == 0;
@@ -176,6 +177,7 @@ class FileStorage::Impl {
     }
     trash_cv_.notify_all();
     trash_thread_.join();  // what is left in .trash/ is unlinked at the next start
+    if (usage_ != nullptr) ::munmap(usage_, 8);
     ::close(root_fd_);
   }
 
@@ -574,11 +576,22 @@ class FileStorage::Impl {
       return IoResult::ok();
     }
     const fs::path path = root_ / key;
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    // Shared with a capacity: never over another process's record (it is counted once).
+    const int rc = usage_ != nullptr
+                       ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE)
+                       : ::rename(tmp.c_str(), path.c_str());
+    if (rc != 0) {
       const int err = errno;
       ::unlink(tmp.c_str());
+      if (err == EEXIST && adopt_locked(key)) {  // another process stored it meanwhile
+        pin_locked(index_.find(key), pins);
+        ++owner_.counters_.set_deduplicated;
+        evict_locked();
+        return IoResult::ok();
+      }
       return IoResult::error(errno_text("rename into", path, err));
     }
+    if (usage_ != nullptr) std::atomic_ref(*usage_).fetch_add(bytes);
     pin_locked(insert_locked(key, bytes), pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
@@ -614,15 +627,15 @@ class FileStorage::Impl {
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
   void evict_locked(bool recheck_disk = true) {
-    if (capacity_ == 0 || total_bytes_ <= capacity_) return;
+    if (capacity_ == 0 || used_locked() <= capacity_) return;
     // A capacity that follows the filesystem is asked again before anything is evicted: space
     // another program freed (or took) since moves it.
     if (recheck_disk && capacity_from_disk_) {
       capacity_ = disk_capacity_locked();
-      if (capacity_ == 0 || total_bytes_ <= capacity_) return;
+      if (capacity_ == 0 || used_locked() <= capacity_) return;
     }
     auto victim = lru_.begin();
-    while (total_bytes_ > capacity_ && victim != lru_.end()) {
+    while (used_locked() > capacity_ && victim != lru_.end()) {
       auto it = index_.find(**victim++);
       if (it->second.pins > 0) continue;
       drop_locked(it, /*count_eviction=*/true);
@@ -643,7 +656,37 @@ class FileStorage::Impl {
     const std::uint64_t bytes = it->second.bytes;
     unindex_locked(it);
     if (count_eviction) ++owner_.counters_.evictions;
-    if (!queue_trash_file(path, bytes) && count_eviction) ++owner_.counters_.eviction_failures;
+    bool moved = false;
+    if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
+      ++owner_.counters_.eviction_failures;
+    }
+    if (moved && usage_ != nullptr) std::atomic_ref(*usage_).fetch_sub(bytes);
+  }
+
+  // Shared mode with capacity_bytes: the bytes of every record in the root, kept by all the
+  // processes together in <root>/.usage (8 bytes, mapped shared): each adds what it renames in
+  // and takes off what it renames out, and evicts while the sum is over the capacity. A start
+  // (which scans the directory) sets it to what it found, mending a process that died between a
+  // rename and its count.
+  void open_usage() {
+    const int fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) throw IoError(errno_text("file storage: open", root_ / ".usage", errno));
+    Fd guard(fd);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || (st.st_size < 8 && ::ftruncate(fd, 8) != 0)) {
+      throw IoError(errno_text("file storage: size", root_ / ".usage", errno));
+    }
+    void* p = ::mmap(nullptr, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", root_ / ".usage", errno));
+    usage_ = static_cast<std::uint64_t*>(p);
+    std::lock_guard lock(mu_);
+    std::atomic_ref(*usage_).store(total_bytes_);
+  }
+  // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
+  // (a capacity that follows the filesystem counts this index's records plus the free space).
+  std::uint64_t used_locked() const {
+    return usage_ != nullptr && !capacity_from_disk_ ? std::atomic_ref(*usage_).load()
+                                                     : total_bytes_;
   }
 
   // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from
@@ -682,18 +725,23 @@ class FileStorage::Impl {
 
   // Moves a file to the trash; `bytes` (its size where known) counts as space about to be
   // freed until the trash thread has unlinked it.
-  bool queue_trash_file(const fs::path& path, std::uint64_t bytes = 0) {
+  // `moved`: set when this call took the record out of the root (not when it was gone already).
+  bool queue_trash_file(const fs::path& path, std::uint64_t bytes = 0, bool* moved = nullptr) {
     const fs::path to = trash_ / str_cat(::getpid(), ".", seq_.fetch_add(1));
     if (::rename(path.c_str(), to.c_str()) != 0) {
       if (errno == ENOENT && ::access(path.c_str(), F_OK) != 0) {
         if (!fs::exists(trash_)) {  // the trash folder itself vanished: recreate it and retry
           ensure_dirs();
-          if (::rename(path.c_str(), to.c_str()) == 0) return push_trash(to, bytes);
+          if (::rename(path.c_str(), to.c_str()) == 0) {
+            if (moved != nullptr) *moved = true;
+            return push_trash(to, bytes);
+          }
         }
         return true;  // the record is gone already
       }
       return false;
     }
+    if (moved != nullptr) *moved = true;
     return push_trash(to, bytes);
   }
 
@@ -941,6 +989,7 @@ class FileStorage::Impl {
   bool trash_stop_ = false;
   std::thread trash_thread_;
   bool from_snapshot_ = false;
+  std::uint64_t* usage_ = nullptr;  // shared mode with a capacity: <root>/.usage, mapped
   std::atomic<bool> verify_stop_{false};
   std::thread verify_thread_;  // checks a loaded snapshot against the directory
 };

@@ -26,11 +26,16 @@
 //
 // - shared: several processes (engine instances) use one root. Each keeps its own index; a key
 //   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
-//   stored is found. Capacity eviction then counts only what this process wrote or adopted; an
-//   adoption evicts like a write does, but never a key of the same call (so one query may leave
-//   the store over capacity until the next write). A key the index holds is confirmed on disk
-//   too (one fstatat) before exists or a put's deduplication trusts it: another process may have
-//   evicted it.
+//   stored is found. The processes stay within one capacity together: with capacity_bytes,
+//   the bytes of every record in the root are counted in <root>/.usage (8 bytes, mapped shared
+//   by all of them; a record is renamed in only where no other process's is, so it is counted
+//   once), and a process evicts its own least recently used records (written or adopted) while
+//   that sum is over the capacity (one whose records are all pinned leaves it over until
+//   another writes); a start, which scans, resets the count to what it found. With the
+//   capacity following the filesystem each keeps the reserve free, which bounds them together.
+//   An adoption evicts like a write does, but never a key of the same call. A key the index
+//   holds is confirmed on disk too (one fstatat) before exists or a put's deduplication trusts
+//   it: another process may have evicted it.
 //
 // - A write that meets ENOSPC although the store is within its capacity (another program filled
 //   the disk) shrinks the capacity to what fits, evicts least recently used records down to it
