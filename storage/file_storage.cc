@@ -577,9 +577,14 @@ class FileStorage::Impl {
     }
     const fs::path path = root_ / key;
     // Shared with a capacity: never over another process's record (it is counted once).
-    const int rc = usage_ != nullptr
-                       ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE)
-                       : ::rename(tmp.c_str(), path.c_str());
+    int rc = usage_ != nullptr
+                 ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE)
+                 : ::rename(tmp.c_str(), path.c_str());
+    if (rc != 0 && errno == EINVAL && usage_ != nullptr) {
+      // A filesystem without RENAME_NOREPLACE (NFS): link() never replaces either.
+      rc = ::link(tmp.c_str(), path.c_str());
+      if (rc == 0) ::unlink(tmp.c_str());
+    }
     if (rc != 0) {
       const int err = errno;
       ::unlink(tmp.c_str());
