@@ -1237,6 +1237,76 @@ std::int64_t HiRadixCache::insert_host(Node* node, std::span<const std::int32_t>
   return 0;
 }
 
+void HiRadixCache::detach_storage() {
+  if (storage_ == nullptr) return;
+  if (tp_ != nullptr && tp_->failure().empty()) {
+    storage_->stop_when_idle();
+  } else {
+    storage_->stop();
+  }
+  // Every op ended; each backup's ack is queued. Applied here, on each rank alone: what they
+  // differ in (the pages completed) is forgotten below with everything known to be in L3.
+  backup_acks_.clear();
+  storage_->drain_backup_acks(backup_acks_);
+  std::vector<NodeId> backups;
+  for (const auto& [id, op] : pending_->backups) backups.push_back(id);
+  std::sort(backups.begin(), backups.end());
+  for (NodeId id : backups) apply_backup_ack(id, 1, 1);  // released, nothing counted as stored
+  arrived_->backups.clear();
+  revoked_.clear();
+  storage_->drain_revokes(revoked_);
+  // Prefetches end in the same order on every rank: terminate_prefetch agrees on each one's
+  // completed pages, which are inserted (the rest freed).
+  std::vector<std::string> prefetches;
+  for (const auto& [id, p] : pending_->prefetches) prefetches.push_back(id);
+  std::sort(prefetches.begin(), prefetches.end());
+  for (const std::string& id : prefetches) {
+    const bool revoked = pending_->prefetches.at(id).op->stage() == PrefetchStage::kRevoked;
+    if (revoked) count_revoked(id);
+    finish_prefetch(id, !revoked);
+  }
+  arrived_->revoked.clear();
+  storage_ = nullptr;
+  keyer_.reset();
+  forget_stored_pages();
+}
+
+void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace& keys) {
+  if (storage_ != nullptr) throw StateError("attach_storage: L3 is attached already");
+  if (!config_.host_tier) {
+    throw InvalidArgument("attach_storage: the cache has no host tier (host_tier false)");
+  }
+  auto keyer = std::make_unique<PageKeyer>(keys);
+  if (keyer->page_size() != page_size_) {
+    throw InvalidArgument(str_cat("attach_storage: key namespace page_size ", keyer->page_size(),
+                                  " differs from the pools' ", page_size_));
+  }
+  keyer_ = std::move(keyer);
+  storage_ = &storage;
+  storage_->set_event_signal(controller_.events());
+  // Parents first: each node's chain continues its parent's last digest.
+  std::vector<Node*> todo{root_.get()};
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    if (n != root_.get()) set_digests(n);
+    for (auto& [k, c] : n->children) todo.push_back(c.get());
+  }
+}
+
+void HiRadixCache::forget_stored_pages() {
+  std::vector<Node*> todo{root_.get()};
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    if (n->stored_pages != 0) {
+      n->stored_pages = 0;
+      refresh(n);
+    }
+    for (auto& [k, c] : n->children) todo.push_back(c.get());
+  }
+}
+
 std::string HiRadixCache::describe() const {
   std::string out;
   std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {

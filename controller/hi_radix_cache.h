@@ -229,6 +229,20 @@ class HiRadixCache {
   // collectives stay in step.
   void reset();
 
+  // L3 at run time; every TP rank calls these at the same step.
+  // detach_storage: stops the storage threads (one rank: queued backups and prefetches are
+  // cancelled; TP: what is queued runs first, so the ranks' collectives stay in step), applies
+  // what they acknowledged (locks released, a prefetch's agreed pages inserted and the rest
+  // freed, each page once), and forgets what the tree knew to be in L3. L1 and L2 keep serving;
+  // the StorageController may be destroyed afterwards. Nothing without L3.
+  void detach_storage();
+  // attach_storage: L3 from now on, under `keys` (its page size the tree's; InvalidArgument
+  // otherwise, and nothing changes). Nodes get the page digests they lack, so prefetches and
+  // backups chain keys again. StateError when L3 is attached already.
+  void attach_storage(StorageController& storage, const KeyNamespace& keys);
+  // The store was emptied: the tree forgets which of its pages it held.
+  void forget_stored_pages();
+
   RadixCacheStats stats() const;
   // Empty when the tree is consistent with itself and the pools: every lock count >= 0, no
   // node without KV, keys of whole pages, slot counts that match, parents locked at least as

@@ -156,6 +156,76 @@ HiCache::~HiCache() {
   storage_.reset();
 }
 
+void HiCache::detach_storage() {
+  if (!storage_controller_) return;
+  cache_->detach_storage();
+  storage_controller_.reset();  // forgets its metrics
+  if (storage_) storage_->unregister_metrics();
+  storage_.reset();
+}
+
+void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives collectives) {
+  if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
+  const std::string& json = storage_json.empty() ? config_.storage : storage_json;
+  if (json.empty()) throw InvalidArgument("attach_storage: no storage config (empty)");
+  attach_storage(std::shared_ptr<StorageBackend>(make_storage(json)), collectives);
+}
+
+void HiCache::attach_storage(std::shared_ptr<StorageBackend> store,
+                             HiCacheCollectives collectives) {
+  if (stopped_) throw StateError("attach_storage: the cache is stopped");
+  if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
+  if (!store) throw InvalidArgument("attach_storage: no store (null)");
+  if (!config_.radix.host_tier) {
+    throw InvalidArgument("attach_storage: a storage tier needs the host tier (host_tier is false)");
+  }
+  Collective* pre = collectives.prefetch != nullptr ? collectives.prefetch : collectives_.prefetch;
+  Collective* back = collectives.backup != nullptr ? collectives.backup : collectives_.backup;
+  for (int role = 0; role < 2; ++role) {
+    Collective*& c = role == 0 ? pre : back;
+    c->resume();
+    if (c->failure().empty()) continue;
+    if (owned_collectives_[role] == nullptr || owned_collectives_[role].get() != c ||
+        config_.tp.size == 1) {
+      throw StateError(str_cat("attach_storage: the ", role == 0 ? "prefetch" : "backup",
+                               " collective failed for good (", c->failure(),
+                               "): pass fresh collectives"));
+    }
+    // A fresh group of the same ranks (every rank attaches at the same step and meets again).
+    owned_collectives_[role] = make_gloo_collective(
+        GlooConfig{.rank = config_.tp.rank,
+                   .size = config_.tp.size,
+                   .store_dir = config_.tp.store_dir,
+                   .prefix = str_cat("hicache.", ns_.prefix(), ".", role == 0 ? "prefetch" : "backup",
+                                     ".a", storage_generation_ + 1),
+                   .hostname = config_.tp.hostname,
+                   .timeout = config_.tp.timeout,
+                   .connect_timeout = config_.tp.connect_timeout});
+    c = owned_collectives_[role].get();
+  }
+  auto sc = config_.storage_controller;
+  sc.mla = config_.geometry.attention == AttentionKind::kMLA;
+  auto controller = std::make_unique<StorageController>(*host_pool_, *store, ns_, *pre, *back,
+                                                        *collectives_.main, sc);
+  cache_->attach_storage(*controller, ns_);
+  ++storage_generation_;
+  collectives_.prefetch = pre;
+  collectives_.backup = back;
+  storage_ = std::move(store);
+  storage_controller_ = std::move(controller);
+  if (config_.metrics) {
+    const MetricLabels rank = {{"tp_rank", std::to_string(config_.tp.rank)}};
+    storage_controller_->register_metrics(*metrics_, rank);
+    storage_->register_metrics(*metrics_, rank);
+  }
+}
+
+void HiCache::clear_storage() {
+  if (!storage_) return;
+  storage_->clear();
+  cache_->forget_stored_pages();
+}
+
 void HiCache::stop() {
   if (stopped_) return;
   stopped_ = true;

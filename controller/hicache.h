@@ -100,6 +100,23 @@ class HiCache {
   // The port /metrics is served on, or -1 without a metrics server (metrics_port -1).
   int metrics_port() const { return metrics_server_ ? metrics_server_->port() : -1; }
 
+  // L3 at run time, called by the main loop (every TP rank at the same step).
+  // detach_storage: HiRadixCache::detach_storage, then the store and its controller go; L1 and
+  // L2 keep serving. Nothing without L3.
+  void detach_storage();
+  // attach_storage: a store from `storage_json` (the config's "storage" object; empty: the
+  // config's own) and a StorageController for it. Its prefetch and backup collectives: the
+  // cache's own, resumed (a TP group that failed for good is replaced by a fresh one, all ranks
+  // meeting again), or `collectives` when given (required when the engine passed its own and
+  // they failed). Throws (InvalidArgument, IoError, StateError when L3 is attached) and changes
+  // nothing when the store cannot be opened.
+  void attach_storage(const std::string& storage_json = {}, HiCacheCollectives collectives = {});
+  // The same with a store the caller built (shared, as HiCacheParts::storage).
+  void attach_storage(std::shared_ptr<StorageBackend> store, HiCacheCollectives collectives = {});
+  // Empties the store (every record; Redis: FLUSHDB) and makes the tree forget what it held.
+  // Nothing without L3.
+  void clear_storage();
+
   // Stops every thread (storage threads first, then the controller's); idempotent. The parts
   // stay readable; the cache takes no more work.
   void stop();
@@ -121,6 +138,7 @@ class HiCache {
   std::unique_ptr<HiRadixCache> cache_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
+  int storage_generation_ = 0;  // attaches so far: names fresh TP groups
 };
 
 }  // namespace hicache

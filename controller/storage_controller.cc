@@ -139,6 +139,11 @@ void StorageController::reset() {
   start_threads();
 }
 
+void StorageController::stop_when_idle() {
+  wait_until_idle();
+  stop();
+}
+
 void StorageController::stop() {
   backup_queue_.stop();
   prefetch_queue_.stop();

@@ -243,6 +243,10 @@ class StorageController {
   // (Collective::cancel), so a thread inside the collective of an op that the other ranks took
   // off their queues unrun returns at once instead of at the timeout. Idempotent.
   void stop();
+  // Waits until every queued backup and prefetch agreement has run, then stop(): the TP ranks'
+  // threads are then all idle between ops, so none is left inside a collective the others never
+  // join, and the prefetch and backup collectives can be resume()d. For a detach of L3.
+  void stop_when_idle();
   // Waits until every queued backup and prefetch agreement has run (on a store that fails,
   // each fails at once or at its timeout), then stop(), then drops every ack and revoke not yet
   // drained and starts the threads again: for the owner's reset (HiRadixCache::reset), which

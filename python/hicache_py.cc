@@ -454,6 +454,22 @@ class PyHiCache {
     cache_.reset();
   }
   std::shared_ptr<PyStore> store() const { return store_; }
+  // L3 at run time (HiCache::detach_storage / attach_storage / clear_storage).
+  void detach_storage() {
+    use().hc.detach_storage();
+    store_.reset();
+  }
+  void attach_storage(const py::object& store) {
+    std::shared_ptr<PyStore> s;
+    if (py::isinstance<py::str>(store)) {
+      s = std::make_shared<PyStore>(make_storage(store.cast<std::string>()));
+    } else {
+      s = store.cast<std::shared_ptr<PyStore>>();
+    }
+    use().hc.attach_storage(s->backend());
+    store_ = std::move(s);
+  }
+  void clear_storage() { use().hc.clear_storage(); }
 
   // Acks of `kind` ("write" or "load") until `n` arrived or `timeout_s` passed, waiting on the
   // controller's event signal without the GIL: [(node id, ok)].
@@ -643,6 +659,9 @@ PYBIND11_MODULE(_hicache, m) {
       .def("wait_acks", &PyHiCache::wait_acks, py::arg("kind"), py::arg("n"),
            py::arg("timeout_s") = 60.0)
       .def("close", &PyHiCache::close)
+      .def("detach_storage", &PyHiCache::detach_storage)
+      .def("attach_storage", &PyHiCache::attach_storage, py::arg("store"))
+      .def("clear_storage", &PyHiCache::clear_storage)
       .def_property_readonly("store", &PyHiCache::store)
       .def_property_readonly("key_prefix",
                              [](PyHiCache& c) { return c.use().hc.key_namespace().prefix(); })

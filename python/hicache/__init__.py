@@ -165,6 +165,27 @@ class HiCache:
         """The L3 store (a Store), or None without one."""
         return self._store
 
+    # --- L3 at run time (every TP rank at the same step) ------------------------------------
+
+    def detach_storage(self):
+        """Stops L3: queued backups and prefetches end, their pages freed once; L1/L2 serve on."""
+        self._c.detach_storage()
+        self._store = None
+
+    def attach_storage(self, store):
+        """Attaches a store: a Store, or its config (a dict or JSON text); an error (ValueError,
+        OSError) changes nothing."""
+        if isinstance(store, Store):
+            native = store._s
+        else:
+            native = _hicache.Store(_json_text(store, "attach_storage"))
+        self._c.attach_storage(native)
+        self._store = store if isinstance(store, Store) else Store(native)
+
+    def clear_storage(self):
+        """Empties the store and forgets which pages it held."""
+        self._c.clear_storage()
+
     @property
     def key_prefix(self):
         return self._c.key_prefix

@@ -560,6 +560,65 @@ TEST(HiRadixCacheStorage, IdentitiesNeverShareL3Pages) {
   second.expect_accounting();
 }
 
+// L3 detached and attached at run time: a detach with backups and a prefetch in flight lets
+// go of every op (locks released, pages freed or inserted once), L1/L2 keep serving, and a new
+// store attached afterwards takes backups that another engine prefetches byte for byte.
+TEST(HiRadixCacheStorage, DetachAndAttachL3WhileServing) {
+  L3 first("detach-a"), second("detach-b");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &first);
+  const auto r1 = seq({1, 2, 3, 4, 5, 6}), r2 = seq({1, 2, 8}), r3 = seq({20, 21, 22, 23});
+  e.run(r1);  // its backup is queued (or running) now
+  e.cache.detach_storage();
+  e.storage.reset();
+  RadixCacheStats st = e.cache.stats();
+  EXPECT_EQ(st.backups_in_flight, 0);
+  EXPECT_EQ(st.stored_tokens, 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  EXPECT_FALSE(e.cache.prefetch_from_storage("detached", e.cache.match_prefix(r3).last_host_node, r3));
+  e.run(r2);
+  e.run(r1);
+  e.settle();
+  e.expect_accounting();
+  e.cache.detach_storage();  // nothing attached: nothing happens
+
+  // A key namespace of another page size is refused and changes nothing.
+  StorageController other_sc(e.host_pool, second.file, e.ns, second.local, second.local,
+                             second.local);
+  KeyNamespace wrong = e.ns;
+  wrong.page_size = 2 * kPage;
+  EXPECT_THROW(e.cache.attach_storage(other_sc, wrong), InvalidArgument);
+  EXPECT_FALSE(e.cache.prefetch_from_storage("still-detached",
+                                             e.cache.match_prefix(r3).last_host_node, r3));
+  e.storage = std::make_unique<StorageController>(e.host_pool, second.file, e.ns, second.local,
+                                                  second.local, second.local);
+  e.cache.attach_storage(*e.storage, e.ns);
+  EXPECT_THROW(e.cache.attach_storage(other_sc, e.ns), StateError);
+  e.run(r3);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 4 * kPage) << "backups go to the attached store";
+
+  // Another engine finds r3 in the new store; detached with its prefetch in flight, it holds
+  // no page of it afterwards, and serves on.
+  Engine f(WritePolicy::kWriteThrough, 32, 64, {}, &second);
+  auto m = f.cache.match_prefix(r3);
+  ASSERT_TRUE(f.cache.prefetch_from_storage("in-flight", m.last_host_node, r3));
+  f.cache.detach_storage();
+  f.storage.reset();
+  EXPECT_EQ(f.cache.prefetches_in_flight(), 0u);
+  f.settle();
+  f.expect_accounting();
+  f.run(r3);  // from the tree if the prefetch got its pages in, else recomputed: verified
+  EXPECT_EQ(f.verified_pages + f.recomputed_pages, 4);
+  Engine g(WritePolicy::kWriteThrough, 32, 64, {}, &second);
+  ASSERT_TRUE(g.cache.prefetch_from_storage("g", g.cache.match_prefix(r3).last_host_node, r3));
+  g.settle();  // check_events inserts the finished prefetch
+  EXPECT_EQ(g.cache.stats().prefetched_tokens, 4 * kPage);
+  g.run(r3);
+  EXPECT_EQ(g.verified_pages, 4) << "every page read from the attached store";
+  EXPECT_EQ(g.recomputed_pages, 0);
+  g.expect_accounting();
+}
+
 // L3: pages backed up by one engine are prefetched by another (a restarted engine, or another
 // instance sharing the store), inserted as host-resident nodes, loaded back, verified.
 TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -58,6 +59,55 @@ TEST(HiCache, WithoutStorageHasNoStorageController) {
   EXPECT_EQ(hc.storage(), nullptr);
   EXPECT_EQ(hc.storage_controller(), nullptr);
   EXPECT_EQ(hc.host_pool().capacity_tokens(), 128);  // host_ratio 2 by default
+}
+
+// L3 detached, attached (another store) and cleared at run time: the store and its controller
+// go and come; a store that cannot be opened changes nothing; clear empties the store.
+TEST(HiCache, DetachesAttachesAndClearsL3AtRunTime) {
+  TempDir first, second;
+  HiCache hc(HiCacheConfig::from_json_text(config_json(str_cat(
+      R"("storage": {"backend": "file", "root": ")", first.path.string(), R"("})"))));
+  hc.detach_storage();
+  EXPECT_EQ(hc.storage(), nullptr);
+  EXPECT_EQ(hc.storage_controller(), nullptr);
+  hc.detach_storage();  // nothing attached: nothing happens
+  hc.clear_storage();
+  // A store that cannot be opened (a root that is a file) is refused and changes nothing.
+  const fs::path file = second.path.string() + "-file";
+  std::ofstream(file) << "x";
+  EXPECT_NE(error_of([&] {
+              hc.attach_storage(str_cat(R"({"backend": "file", "root": ")", file.string(), R"("})"));
+            }).find(file.string()),
+            std::string::npos);
+  EXPECT_EQ(hc.storage(), nullptr);
+  fs::remove(file);
+  hc.attach_storage(str_cat(R"({"backend": "file", "root": ")", second.path.string(), R"("})"));
+  ASSERT_NE(hc.storage(), nullptr);
+  ASSERT_NE(hc.storage_controller(), nullptr);
+  EXPECT_TRUE(fs::is_directory(second.path));
+  EXPECT_NE(error_of([&] { hc.attach_storage(); }).find("attached already"), std::string::npos);
+  // Pages written through the cache land in the attached store; clear empties it.
+  HiRadixCache& cache = hc.cache();
+  std::vector<std::int32_t> tokens(16);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i + 1);
+  auto slots = hc.device_pool().allocator().alloc(16);
+  ASSERT_TRUE(slots);
+  cache.insert(tokens, *slots);
+  for (int i = 0; i < 2000 && cache.stats().stored_tokens < 16; ++i) {
+    const std::uint64_t seen = cache.event_seq();
+    cache.check_events();
+    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(cache.stats().stored_tokens, 16);
+  EXPECT_EQ(hc.storage()->stats().stored_keys, 4u);
+  hc.clear_storage();
+  EXPECT_EQ(hc.storage()->stats().stored_keys, 0u);
+  EXPECT_EQ(cache.stats().stored_tokens, 0);
+  EXPECT_EQ(cache.check_invariants(), "");
+  // The config's own store, attached again after a detach.
+  hc.detach_storage();
+  hc.attach_storage();
+  EXPECT_NE(hc.storage(), nullptr);
 }
 
 TEST(HiCache, DerivesTheKeyNamespaceOfAnMlaModelForEveryRank) {

@@ -27,6 +27,30 @@ def test_hicache_from_a_dict_and_from_a_json_file_is_the_same_cache(tmp_path):
         assert b.key_prefix == prefix == "m.unversioned.fp16.layer_first.p4.tp0of1"
 
 
+def test_l3_is_detached_attached_and_cleared_at_run_time(tmp_path):
+    cfg = small_config(storage={"backend": "file", "root": str(tmp_path / "first")})
+    with hicache.HiCache(cfg) as c:
+        c.detach_storage()
+        assert c.store is None
+        c.detach_storage()  # nothing attached: nothing happens
+        with pytest.raises(OSError, match="blocker"):
+            (tmp_path / "blocker").write_text("x")
+            c.attach_storage({"backend": "file", "root": str(tmp_path / "blocker")})
+        assert c.store is None
+        c.attach_storage({"backend": "file", "root": str(tmp_path / "second")})
+        assert c.store is not None and (tmp_path / "second").is_dir()
+        with pytest.raises(RuntimeError, match="attached already"):
+            c.attach_storage(hicache.open_store({"backend": "file", "root": str(tmp_path / "x")}))
+        page = torch.arange(16, dtype=torch.uint8)
+        assert all(c.store.batch_set(["k-1"], [page]))
+        c.clear_storage()
+        assert c.store.batch_exists(["k-1"]) == 0
+        c.detach_storage()
+        own = hicache.open_store({"backend": "file", "root": str(tmp_path / "third")})
+        c.attach_storage(own)
+        assert c.store is own
+
+
 def test_a_bad_config_is_a_value_error_naming_the_key_and_value():
     with pytest.raises(ValueError, match="unknown key 'hostratio'; did you mean 'host_ratio'"):
         hicache.HiCache(small_config(hostratio=1))
