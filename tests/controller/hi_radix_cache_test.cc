@@ -1124,7 +1124,10 @@ TEST(HiRadixCacheTp, AHostPoolFullerOnOneRankDoesNotSplitTheTrees) {
 // collective is a real two-rank group (prefetch and backup threads, main loop): the storage
 // threads run what both ranks queued before they stop, so no collective fails, and L3 refills
 // the trees afterwards.
-void run_tp_resets(bool with_l3) {
+// Every 37 requests both ranks reset (kReset), or detach L3 and attach it again (kDetach).
+enum class TpEvent { kReset, kDetach };
+
+void run_tp_resets(bool with_l3, TpEvent event = TpEvent::kReset) {
   TpGroups groups;
   std::vector<std::vector<std::string>> trees(2);
   std::vector<std::thread> ranks;
@@ -1141,7 +1144,22 @@ void run_tp_resets(bool with_l3) {
       std::mt19937 rng(21);
       for (int step = 0; step < 150; ++step) {
         e.run(family_prompt(rng, 5, 7));
-        if (step % 37 == 36) {
+        if (step % 37 == 36 && event == TpEvent::kDetach) {
+          // Queued backups and prefetches run first on both ranks, then every op ends.
+          e.cache.detach_storage();
+          e.storage.reset();
+          const auto st = e.cache.stats();
+          EXPECT_EQ(st.backups_in_flight, 0);
+          EXPECT_EQ(st.stored_tokens, 0);
+          EXPECT_EQ(e.cache.prefetches_in_flight(), 0u);
+          l3->prefetch->resume();  // nothing was in flight when the stop cancelled them
+          l3->backup->resume();
+          ASSERT_EQ(l3->prefetch->failure(), "");
+          e.storage = std::make_unique<StorageController>(
+              e.host_pool, l3->file, e.ns, *l3->prefetch, *l3->backup, *l3->main,
+              StorageControllerConfig{.policy = PrefetchPolicy::kWaitComplete});
+          e.cache.attach_storage(*e.storage, e.ns);
+        } else if (step % 37 == 36) {
           e.cache.reset();
           EXPECT_EQ(e.cache.stats().nodes, 0);
           EXPECT_EQ(e.device_pool.allocator().free_tokens(), e.device_pool.capacity_tokens());
@@ -1153,9 +1171,20 @@ void run_tp_resets(bool with_l3) {
       trees[r].push_back(e.cache.describe());
       const auto st = e.cache.stats();
       EXPECT_EQ(st.tp_failures, 0);
-      EXPECT_EQ(st.resets, 4);
-      if (with_l3) {
+      EXPECT_EQ(st.resets, event == TpEvent::kReset ? 4 : 0);
+      if (event == TpEvent::kDetach) e.expect_accounting();
+      if (with_l3 && event == TpEvent::kReset) {
         EXPECT_GT(st.prefetched_tokens, 0) << "L3 never refilled the tree after a reset";
+      }
+      if (with_l3 && event == TpEvent::kDetach) {
+        // What is written after the last attach goes to L3 (the tree's older pages are not
+        // backed up again).
+        e.run(seq({990, 991}));
+        e.settle();
+        trees[r].push_back(e.cache.describe());
+        EXPECT_EQ(e.cache.stats().stored_tokens, 2 * kPage) << "no backup after the attach";
+      }
+      if (with_l3) {
         EXPECT_EQ(e.storage->failed_ops(), 0);
       }
     });
@@ -1170,6 +1199,9 @@ void run_tp_resets(bool with_l3) {
 
 TEST(HiRadixCacheTp, BothRanksResetInStepAndStayIdentical) { run_tp_resets(false); }
 TEST(HiRadixCacheTp, ResetWithL3KeepsTheRanksInStep) { run_tp_resets(true); }
+TEST(HiRadixCacheTp, DetachAndAttachL3KeepTheRanksInStep) {
+  run_tp_resets(true, TpEvent::kDetach);
+}
 
 // TP=2 with L3, where rank 0's storage queues hold one op and rank 1's a thousand: a backup
 // queue full on rank 0 only must not make rank 1 back up alone (its tree would show a backup
