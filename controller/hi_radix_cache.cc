@@ -88,6 +88,8 @@ struct HiRadixCache::Pending {
     std::vector<Node*> nodes;
   };
   std::unordered_map<NodeId, Op> writes, loads, backups;
+  // Backups in flight when the store was cleared: whatever they complete counts as nothing.
+  std::unordered_set<NodeId> forgotten_backups;
   struct Prefetch {
     std::shared_ptr<PrefetchOperation> op;
     Node* node = nullptr;  // locked while the prefetch lasts
@@ -903,9 +905,10 @@ void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t l
 }
 
 void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*local*/) {
-  const std::int64_t completed_tokens = agreed - 1;
   auto taken = pending_->take(pending_->backups, id);
   if (!taken) return;
+  const std::int64_t completed_tokens =
+      pending_->forgotten_backups.erase(id) != 0 ? 0 : agreed - 1;
   // The op's pages run from the uppermost part (split off last) down to the holder.
   std::vector<Node*> nodes = taken->nodes;
   std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
@@ -1295,6 +1298,7 @@ void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace
 }
 
 void HiRadixCache::forget_stored_pages() {
+  for (const auto& [id, op] : pending_->backups) pending_->forgotten_backups.insert(id);
   std::vector<Node*> todo{root_.get()};
   while (!todo.empty()) {
     Node* n = todo.back();

@@ -1,5 +1,7 @@
 #include "controller/hicache.h"
 
+#include <exception>
+
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -168,47 +170,84 @@ void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives
   if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
   const std::string& json = storage_json.empty() ? config_.storage : storage_json;
   if (json.empty()) throw InvalidArgument("attach_storage: no storage config (empty)");
-  attach_storage(std::shared_ptr<StorageBackend>(make_storage(json)), collectives);
+  // A rank whose store cannot be opened still joins the agreement (attach_agreed), so that no
+  // rank attaches alone.
+  std::shared_ptr<StorageBackend> store;
+  std::exception_ptr error;
+  try {
+    store = make_storage(json);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  attach_agreed(std::move(store), error, collectives);
 }
 
 void HiCache::attach_storage(std::shared_ptr<StorageBackend> store,
                              HiCacheCollectives collectives) {
+  attach_agreed(std::move(store), nullptr, collectives);
+}
+
+void HiCache::attach_agreed(std::shared_ptr<StorageBackend> store, std::exception_ptr error,
+                            HiCacheCollectives collectives) {
   if (stopped_) throw StateError("attach_storage: the cache is stopped");
   if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
-  if (!store) throw InvalidArgument("attach_storage: no store (null)");
   if (!config_.radix.host_tier) {
     throw InvalidArgument("attach_storage: a storage tier needs the host tier (host_tier is false)");
   }
+  if (!store && !error) {
+    error = std::make_exception_ptr(InvalidArgument("attach_storage: no store (null)"));
+  }
   Collective* pre = collectives.prefetch != nullptr ? collectives.prefetch : collectives_.prefetch;
   Collective* back = collectives.backup != nullptr ? collectives.backup : collectives_.backup;
+  bool renew[2] = {false, false};
   for (int role = 0; role < 2; ++role) {
-    Collective*& c = role == 0 ? pre : back;
+    Collective* c = role == 0 ? pre : back;
     c->resume();
-    if (c->failure().empty()) continue;
+    renew[role] = !c->failure().empty();
+  }
+  // TP: every rank opened its store, and all renew the same groups, or none attaches (a rank
+  // with L3 alone would make collective calls the others never make).
+  if (config_.tp.size > 1) {
+    std::vector<std::int64_t> v = {error ? 0 : 1, renew[0] ? 0 : 1, renew[1] ? 0 : 1};
+    if (!collectives_.main->min_allreduce(v, "hicache.attach_storage").ok) {
+      throw StateError(str_cat("attach_storage: the TP agreement failed (",
+                               collectives_.main->failure(), ")"));
+    }
+    if (v[0] == 0 && !error) {
+      throw StateError("attach_storage: another TP rank could not open its store");
+    }
+    renew[0] = v[1] == 0;
+    renew[1] = v[2] == 0;
+  }
+  if (error) std::rethrow_exception(error);
+  for (int role = 0; role < 2; ++role) {
+    if (!renew[role]) continue;
+    Collective*& c = role == 0 ? pre : back;
+    const char* name = role == 0 ? "prefetch" : "backup";
     if (owned_collectives_[role] == nullptr || owned_collectives_[role].get() != c ||
         config_.tp.size == 1) {
-      throw StateError(str_cat("attach_storage: the ", role == 0 ? "prefetch" : "backup",
-                               " collective failed for good (", c->failure(),
-                               "): pass fresh collectives"));
+      throw StateError(str_cat("attach_storage: the ", name, " collective failed for good (",
+                               c->failure(), "): pass fresh collectives"));
     }
-    // A fresh group of the same ranks (every rank attaches at the same step and meets again).
+    // A fresh group of the same ranks (every rank renews it at the same step and meets again);
+    // the cache's pointer follows at once, so a failure below leaves nothing dangling.
+    ++group_renewals_;
     owned_collectives_[role] = make_gloo_collective(
         GlooConfig{.rank = config_.tp.rank,
                    .size = config_.tp.size,
                    .store_dir = config_.tp.store_dir,
-                   .prefix = str_cat("hicache.", ns_.prefix(), ".", role == 0 ? "prefetch" : "backup",
-                                     ".a", storage_generation_ + 1),
+                   .prefix = str_cat("hicache.", ns_.prefix(), ".", name, ".a", group_renewals_),
                    .hostname = config_.tp.hostname,
                    .timeout = config_.tp.timeout,
                    .connect_timeout = config_.tp.connect_timeout});
     c = owned_collectives_[role].get();
+    (role == 0 ? collectives_.prefetch : collectives_.backup) = c;
   }
   auto sc = config_.storage_controller;
   sc.mla = config_.geometry.attention == AttentionKind::kMLA;
   auto controller = std::make_unique<StorageController>(*host_pool_, *store, ns_, *pre, *back,
                                                         *collectives_.main, sc);
   cache_->attach_storage(*controller, ns_);
-  ++storage_generation_;
   collectives_.prefetch = pre;
   collectives_.backup = back;
   storage_ = std::move(store);

@@ -23,6 +23,7 @@
 // Threading: as HiRadixCache, the engine's main loop owns it.
 #pragma once
 
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -138,7 +139,11 @@ class HiCache {
   std::unique_ptr<HiRadixCache> cache_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
-  int storage_generation_ = 0;  // attaches so far: names fresh TP groups
+  int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
+  // attach_storage after the store was opened (or `error`, when it could not be): agreed over
+  // the TP ranks first.
+  void attach_agreed(std::shared_ptr<StorageBackend> store, std::exception_ptr error,
+                     HiCacheCollectives collectives);
 };
 
 }  // namespace hicache

@@ -455,21 +455,40 @@ class PyHiCache {
   }
   std::shared_ptr<PyStore> store() const { return store_; }
   // L3 at run time (HiCache::detach_storage / attach_storage / clear_storage).
+  // Without the GIL: they wait for the storage threads, a TP agreement or a store's connect.
   void detach_storage() {
-    use().hc.detach_storage();
+    {
+      Use u = use();
+      py::gil_scoped_release nogil;
+      u.hc.detach_storage();
+    }
     store_.reset();
   }
   void attach_storage(const py::object& store) {
     std::shared_ptr<PyStore> s;
     if (py::isinstance<py::str>(store)) {
-      s = std::make_shared<PyStore>(make_storage(store.cast<std::string>()));
+      const std::string json = store.cast<std::string>();
+      std::shared_ptr<StorageBackend> backend;
+      {
+        py::gil_scoped_release nogil;
+        backend = make_storage(json);
+      }
+      s = std::make_shared<PyStore>(std::move(backend));
     } else {
       s = store.cast<std::shared_ptr<PyStore>>();
     }
-    use().hc.attach_storage(s->backend());
+    {
+      Use u = use();
+      py::gil_scoped_release nogil;
+      u.hc.attach_storage(s->backend());
+    }
     store_ = std::move(s);
   }
-  void clear_storage() { use().hc.clear_storage(); }
+  void clear_storage() {
+    Use u = use();
+    py::gil_scoped_release nogil;
+    u.hc.clear_storage();
+  }
 
   // Acks of `kind` ("write" or "load") until `n` arrived or `timeout_s` passed, waiting on the
   // controller's event signal without the GIL: [(node id, ok)].

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -146,9 +147,10 @@ class FileStorage::Impl {
     trash_pending_ = trash_queue_.size();
     Snapshot snapshot;
     std::vector<std::string_view> unverified;  // into `snapshot`
+    if (config_.shared) open_usage();  // before the scan: see there
     from_snapshot_ = load_snapshot(snapshot, unverified);
     if (!from_snapshot_) rebuild_index();
-    if (config_.shared) open_usage();
+    if (usage_) usage_->settle(total_bytes_);
     {
       std::lock_guard lock(mu_);
       capacity_from_disk_ = config_.capacity_bytes == 0;
@@ -159,7 +161,7 @@ class FileStorage::Impl {
       pool_ = std::make_unique<boost::asio::thread_pool>(static_cast<std::size_t>(config_.io_threads));
     }
     trash_thread_ = std::thread([this] { trash_loop(); });
-    if (!unverified.empty()) {
+    if (from_snapshot_) {  // also an empty snapshot: the directory may hold records it lacks
       // The views stay valid: the mapping moves with the thread.
       verify_thread_ = std::thread(
           [this, buf = std::move(snapshot), keys = std::move(unverified)] { verify(keys); });
@@ -177,7 +179,6 @@ class FileStorage::Impl {
     }
     trash_cv_.notify_all();
     trash_thread_.join();  // what is left in .trash/ is unlinked at the next start
-    if (usage_ != nullptr) ::munmap(usage_, 8);
     ::close(root_fd_);
   }
 
@@ -532,7 +533,8 @@ class FileStorage::Impl {
       std::lock_guard lock(mu_);
       const std::uint64_t room =
           bytes * static_cast<std::uint64_t>(std::max(1, config_.io_threads) + 1);
-      const std::uint64_t fits = std::max(total_bytes_ > room ? total_bytes_ - room : 0, bytes);
+      const std::uint64_t used = used_locked();  // shared: the root's total, as evict counts
+      const std::uint64_t fits = std::max(used > room ? used - room : 0, bytes);
       const std::uint64_t bound = capacity_from_disk_ ? disk_capacity_locked() : capacity_;
       // Never below the record that is retried: it is refused otherwise, not stored.
       capacity_ = std::max(bound == 0 ? fits : std::min(bound, fits), bytes);
@@ -596,7 +598,7 @@ class FileStorage::Impl {
       }
       return IoResult::error(errno_text("rename into", path, err));
     }
-    if (usage_ != nullptr) std::atomic_ref(*usage_).fetch_add(bytes);
+    if (usage_ != nullptr) std::atomic_ref(*usage_->count).fetch_add(bytes);
     pin_locked(insert_locked(key, bytes), pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
@@ -665,7 +667,7 @@ class FileStorage::Impl {
     if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
       ++owner_.counters_.eviction_failures;
     }
-    if (moved && usage_ != nullptr) std::atomic_ref(*usage_).fetch_sub(bytes);
+    if (moved && usage_) std::atomic_ref(*usage_->count).fetch_sub(bytes);
   }
 
   // Shared mode with capacity_bytes: the bytes of every record in the root, kept by all the
@@ -673,25 +675,41 @@ class FileStorage::Impl {
   // and takes off what it renames out, and evicts while the sum is over the capacity. A start
   // (which scans the directory) sets it to what it found, mending a process that died between a
   // rename and its count.
+  // Every live instance holds a shared flock on .usage. One that finds no other alive (its
+  // exclusive try succeeds, taken before its scan) sets the count to what the scan found; one
+  // that starts beside live instances leaves it to them (its scan would undo the renames they
+  // count meanwhile).
+  struct Usage {
+    int fd = -1;
+    std::uint64_t* count = nullptr;
+    bool alone = false;
+    ~Usage() {
+      if (count != nullptr) ::munmap(count, 8);
+      if (fd >= 0) ::close(fd);  // releases the lock
+    }
+    void settle(std::uint64_t scanned) {
+      if (alone) std::atomic_ref(*count).store(scanned);
+      ::flock(fd, LOCK_SH);
+    }
+  };
   void open_usage() {
-    const int fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) throw IoError(errno_text("file storage: open", root_ / ".usage", errno));
-    Fd guard(fd);
+    auto u = std::make_unique<Usage>();
+    u->fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (u->fd < 0) throw IoError(errno_text("file storage: open", root_ / ".usage", errno));
     struct stat st {};
-    if (::fstat(fd, &st) != 0 || (st.st_size < 8 && ::ftruncate(fd, 8) != 0)) {
+    if (::fstat(u->fd, &st) != 0 || (st.st_size < 8 && ::ftruncate(u->fd, 8) != 0)) {
       throw IoError(errno_text("file storage: size", root_ / ".usage", errno));
     }
-    void* p = ::mmap(nullptr, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* p = ::mmap(nullptr, 8, PROT_READ | PROT_WRITE, MAP_SHARED, u->fd, 0);
     if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", root_ / ".usage", errno));
-    usage_ = static_cast<std::uint64_t*>(p);
-    std::lock_guard lock(mu_);
-    std::atomic_ref(*usage_).store(total_bytes_);
+    u->count = static_cast<std::uint64_t*>(p);
+    u->alone = ::flock(u->fd, LOCK_EX | LOCK_NB) == 0;
+    usage_ = std::move(u);
   }
   // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
   // (a capacity that follows the filesystem counts this index's records plus the free space).
   std::uint64_t used_locked() const {
-    return usage_ != nullptr && !capacity_from_disk_ ? std::atomic_ref(*usage_).load()
-                                                     : total_bytes_;
+    return usage_ && !capacity_from_disk_ ? std::atomic_ref(*usage_->count).load() : total_bytes_;
   }
 
   // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from
@@ -994,7 +1012,7 @@ class FileStorage::Impl {
   bool trash_stop_ = false;
   std::thread trash_thread_;
   bool from_snapshot_ = false;
-  std::uint64_t* usage_ = nullptr;  // shared mode with a capacity: <root>/.usage, mapped
+  std::unique_ptr<Usage> usage_;  // shared mode: <root>/.usage, mapped
   std::atomic<bool> verify_stop_{false};
   std::thread verify_thread_;  // checks a loaded snapshot against the directory
 };

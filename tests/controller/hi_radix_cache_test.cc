@@ -560,6 +560,27 @@ TEST(HiRadixCacheStorage, IdentitiesNeverShareL3Pages) {
   second.expect_accounting();
 }
 
+// The store emptied while a backup is in flight (clear_storage): whatever that backup then
+// completes counts as nothing, so the tree never claims pages the store no longer holds.
+TEST(HiRadixCacheStorage, ABackupInFlightWhenTheStoreIsClearedCountsNothing) {
+  L3 l3("forget");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  e.run(seq({1, 2, 3}));
+  for (int i = 0; i < 100000 && e.cache.stats().backups_in_flight == 0; ++i) {
+    e.cache.check_events();  // applies the write ack, which queues the backup
+    std::this_thread::yield();
+  }
+  ASSERT_EQ(e.cache.stats().backups_in_flight, 1);
+  l3.file.clear();
+  e.cache.forget_stored_pages();
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  e.run(seq({5, 6}));  // a later backup counts again
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 2 * kPage);
+}
+
 // L3 detached and attached at run time: a detach with backups and a prefetch in flight lets
 // go of every op (locks released, pages freed or inserted once), L1/L2 keep serving, and a new
 // store attached afterwards takes backups that another engine prefetches byte for byte.
