@@ -31,7 +31,8 @@
 //   by all of them; a record is renamed in only where no other process's is, so it is counted
 //   once), and a process evicts its own least recently used records (written or adopted) while
 //   that sum is over the capacity (one whose records are all pinned leaves it over until
-//   another writes); a start, which scans, resets the count to what it found. With the
+//   another writes); a start with no other instance alive (a flock on .usage tells) resets the
+//   count to what its scan found. With the
 //   capacity following the filesystem each keeps the reserve free, which bounds them together.
 //   An adoption evicts like a write does, but never a key of the same call. A key the index
 //   holds is confirmed on disk too (one fstatat) before exists or a put's deduplication trusts
