@@ -1288,27 +1288,27 @@ void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace
   storage_ = &storage;
   storage_->set_event_signal(controller_.events());
   // Parents first: each node's chain continues its parent's last digest.
+  for_each_node([this](Node* n) { set_digests(n); });
+}
+
+template <typename Fn>
+void HiRadixCache::for_each_node(Fn&& fn) {
   std::vector<Node*> todo{root_.get()};
   while (!todo.empty()) {
     Node* n = todo.back();
     todo.pop_back();
-    if (n != root_.get()) set_digests(n);
+    if (n != root_.get()) fn(n);
     for (auto& [k, c] : n->children) todo.push_back(c.get());
   }
 }
 
 void HiRadixCache::forget_stored_pages() {
   for (const auto& [id, op] : pending_->backups) pending_->forgotten_backups.insert(id);
-  std::vector<Node*> todo{root_.get()};
-  while (!todo.empty()) {
-    Node* n = todo.back();
-    todo.pop_back();
-    if (n->stored_pages != 0) {
-      n->stored_pages = 0;
-      refresh(n);
-    }
-    for (auto& [k, c] : n->children) todo.push_back(c.get());
-  }
+  for_each_node([this](Node* n) {
+    if (n->stored_pages == 0) return;
+    n->stored_pages = 0;
+    refresh(n);
+  });
 }
 
 std::string HiRadixCache::describe() const {

@@ -270,6 +270,9 @@ class HiRadixCache {
   void refresh(Node* node);
   // Takes `node` out of the indexes and the totals, before it leaves the tree or is split.
   void forget(Node* node);
+  // fn(node) for every node but the root, each parent before its children.
+  template <typename Fn>
+  void for_each_node(Fn&& fn);
   void write_node(Node* node);
   void drop_device(Node* node);
   void remove_leaf(Node* node);

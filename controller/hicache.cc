@@ -85,14 +85,7 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
   } else {
     const char* roles[] = {"prefetch", "backup", "main"};
     for (int i = 0; i < 3; ++i) {
-      owned_collectives_[i] = make_gloo_collective(
-          GlooConfig{.rank = config_.tp.rank,
-                     .size = config_.tp.size,
-                     .store_dir = config_.tp.store_dir,
-                     .prefix = str_cat("hicache.", ns_.prefix(), ".", roles[i]),
-                     .hostname = config_.tp.hostname,
-                     .timeout = config_.tp.timeout,
-                     .connect_timeout = config_.tp.connect_timeout});
+      owned_collectives_[i] = make_tp_group(roles[i]);
     }
     collectives_ = {owned_collectives_[0].get(), owned_collectives_[1].get(),
                     owned_collectives_[2].get()};
@@ -156,6 +149,16 @@ HiCache::~HiCache() {
   // A store the engine shares may outlive this cache and its registry.
   if (storage_) storage_->unregister_metrics();
   storage_.reset();
+}
+
+std::unique_ptr<Collective> HiCache::make_tp_group(const std::string& role) const {
+  return make_gloo_collective(GlooConfig{.rank = config_.tp.rank,
+                                         .size = config_.tp.size,
+                                         .store_dir = config_.tp.store_dir,
+                                         .prefix = str_cat("hicache.", ns_.prefix(), ".", role),
+                                         .hostname = config_.tp.hostname,
+                                         .timeout = config_.tp.timeout,
+                                         .connect_timeout = config_.tp.connect_timeout});
 }
 
 void HiCache::detach_storage() {
@@ -232,14 +235,7 @@ void HiCache::attach_agreed(std::shared_ptr<StorageBackend> store, std::exceptio
     // A fresh group of the same ranks (every rank renews it at the same step and meets again);
     // the cache's pointer follows at once, so a failure below leaves nothing dangling.
     ++group_renewals_;
-    owned_collectives_[role] = make_gloo_collective(
-        GlooConfig{.rank = config_.tp.rank,
-                   .size = config_.tp.size,
-                   .store_dir = config_.tp.store_dir,
-                   .prefix = str_cat("hicache.", ns_.prefix(), ".", name, ".a", group_renewals_),
-                   .hostname = config_.tp.hostname,
-                   .timeout = config_.tp.timeout,
-                   .connect_timeout = config_.tp.connect_timeout});
+    owned_collectives_[role] = make_tp_group(str_cat(name, ".a", group_renewals_));
     c = owned_collectives_[role].get();
     (role == 0 ? collectives_.prefetch : collectives_.backup) = c;
   }

@@ -140,6 +140,8 @@ class HiCache {
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
   int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
+  // A Gloo group of this rank's TP ranks named after the namespace and `role`.
+  std::unique_ptr<Collective> make_tp_group(const std::string& role) const;
   // attach_storage after the store was opened (or `error`, when it could not be): agreed over
   // the TP ranks first.
   void attach_agreed(std::shared_ptr<StorageBackend> store, std::exception_ptr error,
