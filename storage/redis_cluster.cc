@@ -111,8 +111,19 @@ std::vector<SlotRange> parse_cluster_slots(const RespValue& reply) {
     }
     const long long first = e[0]->integer, last = e[1]->integer, port = master->elements[1]->integer;
     if (first < 0 || last >= kClusterSlots || first > last || port < 1 || port > 65535) return {};
-    out.push_back({static_cast<int>(first), static_cast<int>(last),
-                   {master->elements[0]->str, static_cast<std::uint16_t>(port)}});
+    SlotRange range{static_cast<int>(first), static_cast<int>(last),
+                    {master->elements[0]->str, static_cast<std::uint16_t>(port)}, {}};
+    for (std::size_t i = 3; i < e.size(); ++i) {
+      const auto& r = e[i];
+      if (!r || r->type != REDIS_REPLY_ARRAY || r->elements.size() < 2 || !r->elements[0] ||
+          !r->elements[1] || r->elements[1]->type != REDIS_REPLY_INTEGER ||
+          r->elements[1]->integer < 1 || r->elements[1]->integer > 65535) {
+        continue;
+      }
+      range.replicas.push_back(
+          {r->elements[0]->str, static_cast<std::uint16_t>(r->elements[1]->integer)});
+    }
+    out.push_back(std::move(range));
   }
   return out;
 }

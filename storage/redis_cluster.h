@@ -42,9 +42,11 @@ struct RespValue;
 struct SlotRange {
   int first = 0;
   int last = 0;
-  HostPort master;  // host may be empty (see Redirect)
+  HostPort master;                 // host may be empty (see Redirect)
+  std::vector<HostPort> replicas;  // the same; a malformed replica entry is left out
 };
-// The masters of a CLUSTER SLOTS reply; empty when the reply is not one.
+// The ranges of a CLUSTER SLOTS reply with their masters and replicas; empty when the reply is
+// not one.
 std::vector<SlotRange> parse_cluster_slots(const RespValue& reply);
 
 }  // namespace hicache::redis

@@ -139,6 +139,7 @@ void IoThreads::stop() {
 namespace {
 
 constexpr std::string_view kAsking = "*1\r\n$6\r\nASKING\r\n";
+constexpr std::string_view kReadonly = "*1\r\n$8\r\nREADONLY\r\n";
 constexpr std::string_view kCrlf = "\r\n";
 constexpr std::string_view kAskingReply = "+OK\r\n";
 constexpr std::string_view kProtocolErrorPrefix = "ERR Protocol error";
@@ -223,6 +224,7 @@ class Connection::Impl {
           opt_.username.empty() ? resp_command({"AUTH", opt_.password})
                                 : resp_command({"AUTH", opt_.username, opt_.password});
     }
+    if (opt_.readonly) readonly_.command = kReadonly;
     config_command_ = resp_command({"CONFIG", "GET", "proto-max-bulk-len"});
     config_.command = config_command_;
   }
@@ -517,7 +519,7 @@ class Connection::Impl {
     server_max_bulk_ = 0;
     write_bufs_.clear();
     splices_.clear();  // they index write_bufs_: the last write's would point past the handshake
-    for (Request* hs : {&auth_, &config_}) {
+    for (Request* hs : {&auth_, &readonly_, &config_}) {
       if (hs->command.empty()) continue;
       hs->reset_outcome();
       write_bufs_.push_back(asio::buffer(hs->command));
@@ -530,6 +532,10 @@ class Connection::Impl {
   void on_handshake_reply(Request* r) {
     if (r == &auth_) {
       if (r->outcome != Outcome::kStatus) connect_failed(str_cat("AUTH refused: ", r->text));
+      return;
+    }
+    if (r == &readonly_) {
+      if (r->outcome != Outcome::kStatus) connect_failed(str_cat("READONLY refused: ", r->text));
       return;
     }
     // CONFIG GET: ["proto-max-bulk-len", "<bytes>"]; an error (CONFIG disabled) leaves it unknown.
@@ -919,7 +925,7 @@ class Connection::Impl {
   std::uint64_t server_max_bulk_ = 0;  // 0: unknown
   std::string callback_error_;         // why an object function refused (see guarded)
   std::string auth_command_, config_command_;
-  Request auth_, config_;  // handshake requests (completion == nullptr)
+  Request auth_, readonly_, config_;  // handshake requests (completion == nullptr)
 };
 
 thread_local Connection::Impl* Connection::Impl::t_current = nullptr;

@@ -18,7 +18,8 @@
 //   A closed connection (timeout, socket error, server gone) fails every request it holds with
 //   the reason; the next submit reconnects. A failed connect sets a backoff (doubling from
 //   backoff_initial up to backoff_max): until it passes, submits fail at once, nobody sleeps.
-// - The handshake (AUTH when a password is set, CONFIG GET proto-max-bulk-len) runs before any
+// - The handshake (AUTH when a password is set, READONLY for a replica read from, CONFIG GET
+//   proto-max-bulk-len) runs before any
 //   request is written; a SET whose value is over the server's bulk limit fails without being
 //   sent, so the connection stays usable.
 #pragma once
@@ -86,6 +87,7 @@ struct Request {
   // Routing, owned by the storage layer.
   std::uint16_t slot = 0;
   std::size_t node = 0;
+  bool replica_ok = false;  // a read a replica may answer (cluster "read_from_replicas")
 
   Outcome outcome = Outcome::kPending;
   long long integer = 0;
@@ -144,6 +146,8 @@ struct ConnectionOptions {
   std::chrono::milliseconds backoff_max{5000};
   std::string username;  // with password: AUTH username password (an ACL user)
   std::string password;
+  // Send READONLY in the handshake: a cluster replica then answers reads of its master's slots.
+  bool readonly = false;
   // SET payloads of at least this many bytes are sent without a copy: vmsplice'd into a pipe
   // and spliced to the socket, whose packets then reference the caller's pages until the server
   // has read them (it has, once it replies). 0: every byte is copied into the socket.

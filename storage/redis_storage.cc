@@ -4,6 +4,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <thread>
@@ -19,6 +20,7 @@ namespace hicache {
 
 using redis::Outcome;
 using redis::Request;
+using Clock = std::chrono::steady_clock;
 
 RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   constexpr std::string_view what = "redis storage config";
@@ -27,7 +29,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       j,
       {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
        "connect_timeout_ms", "reconnect_backoff_ms", "username", "password", "max_value_bytes",
-       "zero_copy_min_bytes", "check_at_start"},
+       "zero_copy_min_bytes", "check_at_start", "read_from_replicas"},
       what);
   RedisConfig c;
   c.cluster = json_fields::get<bool>(j, "cluster", false, what);
@@ -88,12 +90,26 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   c.zero_copy_min_bytes = static_cast<std::uint64_t>(
       json_fields::get_int(j, "zero_copy_min_bytes", 64 << 10, 0, INT64_MAX, what));
   c.check_at_start = json_fields::get<bool>(j, "check_at_start", true, what);
+  c.read_from_replicas = json_fields::get<bool>(j, "read_from_replicas", false, what);
+  if (c.read_from_replicas && !c.cluster) {
+    throw InvalidArgument(
+        str_cat(what, ": key 'read_from_replicas' needs 'cluster': true (replicas are found in ",
+                "the cluster's slot map)"));
+  }
   return c;
 }
 
 namespace {
 
 constexpr int kMaxRedirects = 5;
+
+// A failure after which the slot map may have changed: the node's connection failed (it may be
+// down and its replica promoted), or the cluster says so.
+bool maybe_remapped(const Request& r) {
+  return r.outcome == Outcome::kIoError ||
+         (r.outcome == Outcome::kServerError &&
+          (r.text.starts_with("CLUSTERDOWN") || r.text.starts_with("TRYAGAIN")));
+}
 
 // Appends the RESP encoding of a command with one key argument (and an optional bulk length
 // announced for a value that follows) to `arena`; returns its [offset, size).
@@ -113,8 +129,9 @@ class RedisStorage::Impl {
   Impl(RedisStorage& owner, const RedisConfig& config)
       : owner_(owner), config_(config), io_(config.io_threads) {
     slots_.assign(redis::kClusterSlots, -1);
+    read_slots_.assign(redis::kClusterSlots, -1);
     std::unique_lock lock(map_mu_);
-    for (const auto& n : config.nodes) node_index_locked(n.host, n.port);
+    for (const auto& n : config.nodes) node_index_locked(n.host, n.port, /*readonly=*/false);
   }
 
   ~Impl() {
@@ -153,7 +170,7 @@ class RedisStorage::Impl {
 
   std::size_t exists(std::span<const std::string> keys) {
     std::string arena;
-    std::vector<Request> reqs = key_requests(keys, "EXISTS", arena);
+    std::vector<Request> reqs = key_requests(keys, "EXISTS", arena, /*read=*/true);
     execute(reqs);
     std::size_t present = 0;
     while (present < reqs.size() && reqs[present].outcome == Outcome::kInteger &&
@@ -165,7 +182,7 @@ class RedisStorage::Impl {
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
     std::string arena;
-    std::vector<Request> reqs = key_requests(keys, "GET", arena);
+    std::vector<Request> reqs = key_requests(keys, "GET", arena, /*read=*/true);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       reqs[i].is_get = true;
       reqs[i].key = keys[i];
@@ -356,6 +373,7 @@ class RedisStorage::Impl {
  private:
   struct Node {
     redis::HostPort address;
+    bool readonly = false;  // a replica's connections for reads (READONLY)
     std::vector<std::unique_ptr<redis::Connection>> conns;
     std::atomic<std::size_t> next{0};  // round-robin start for small batches
   };
@@ -364,9 +382,9 @@ class RedisStorage::Impl {
     return config_.cluster ? redis::key_slot(key) : 0;
   }
 
-  // One request per key: "<verb> <key>".
+  // One request per key: "<verb> <key>"; `read`: a replica may answer it.
   std::vector<Request> key_requests(std::span<const std::string> keys, std::string_view verb,
-                                    std::string& arena) {
+                                    std::string& arena, bool read = false) {
     std::vector<std::pair<std::size_t, std::size_t>> spans;
     spans.reserve(keys.size());
     arena.reserve(keys.size() * (keys.empty() ? 0 : keys[0].size() + 24));
@@ -375,6 +393,7 @@ class RedisStorage::Impl {
     for (std::size_t i = 0; i < keys.size(); ++i) {
       reqs[i].command = std::string_view(arena).substr(spans[i].first, spans[i].second);
       reqs[i].slot = slot_of(keys[i]);
+      reqs[i].replica_ok = read && config_.read_from_replicas;
     }
     return reqs;
   }
@@ -395,24 +414,38 @@ class RedisStorage::Impl {
 
   // Runs the requests, routing each by slot (cluster) and following MOVED/ASK redirects, until
   // each has its final outcome. `prepare` runs for each request before its first send
-  // (redirected requests are resent as prepared).
+  // (redirected requests are resent as prepared). A cluster's failover: a request that failed on
+  // its connection, or with CLUSTERDOWN / TRYAGAIN, makes the client re-read the slot map, and
+  // is sent again when its slot now lives elsewhere (a replica promoted); otherwise its failure
+  // stands. Within kMaxRedirects rounds.
   void execute(std::span<Request> reqs, const Prepare& prepare = {}) {
     std::vector<Request*> todo;
     todo.reserve(reqs.size());
     for (Request& r : reqs) todo.push_back(&r);
     for (int round = 0;; ++round) {
+      const std::uint64_t map_seen = refresh_gen_.load(std::memory_order_acquire);
+      bool no_replica = false;  // a read the map names no replica for went to the master
       if (config_.cluster) {
         std::shared_lock lock(map_mu_);
         for (Request* r : todo) {
-          if (!r->asking)
-            r->node = slots_[r->slot] >= 0 ? static_cast<std::size_t>(slots_[r->slot]) : 0;
+          if (!r->asking) r->node = route_locked(*r);
+          no_replica = no_replica || (r->replica_ok && read_slots_[r->slot] < 0);
         }
       }
       dispatch(todo, round == 0 ? prepare : Prepare{});
       if (!config_.cluster) return;
+      // A cluster lists a replica only once it has reported replicating (a new one, or one
+      // whose master was just promoted): while reads find none, the map is re-read, at most
+      // once per kReplicaRecheck.
+      if (no_replica && Clock::now() - last_refresh() >= kReplicaRecheck) refresh_slots(map_seen);
       std::vector<Request*> again;
+      std::vector<Request*> failed;
       bool moved = false;
       for (Request* r : todo) {
+        if (maybe_remapped(*r)) {
+          failed.push_back(r);
+          continue;
+        }
         if (r->outcome != Outcome::kServerError) continue;
         auto redirect = redis::parse_redirect(r->text);
         if (!redirect) continue;
@@ -426,7 +459,9 @@ class RedisStorage::Impl {
           r->asking = true;
           r->node = target;
         } else {
+          // From a replica too (it lost the slot): the master answers from now on.
           r->asking = false;
+          r->replica_ok = false;
           moved = true;
           std::unique_lock lock(map_mu_);
           slots_[redirect->slot] = static_cast<std::int32_t>(target);
@@ -434,10 +469,27 @@ class RedisStorage::Impl {
         r->reset_outcome();
         again.push_back(r);
       }
+      if (moved) refresh_slots(map_seen);
+      if (!failed.empty() && round < kMaxRedirects) {
+        if (!moved) refresh_slots(map_seen);
+        std::shared_lock lock(map_mu_);
+        for (Request* r : failed) {
+          if (route_locked(*r) == r->node && !r->asking) continue;  // nowhere else to go
+          r->asking = false;
+          r->reset_outcome();
+          again.push_back(r);
+        }
+      }
       if (again.empty()) return;
-      if (moved) refresh_slots();
       todo.swap(again);
     }
+  }
+
+  // The node a request goes to: a replica of its slot when it may and one is known, else the
+  // slot's master (the first seed while the map is unknown). REQUIRES: map_mu_ held.
+  std::size_t route_locked(const Request& r) const {
+    if (r.replica_ok && read_slots_[r.slot] >= 0) return static_cast<std::size_t>(read_slots_[r.slot]);
+    return slots_[r.slot] >= 0 ? static_cast<std::size_t>(slots_[r.slot]) : 0;
   }
 
   void dispatch(std::span<Request> reqs) {
@@ -567,24 +619,33 @@ class RedisStorage::Impl {
     return nodes_[node]->address.host;
   }
 
-  std::size_t node_index(const std::string& host, std::uint16_t port) {
+  // The node for host:port, added when new. `readonly`: the replica connections reads go to
+  // (their handshake sends READONLY), kept apart from a master's at the same address.
+  std::size_t node_index(const std::string& host, std::uint16_t port, bool readonly = false) {
     {
       std::shared_lock lock(map_mu_);
-      for (std::size_t i = 0; i < nodes_.size(); ++i) {
-        if (nodes_[i]->address.host == host && nodes_[i]->address.port == port) return i;
-      }
+      if (const auto i = find_node_locked(host, port, readonly)) return *i;
     }
     std::unique_lock lock(map_mu_);
-    return node_index_locked(host, port);
+    return node_index_locked(host, port, readonly);
+  }
+
+  // REQUIRES: map_mu_ held.
+  std::optional<std::size_t> find_node_locked(const std::string& host, std::uint16_t port,
+                                              bool readonly) const {
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const Node& n = *nodes_[i];
+      if (n.address.host == host && n.address.port == port && n.readonly == readonly) return i;
+    }
+    return std::nullopt;
   }
 
   // REQUIRES: map_mu_ held exclusively.
-  std::size_t node_index_locked(const std::string& host, std::uint16_t port) {
-    for (std::size_t i = 0; i < nodes_.size(); ++i) {
-      if (nodes_[i]->address.host == host && nodes_[i]->address.port == port) return i;
-    }
+  std::size_t node_index_locked(const std::string& host, std::uint16_t port, bool readonly) {
+    if (const auto i = find_node_locked(host, port, readonly)) return *i;
     auto node = std::make_unique<Node>();
     node->address = {host, port};
+    node->readonly = readonly;
     redis::ConnectionOptions o;
     o.host = host;
     o.port = port;
@@ -594,6 +655,7 @@ class RedisStorage::Impl {
     o.backoff_max = config_.backoff_max;
     o.username = config_.username;
     o.password = config_.password;
+    o.readonly = readonly;
     o.splice_min_bytes = static_cast<std::size_t>(config_.zero_copy_min_bytes);
     for (int c = 0; c < config_.connections; ++c) {
       node->conns.push_back(std::make_unique<redis::Connection>(io_, o));
@@ -602,9 +664,16 @@ class RedisStorage::Impl {
     return nodes_.size() - 1;
   }
 
-  // Asks the known nodes in turn for CLUSTER SLOTS and installs the first valid answer.
-  void refresh_slots() {
+  // Asks the known nodes in turn for CLUSTER SLOTS and installs the first valid answer: the
+  // masters, and (read_from_replicas) a replica per range to read from, the ranges spread over
+  // their replicas. `seen`: the refresh generation the caller last routed with; when another
+  // thread has refreshed since, its map stands and this call returns at once (a failover's
+  // failed batches ask once, not once each).
+  void refresh_slots(std::optional<std::uint64_t> seen = std::nullopt) {
     std::lock_guard refresh(refresh_mu_);
+    if (seen && refresh_gen_.load(std::memory_order_acquire) != *seen) return;
+    ++owner_.counters_.topology_refreshes;
+    last_refresh_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
     static constexpr std::string_view kClusterSlots = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
     const std::size_t known = known_nodes();
     for (std::size_t n = 0; n < known; ++n) {
@@ -613,15 +682,25 @@ class RedisStorage::Impl {
       const auto ranges = redis::parse_cluster_slots(*reqs[0].array);
       if (ranges.empty()) continue;
       const std::string asked = host_of(n);
+      auto host = [&](const redis::HostPort& hp) { return hp.host.empty() ? asked : hp.host; };
       std::unique_lock lock(map_mu_);
       std::fill(slots_.begin(), slots_.end(), -1);
-      for (const auto& range : ranges) {
-        const auto idx = static_cast<std::int32_t>(node_index_locked(
-            range.master.host.empty() ? asked : range.master.host, range.master.port));
+      std::fill(read_slots_.begin(), read_slots_.end(), -1);
+      for (std::size_t i = 0; i < ranges.size(); ++i) {
+        const auto& range = ranges[i];
+        const auto idx = static_cast<std::int32_t>(
+            node_index_locked(host(range.master), range.master.port, /*readonly=*/false));
         std::fill(slots_.begin() + range.first, slots_.begin() + range.last + 1, idx);
+        if (!config_.read_from_replicas || range.replicas.empty()) continue;
+        const auto& replica = range.replicas[i % range.replicas.size()];
+        const auto ridx = static_cast<std::int32_t>(
+            node_index_locked(host(replica), replica.port, /*readonly=*/true));
+        std::fill(read_slots_.begin() + range.first, read_slots_.begin() + range.last + 1, ridx);
       }
+      refresh_gen_.fetch_add(1, std::memory_order_acq_rel);
       return;
     }
+    refresh_gen_.fetch_add(1, std::memory_order_acq_rel);  // nobody answered: asked all the same
   }
 
   RedisStorage& owner_;
@@ -635,6 +714,13 @@ class RedisStorage::Impl {
   std::atomic<int> stored_permille_{0};
   std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
   std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
+  std::vector<std::int32_t> read_slots_;      // guarded by map_mu_; slot -> replica, -1 none
+  std::atomic<std::uint64_t> refresh_gen_{0};  // slot map refreshes done
+  std::atomic<Clock::rep> last_refresh_ns_{0};  // when the last one started
+  static constexpr auto kReplicaRecheck = std::chrono::seconds(1);
+  Clock::time_point last_refresh() const {
+    return Clock::time_point(Clock::duration(last_refresh_ns_.load(std::memory_order_relaxed)));
+  }
 };
 
 namespace {

@@ -34,6 +34,15 @@
 // - Cluster ("cluster": true): the slot map comes from CLUSTER SLOTS of a seed node, keys are
 //   routed by CRC16 slot (hash tags honoured) and a batch is split per node. MOVED updates the
 //   map (and refreshes it), ASK is followed with ASKING; up to 5 redirects per key.
+// - Failover: a request that fails on its connection (the master is down), or with CLUSTERDOWN
+//   or TRYAGAIN, makes the client re-read the slot map (one re-read however many batches failed
+//   at once) and go again when its slot now has another master. Until a replica is promoted
+//   (the cluster's node timeout, plus its election) such requests are per-key errors; then they
+//   succeed, and keys the dead master had not yet replicated read as misses.
+// - "read_from_replicas": GET and EXISTS go to a replica of their slot (connections that send
+//   READONLY), writes and DEL to the master. A replica lags its master: a key written a moment
+//   ago may read as absent there (a miss, never wrong bytes: a record is checked against its
+//   key). A replica that no longer serves the slot answers MOVED and the master is asked.
 // - clear() sends FLUSHDB to the server (every master of a cluster): it assumes the database is
 //   dedicated to this store. Best effort; failures are not reported.
 //
@@ -42,7 +51,7 @@
 //        "connections": 4, "io_threads": 0, "timeout_ms": 2000, "connect_timeout_ms": 1000,
 //        "reconnect_backoff_ms": [100, 5000], "username": "", "password": "",
 //        "max_value_bytes": 536870912,
-//        "zero_copy_min_bytes": 65536, "check_at_start": true}
+//        "zero_copy_min_bytes": 65536, "check_at_start": true, "read_from_replicas": false}
 #pragma once
 
 #include <chrono>
@@ -83,6 +92,8 @@ struct RedisConfig {
   // cause. false: start anyway; batches fail per key and reconnect as they go (a fleet that
   // prefers to serve without L3 until it comes back).
   bool check_at_start = true;
+  // Cluster only: reads (GET, EXISTS) from replicas (see above).
+  bool read_from_replicas = false;
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static RedisConfig from_json_text(std::string_view json_text);

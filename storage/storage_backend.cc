@@ -31,7 +31,8 @@ std::string StorageStats::to_json() const {
                       {"removes", removes},               {"evictions", evictions},
                       {"eviction_failures", eviction_failures}, {"stored_keys", stored_keys},
                       {"stored_bytes", stored_bytes},     {"capacity_bytes", capacity_bytes},
-                      {"capacity_shrinks", capacity_shrinks}};
+                      {"capacity_shrinks", capacity_shrinks},
+                      {"topology_refreshes", topology_refreshes}};
   return j.dump();
 }
 
@@ -194,6 +195,7 @@ StorageStats StorageBackend::stats() const {
   s.evictions = c.evictions.value();
   s.eviction_failures = c.eviction_failures.value();
   s.capacity_shrinks = c.capacity_shrinks.value();
+  s.topology_refreshes = c.topology_refreshes.value();
   fill_gauges(s);
   return s;
 }
@@ -240,6 +242,9 @@ void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels la
   metrics_.add("hicache_storage_capacity_shrinks_total",
                "Writes that met a full disk within the capacity (it shrank to what fits)", {},
                c.capacity_shrinks);
+  metrics_.add("hicache_storage_topology_refreshes_total",
+               "A cluster's slot map re-read after a failed request or a MOVED redirect", {},
+               c.topology_refreshes);
 }
 
 }  // namespace hicache

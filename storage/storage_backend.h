@@ -67,6 +67,7 @@ struct StorageStats {
   std::uint64_t stored_bytes = 0;    // gauge, record bytes incl. headers
   std::uint64_t capacity_bytes = 0;  // gauge, the bound on stored_bytes (0: none, or unknown)
   std::uint64_t capacity_shrinks = 0;  // a full disk made the store shrink its capacity
+  std::uint64_t topology_refreshes = 0;  // a cluster's slot map re-read after a failure or MOVED
 
   std::string to_json() const;
 };
@@ -129,7 +130,7 @@ class StorageBackend {
   struct Counters {
     Counter exists_queries, gets, get_hits, get_misses, get_errors, bad_records, sets,
         set_written, set_deduplicated, set_errors, bytes_read, bytes_written, removes, evictions,
-        eviction_failures, capacity_shrinks;
+        eviction_failures, capacity_shrinks, topology_refreshes;
   };
   Counters counters_;
   MetricsScope metrics_;  // after the counters it registers

@@ -8,12 +8,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -219,6 +222,12 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
   EXPECT_NE(message(R"({"nodes": ["a:1", "b:2"]})").find("'cluster' is false"), std::string::npos);
   EXPECT_NE(message(R"({"nodes": ["a:1"], "port": 5})").find("not both"), std::string::npos);
   EXPECT_NE(message("[1]").find("object"), std::string::npos);
+  const auto replicas = message(R"({"read_from_replicas": true})");
+  EXPECT_NE(replicas.find("'read_from_replicas' needs 'cluster': true"), std::string::npos)
+      << replicas;
+  EXPECT_TRUE(RedisConfig::from_json_text(
+                  R"({"cluster": true, "nodes": ["a:1"], "read_from_replicas": true})")
+                  .read_from_replicas);
 }
 
 TEST(RedisStorageConfig, FactoryBuildsARedisBackend) {
@@ -300,32 +309,52 @@ TEST(RespEncoding, CommandsAreExactlyTheBytesRedisExpects) {
   EXPECT_EQ(out.size(), redis::bulk_reply_bytes(1000));
 }
 
-// ---- one server ----
-
-class RedisStorageTest : public ::testing::Test {
+// A suite's servers, started once for the suite by Start (nullptr with start_error_ when they
+// could not be; the tests then fail with the reason, or skip without redis-server) and stopped
+// at its end.
+template <typename Servers, bool (*Start)(Servers&, std::string*)>
+class ServersSuite : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
-    server_ = new testing::RedisServer();
-    if (!server_->start({}, &start_error_)) {
-      delete server_;
-      server_ = nullptr;
-    }
+    auto servers = std::make_unique<Servers>();
+    if (Start(*servers, &start_error_)) servers_ = servers.release();
   }
   static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
+    delete servers_;
+    servers_ = nullptr;
   }
   void SetUp() override {
     if (testing::find_redis_server().empty()) GTEST_SKIP() << "redis-server is not installed";
-    ASSERT_NE(server_, nullptr) << start_error_;
+    ASSERT_NE(servers_, nullptr) << start_error_;
+  }
+  // In a derived SetUp, after ServersSuite::SetUp: nothing more to do.
+  bool stopped() const { return IsSkipped() || HasFatalFailure(); }
+
+  static inline Servers* servers_ = nullptr;
+  static inline std::string start_error_;
+};
+
+bool start_one_server(testing::RedisServer& s, std::string* error) { return s.start({}, error); }
+bool start_cluster(testing::RedisCluster& c, std::string* error) {
+  return c.start(3, /*cluster=*/true, error);
+}
+constexpr int kReplicatedNodeTimeoutMs = 1000;
+bool start_replicated_cluster(testing::RedisCluster& c, std::string* error) {
+  return c.start(3, /*cluster=*/true, error, /*replicas=*/1, kReplicatedNodeTimeoutMs);
+}
+
+// ---- one server ----
+
+class RedisStorageTest : public ServersSuite<testing::RedisServer, start_one_server> {
+ protected:
+  void SetUp() override {
+    ServersSuite::SetUp();
+    if (stopped()) return;
     RawClient c(port());
     ASSERT_EQ(c.command({"FLUSHALL"}), "+OK");
   }
-  static int port() { return server_->port(); }
-
-  static inline testing::RedisServer* server_ = nullptr;
-  static inline std::string start_error_;
+  static int port() { return servers_->port(); }
 };
 
 TEST_F(RedisStorageTest, RoundTripsByteForByte) {
@@ -960,23 +989,12 @@ TEST_F(RedisStorageFaults, AnAclUserAuthenticatesWithUsernameAndPassword) {
 
 // ---- a 3-node cluster ----
 
-class RedisClusterTest : public ::testing::Test {
+class RedisClusterTest : public ServersSuite<testing::RedisCluster, start_cluster> {
  protected:
-  static void SetUpTestSuite() {
-    if (testing::find_redis_server().empty() || testing::find_redis_cli().empty()) return;
-    cluster_ = new testing::RedisCluster();
-    if (!cluster_->start(3, /*cluster=*/true, &start_error_)) {
-      delete cluster_;
-      cluster_ = nullptr;
-    }
-  }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
+  static inline testing::RedisCluster*& cluster_ = servers_;
   void SetUp() override {
-    if (testing::find_redis_server().empty()) GTEST_SKIP() << "redis-server is not installed";
-    ASSERT_NE(cluster_, nullptr) << start_error_;
+    ServersSuite::SetUp();
+    if (stopped()) return;
     for (int p : cluster_->ports()) ASSERT_EQ(RawClient(p).command({"FLUSHALL"}), "+OK");
   }
   static std::unique_ptr<RedisStorage> open_cluster(std::vector<int> seeds) {
@@ -998,8 +1016,6 @@ class RedisClusterTest : public ::testing::Test {
     return id;
   }
 
-  static inline testing::RedisCluster* cluster_ = nullptr;
-  static inline std::string start_error_;
 };
 
 TEST_F(RedisClusterTest, KeySlotsMatchTheServer) {
@@ -1079,6 +1095,215 @@ TEST_F(RedisClusterTest, FollowsAskAndMovedWhileASlotMigrates) {
   // Give the slot back so the cluster is as it was.
   ASSERT_EQ(RawClient(to).command({"DEL", key}), ":1");
   for (int p : cluster_->ports()) redis_cli(p, {"cluster", "setslot", slot, "node", from_id});
+}
+
+// ---- 3 masters with a replica each (cluster-node-timeout 1 s) ----
+
+class RedisReplicatedClusterTest
+    : public ServersSuite<testing::RedisCluster, start_replicated_cluster> {
+ protected:
+  static constexpr int kNodeTimeoutMs = kReplicatedNodeTimeoutMs;
+  static inline testing::RedisCluster*& cluster_ = servers_;
+  void SetUp() override {
+    ServersSuite::SetUp();
+    if (stopped()) return;
+    std::string error;
+    ASSERT_TRUE(cluster_->wait_healthy(30, &error)) << error;
+    ASSERT_EQ(cluster_->masters().size(), 3u);
+    for (int p : cluster_->masters()) ASSERT_EQ(RawClient(p).command({"FLUSHALL"}), "+OK");
+    wait_replicated();
+    // A node lists a replica in CLUSTER SLOTS once gossip says it replicates: until then a
+    // client finds none to read from.
+    const auto until = Clock::now() + 10s;
+    for (bool listed = false; !listed; std::this_thread::sleep_for(20ms)) {
+      ASSERT_LT(Clock::now(), until) << "CLUSTER SLOTS does not list every replica";
+      listed = true;
+      for (int node : cluster_->ports()) {
+        const std::string slots = redis_cli(node, {"cluster", "slots"});
+        for (int p : cluster_->replicas()) {
+          listed = listed && slots.find(str_cat("\n", p, "\n")) != std::string::npos;
+        }
+      }
+    }
+  }
+  static std::unique_ptr<RedisStorage> open_cluster(const std::string& extra = "") {
+    std::string nodes;
+    for (int p : cluster_->ports()) {
+      nodes += str_cat(nodes.empty() ? "" : ", ", "\"127.0.0.1:", p, "\"");
+    }
+    return std::make_unique<RedisStorage>(RedisConfig::from_json_text(
+        str_cat(R"({"backend": "redis", "cluster": true, "connections": 2, "timeout_ms": 2000,
+                    "connect_timeout_ms": 300, "reconnect_backoff_ms": [20, 200], "nodes": [)",
+                nodes, "]", extra, "}")));
+  }
+  static long long info_field(const std::string& info, const std::string& field) {
+    const auto at = info.find(field + ":");
+    return at == std::string::npos ? -1 : std::atoll(info.c_str() + at + field.size() + 1);
+  }
+  // Until every replica has applied its master's whole replication stream.
+  static void wait_replicated() {
+    const auto until = Clock::now() + 10s;
+    for (bool done = false; !done;) {
+      ASSERT_LT(Clock::now(), until) << "replicas did not catch up";
+      done = true;
+      for (int p : cluster_->replicas()) {
+        const std::string info = RawClient(p).command({"INFO", "replication"});
+        const auto link = info.find("master_link_status:up");
+        done = done && link != std::string::npos &&
+               info_field(info, "slave_repl_offset") == info_field(info, "master_repl_offset");
+        const int master = static_cast<int>(info_field(info, "master_port"));
+        const std::string minfo = RawClient(master).command({"INFO", "replication"});
+        done = done && info_field(minfo, "master_repl_offset") ==
+                           info_field(info, "slave_repl_offset");
+      }
+      if (!done) std::this_thread::sleep_for(10ms);
+    }
+  }
+  static long long gets_served(int port) {
+    const std::string stats = RawClient(port).command({"INFO", "commandstats"});
+    const auto at = stats.find("cmdstat_get:calls=");  // absent: never called
+    return at == std::string::npos ? 0 : std::atoll(stats.c_str() + at + 18);
+  }
+  static long long total_gets(const std::vector<int>& ports) {
+    long long total = 0;
+    for (int p : ports) total += gets_served(p);
+    return total;
+  }
+
+};
+
+// "read_from_replicas": GETs and EXISTS are answered by the replicas, writes by the masters;
+// without it the masters answer everything.
+TEST_F(RedisReplicatedClusterTest, ReadsGoToReplicasOnlyWhenAllowed) {
+  const auto keys = make_keys("rr", 60);
+  for (const bool replicas : {true, false}) {
+    SCOPED_TRACE(replicas ? "read_from_replicas" : "masters only");
+    auto s = open_cluster(replicas ? R"(, "read_from_replicas": true)" : "");
+    put_ok(*s, keys, 4096);
+    wait_replicated();
+    for (int p : cluster_->ports()) ASSERT_EQ(RawClient(p).command({"CONFIG", "RESETSTAT"}), "+OK");
+    expect_all(get(*s, keys, 4096), IoStatus::kOk);
+    EXPECT_EQ(s->batch_exists(keys), keys.size());
+    const long long on_replicas = total_gets(cluster_->replicas());
+    const long long on_masters = total_gets(cluster_->masters());
+    EXPECT_EQ(on_replicas, replicas ? 60 : 0);
+    EXPECT_EQ(on_masters, replicas ? 0 : 60);
+    if (replicas) {
+      for (int p : cluster_->replicas()) EXPECT_GT(gets_served(p), 5) << "replica " << p;
+    }
+    // A bad record read from a replica is removed on its master (the replica follows).
+    const std::string key = keys[7];
+    int owner = 0;
+    for (int p : cluster_->masters()) {
+      if (RawClient(p).command({"GET", key}).rfind("-MOVED", 0) != 0) owner = p;
+    }
+    ASSERT_NE(owner, 0);
+    raw_set(owner, key, "junk");
+    wait_replicated();
+    const auto bad = get(*s, {key}, 4096);
+    EXPECT_EQ(bad[0].status, IoStatus::kMiss) << bad[0].reason;
+    EXPECT_EQ(redis_cli(owner, {"exists", key}), "0\n");
+    EXPECT_EQ(s->stats().bad_records, 1u);
+    for (int p : cluster_->masters()) ASSERT_EQ(RawClient(p).command({"FLUSHALL"}), "+OK");
+    wait_replicated();
+  }
+}
+
+// A master killed in the middle of backups and prefetches: its replica is promoted, the client
+// follows within the node timeout plus a few seconds, nothing wrong is served meanwhile, and
+// every key replicated before the kill reads back. The killed server then comes back as a
+// replica (the stress tool's redis_failover fault).
+TEST_F(RedisReplicatedClusterTest, FollowsAFailoverUnderTraffic) {
+  constexpr std::size_t kBytes = 16384;
+  auto s = open_cluster();
+  const auto before = make_keys("pre", 120);
+  put_ok(*s, before, kBytes);
+  wait_replicated();
+  int victim = 0;
+  for (int p : cluster_->masters()) {
+    if (RawClient(p).command({"GET", before[0]}).rfind("-MOVED", 0) != 0) victim = p;
+  }
+  ASSERT_NE(victim, 0);
+
+  std::atomic<bool> stop{false};
+  std::atomic<std::int64_t> killed_at_ns{0}, recovered_at_ns{0};
+  std::atomic<int> batches{0}, failed_batches{0};
+  std::mutex written_mu;
+  std::vector<std::string> written;  // acknowledged by batch_set
+  std::thread traffic([&] {
+    for (int n = 0; !stop.load(); ++n) {
+      const auto live = make_keys(str_cat("live", n), 8);
+      const auto set = put(*s, live, kBytes);
+      std::vector<std::string> reads;
+      for (int i = 0; i < 16; ++i) reads.push_back(before[(n * 16 + i) % before.size()]);
+      const auto got = get(*s, reads, kBytes);  // every ok page is checked byte for byte
+      bool all_ok = true;
+      for (std::size_t i = 0; i < live.size(); ++i) {
+        if (set[i].is_ok()) {
+          std::lock_guard lock(written_mu);
+          written.push_back(live[i]);
+        }
+        all_ok = all_ok && set[i].is_ok();
+      }
+      for (const auto& r : got) all_ok = all_ok && r.is_ok();
+      ++batches;
+      if (!all_ok) ++failed_batches;
+      const auto now = Clock::now().time_since_epoch().count();
+      if (all_ok && killed_at_ns.load() != 0 && recovered_at_ns.load() == 0 &&
+          now > killed_at_ns.load()) {
+        recovered_at_ns = now;
+      }
+    }
+  });
+  std::this_thread::sleep_for(300ms);
+  const int before_kill = batches.load();
+  ASSERT_GT(before_kill, 0);
+  EXPECT_EQ(failed_batches.load(), 0) << "batches failed before any fault";
+  testing::RedisServer* dead = cluster_->server_on(victim);
+  ASSERT_NE(dead, nullptr);
+  dead->stop();
+  killed_at_ns = Clock::now().time_since_epoch().count();
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kNodeTimeoutMs) + 8s;
+  while (recovered_at_ns.load() == 0 && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  std::this_thread::sleep_for(500ms);  // traffic after the recovery
+  stop = true;
+  traffic.join();
+  ASSERT_NE(recovered_at_ns.load(), 0) << "no batch succeeded within the node timeout + 8 s";
+  const double recovery_s = static_cast<double>(recovered_at_ns - killed_at_ns) / 1e9;
+  RecordProperty("recovery_seconds", std::to_string(recovery_s));
+  std::printf("[failover] recovered %.2f s after the kill; %d batches, %d failed\n", recovery_s,
+              batches.load(), failed_batches.load());
+  EXPECT_GT(failed_batches.load(), 0) << "the kill went unnoticed: not a failover test";
+  EXPECT_GT(s->stats().topology_refreshes, 1u);
+
+  // Everything replicated before the kill is on the promoted replica.
+  expect_all(get(*s, before, kBytes), IoStatus::kOk);
+  // What was acknowledged during the run is there, or (written to the dead master and not yet
+  // replicated) a miss; never an error now, never wrong bytes (get() checks them).
+  std::size_t hits = 0;
+  for (std::size_t at = 0; at < written.size(); at += 64) {
+    const std::vector<std::string> chunk(written.begin() + static_cast<std::ptrdiff_t>(at),
+                                         written.begin() + static_cast<std::ptrdiff_t>(
+                                                               std::min(at + 64, written.size())));
+    for (const auto& r : get(*s, chunk, kBytes)) {
+      EXPECT_TRUE(r.is_ok() || r.status == IoStatus::kMiss) << r.reason;
+      hits += r.is_ok() ? 1 : 0;
+    }
+  }
+  EXPECT_GT(hits, written.size() / 2);
+  // New writes and reads work everywhere.
+  const auto after = make_keys("after", 60);
+  put_ok(*s, after, kBytes);
+  expect_all(get(*s, after, kBytes), IoStatus::kOk);
+
+  // The dead master comes back as a replica of the one promoted in its place.
+  std::string error;
+  ASSERT_TRUE(dead->restart(&error)) << error;
+  ASSERT_TRUE(cluster_->wait_healthy(30, &error)) << error;
+  const auto replicas = cluster_->replicas();
+  EXPECT_NE(std::find(replicas.begin(), replicas.end(), victim), replicas.end())
+      << "the restarted server is not a replica";
+  expect_all(get(*s, after, kBytes), IoStatus::kOk);
 }
 
 }  // namespace

@@ -346,13 +346,16 @@ RedisProcess::~RedisProcess() {
   }
 }
 
-bool RedisDeployment::start(int nodes, bool cluster, std::string* error) {
+bool RedisDeployment::start(int nodes, bool cluster, std::string* error, int replicas,
+                            int node_timeout_ms) {
   std::vector<std::string> extra;
   if (cluster) {
     extra = {"--cluster-enabled",      "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", "5000"};
+             "--cluster-node-timeout", std::to_string(node_timeout_ms)};
+  } else {
+    replicas = 0;
   }
-  for (int i = 0; i < nodes; ++i) {
+  for (int i = 0; i < nodes * (1 + replicas); ++i) {
     auto s = std::make_unique<RedisProcess>();
     if (!s->start(extra, error)) return false;
     servers_.push_back(std::move(s));
@@ -366,20 +369,69 @@ bool RedisDeployment::start(int nodes, bool cluster, std::string* error) {
                                      "--cluster",
                                      "create"};
   for (const auto& s : servers_) create.push_back("127.0.0.1:" + std::to_string(s->port()));
-  create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+  create.insert(create.end(), {"--cluster-replicas", std::to_string(replicas), "--cluster-yes"});
   const std::string out = run_capture(create);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  if (!wait_healthy(30, error)) {
+    *error += "; redis-cli said: " + out;
+    return false;
+  }
+  return true;
+}
+
+bool RedisDeployment::wait_healthy(double seconds, std::string* error) const {
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::string last;
   while (std::chrono::steady_clock::now() < until) {
     bool all_ok = true;
+    std::size_t running = 0;
+    for (const auto& s : servers_) running += s->running() ? 1 : 0;
+    const std::size_t replica_count = replicas().size();
     for (const auto& s : servers_) {
+      if (!s->running()) continue;
       RespClient c(s->port());
-      all_ok =
-          all_ok && c.command({"CLUSTER", "INFO"}).find("cluster_state:ok") != std::string::npos;
+      // Every node knows every running node as connected, none failed or still in handshake,
+      // and the replicas as replicas: a slot map read from any node then lists them all.
+      const std::string nodes = c.command({"CLUSTER", "NODES"});
+      std::size_t connected = 0, as_replica = 0;
+      bool troubled = false;
+      for (std::size_t at = 0; at < nodes.size();) {
+        auto eol = nodes.find('\n', at);
+        if (eol == std::string::npos) eol = nodes.size();
+        const std::string line = nodes.substr(at, eol - at);
+        at = eol + 1;
+        if (line.empty()) continue;
+        troubled = troubled || line.find("fail") != std::string::npos ||
+                   line.find("handshake") != std::string::npos;
+        connected += line.find(" connected") != std::string::npos ? 1 : 0;
+        as_replica += line.find("slave") != std::string::npos ? 1 : 0;
+      }
+      if (troubled || connected != running || as_replica != replica_count) {
+        all_ok = false;
+        last = "127.0.0.1:" + std::to_string(s->port()) + " sees " + std::to_string(connected) +
+               " of " + std::to_string(running) + " nodes connected, " +
+               std::to_string(as_replica) + " of " + std::to_string(replica_count) +
+               " replicas" + (troubled ? ", some failed or in handshake" : "");
+        break;
+      }
+      const std::string info = c.command({"CLUSTER", "INFO"});
+      if (info.find("cluster_state:ok") == std::string::npos) {
+        all_ok = false;
+        last = "127.0.0.1:" + std::to_string(s->port()) + " is not cluster_state:ok";
+        break;
+      }
+      const std::string repl = c.command({"INFO", "replication"});
+      if (repl.find("role:slave") != std::string::npos &&
+          repl.find("master_link_status:up") == std::string::npos) {
+        all_ok = false;
+        last = "replica 127.0.0.1:" + std::to_string(s->port()) + " has no link to its master";
+        break;
+      }
     }
     if (all_ok) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  *error = "cluster did not reach cluster_state:ok; redis-cli said: " + out;
+  *error = "cluster not healthy after " + std::to_string(seconds) + " s: " + last;
   return false;
 }
 
@@ -388,5 +440,26 @@ std::vector<int> RedisDeployment::ports() const {
   for (const auto& s : servers_) out.push_back(s->port());
   return out;
 }
+
+RedisProcess* RedisDeployment::server_on(int port) {
+  for (auto& s : servers_) {
+    if (s->port() == port) return s.get();
+  }
+  return nullptr;
+}
+
+std::vector<int> RedisDeployment::with_role(std::string_view role) const {
+  std::vector<int> out;
+  for (const auto& s : servers_) {
+    if (!s->running()) continue;
+    RespClient c(s->port());
+    const std::string info = c.command({"INFO", "replication"});
+    if (info.find("role:" + std::string(role)) != std::string::npos) out.push_back(s->port());
+  }
+  return out;
+}
+
+std::vector<int> RedisDeployment::masters() const { return with_role("master"); }
+std::vector<int> RedisDeployment::replicas() const { return with_role("slave"); }
 
 }  // namespace hicache::bench

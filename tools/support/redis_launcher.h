@@ -88,15 +88,27 @@ class RedisProcess {
   std::vector<std::string> extra_;
 };
 
-// One server (nodes == 1, no cluster mode) or a cluster of `nodes` masters formed with
-// redis-cli --cluster create and waited for until every node says cluster_state:ok.
+// One server (nodes == 1, no cluster mode) or a cluster of `nodes` masters, each with `replicas`
+// replicas, formed with redis-cli --cluster create (cluster-node-timeout `node_timeout_ms`) and
+// waited for until every node says cluster_state:ok and every replica's link to its master is up.
 class RedisDeployment {
  public:
-  bool start(int nodes, bool cluster, std::string* error);
-  std::vector<int> ports() const;
+  bool start(int nodes, bool cluster, std::string* error, int replicas = 0,
+             int node_timeout_ms = 5000);
+  std::vector<int> ports() const;  // every server's, masters and replicas alike
+  // The server on `port` (nullptr when none of ours): to kill and restart it.
+  RedisProcess* server_on(int port);
+  // The ports of the servers that call themselves master / replica now (ROLE), of the ones
+  // running.
+  std::vector<int> masters() const;
+  std::vector<int> replicas() const;
+  // Waits until every running node says cluster_state:ok and every running replica's link is up;
+  // false with *error after `seconds`.
+  bool wait_healthy(double seconds, std::string* error) const;
 
  private:
   std::vector<std::unique_ptr<RedisProcess>> servers_;
+  std::vector<int> with_role(std::string_view role) const;
 };
 
 }  // namespace hicache::bench
