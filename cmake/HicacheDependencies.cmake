@@ -10,8 +10,8 @@ add_library(hicache_concurrentqueue INTERFACE)
 target_include_directories(hicache_concurrentqueue SYSTEM INTERFACE ${HICACHE_CONCURRENTQUEUE_INCLUDE_DIR})
 
 # Storage: SHA-256 page keys (libcrypto), record checksums (xxHash), the Redis client (Boost.Asio,
-# hiredis's RESP reader). hiredis and xxhash ship pkg-config files only.
-find_package(OpenSSL 3.0 REQUIRED COMPONENTS Crypto)
+# its TLS over libssl, hiredis's RESP reader). hiredis and xxhash ship pkg-config files only.
+find_package(OpenSSL 3.0 REQUIRED COMPONENTS Crypto SSL)
 find_package(Boost 1.81 REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HICACHE_XXHASH REQUIRED IMPORTED_TARGET libxxhash)

@@ -14,6 +14,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
@@ -33,6 +34,7 @@ namespace hicache::redis {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
+using TlsStream = asio::ssl::stream<tcp::socket&>;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
 
@@ -248,7 +250,7 @@ class Connection::Impl {
   }
 
  private:
-  enum class State : std::uint8_t { kIdle, kConnecting, kHandshake, kReady };
+  enum class State : std::uint8_t { kIdle, kConnecting, kTls, kHandshake, kReady };
   struct Pending {
     Request* req;
     bool asking_reply;        // the +OK of the ASKING sent before req
@@ -324,10 +326,14 @@ class Connection::Impl {
       continue_spliced_write(gen, seq);
       return;
     }
-    asio::async_write(socket_, write_bufs_, transfer_all_unlimited,
-                      [this, gen, seq](const error_code& ec, std::size_t) {
-                        on_write_done(gen, seq, ec ? ec.message() : std::string());
-                      });
+    auto done = [this, gen, seq, keep = tls_](const error_code& ec, std::size_t) {
+      on_write_done(gen, seq, ec ? ec.message() : std::string());
+    };
+    if (tls_) {
+      asio::async_write(*tls_, write_bufs_, transfer_all_unlimited, std::move(done));
+    } else {
+      asio::async_write(socket_, write_bufs_, transfer_all_unlimited, std::move(done));
+    }
   }
 
   void on_write_done(std::uint64_t gen, std::uint64_t seq, const std::string& error) {
@@ -514,7 +520,54 @@ class Connection::Impl {
     socket_.set_option(tcp::no_delay(true), ignored);
     // The spliced write path calls sendmsg/splice itself and relies on EAGAIN, never a block.
     socket_.non_blocking(true, ignored);
+    if (opt_.tls) {
+      start_tls(gen);
+      return;
+    }
     if (opt_.splice_min_bytes != 0 && !splice_.ready()) splice_.open();
+    start_handshake();
+  }
+
+  // A fresh TLS stream over the socket per connection. Its handlers hold it: a torn-down
+  // connection's stream lives until its aborted operations have completed.
+  void start_tls(std::uint64_t gen) {
+    tls_ = std::make_shared<TlsStream>(socket_, *opt_.tls);
+    SSL* ssl = tls_->native_handle();
+    const std::string& name = opt_.tls_server_name.empty() ? opt_.host : opt_.tls_server_name;
+    error_code not_ip;
+    asio::ip::make_address(name, not_ip);
+    // OpenSSL checks the name during verification, and says which check failed.
+    const int set = not_ip ? SSL_set1_host(ssl, name.c_str())
+                           : X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl), name.c_str());
+    if (set != 1) {
+      connect_failed(str_cat("TLS: cannot check the server's certificate for '", name, "'"));
+      return;
+    }
+    if (not_ip) SSL_set_tlsext_host_name(ssl, name.c_str());
+    state_ = State::kTls;
+    tls_->async_handshake(TlsStream::client, [this, gen, keep = tls_](const error_code& ec) {
+      if (gen != gen_) return;
+      if (ec) {
+        connect_failed(str_cat("TLS handshake failed: ", tls_failure(*keep, ec)));
+        return;
+      }
+      start_handshake();
+    });
+  }
+
+  // Why a TLS handshake failed: the certificate check's verdict when it failed, else OpenSSL's.
+  static std::string tls_failure(TlsStream& tls, const error_code& ec) {
+    const long verdict = SSL_get_verify_result(tls.native_handle());
+    if (verdict != X509_V_OK) {
+      return str_cat("the server's certificate was refused: ", X509_verify_cert_error_string(verdict));
+    }
+    if (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated) {
+      return "the server closed the connection (does it speak TLS on this port?)";
+    }
+    return str_cat(ec.message(), " (does the server speak TLS on this port?)");
+  }
+
+  void start_handshake() {
     state_ = State::kHandshake;
     server_max_bulk_ = 0;
     write_bufs_.clear();
@@ -562,7 +615,7 @@ class Connection::Impl {
 
   // An established connection failed: fail what it holds; the next submit may reconnect at once.
   void fail(const std::string& why) {
-    if (state_ == State::kConnecting || state_ == State::kHandshake) {
+    if (state_ == State::kConnecting || state_ == State::kTls || state_ == State::kHandshake) {
       connect_failed(why);
       return;
     }
@@ -581,6 +634,7 @@ class Connection::Impl {
       socket_.set_option(asio::socket_base::linger(true, 0), ignored);
     }
     socket_.close(ignored);
+    tls_.reset();  // its pending handlers hold it until they have run
     resolver_.cancel();
     timer_.cancel();
     writing_ = false;
@@ -626,6 +680,11 @@ class Connection::Impl {
     }
     if (state_ == State::kReady) {
       fail(str_cat(name_, ": timed out: no reply within ", opt_.timeout.count(), " ms"));
+    } else if (state_ == State::kTls) {
+      // A plain server reads a ClientHello as the start of a command and waits for its end.
+      connect_failed(str_cat("TLS handshake failed: no answer within ",
+                             opt_.connect_timeout.count(),
+                             " ms (does the server speak TLS on this port?)"));
     } else {
       connect_failed(str_cat("timed out after ", opt_.connect_timeout.count(), " ms"));
     }
@@ -635,17 +694,26 @@ class Connection::Impl {
 
   void start_read() {
     const auto gen = gen_;
-    socket_.async_read_some(asio::buffer(read_buf_),
-                            [this, gen](const error_code& ec, std::size_t n) {
-                              if (gen != gen_) return;
-                              on_read(ec, n);
-                            });
+    auto done = [this, gen, keep = tls_](const error_code& ec, std::size_t n) {
+      if (gen != gen_) return;
+      on_read(ec, n);
+    };
+    if (tls_) {
+      tls_->async_read_some(asio::buffer(read_buf_), std::move(done));
+    } else {
+      socket_.async_read_some(asio::buffer(read_buf_), std::move(done));
+    }
   }
 
   void on_read(const error_code& ec, std::size_t n) {
     if (ec) {
-      fail(ec == asio::error::eof ? str_cat(name_, ": connection closed by the server")
-                                  : str_cat(name_, ": read failed: ", ec.message()));
+      // Closed before the handshake's replies: a TLS port spoken to in plain text does that.
+      const char* hint = state_ == State::kHandshake && !opt_.tls
+                             ? " during the handshake (a TLS port? set \"tls\")"
+                             : "";
+      fail(ec == asio::error::eof || ec == asio::error::connection_reset
+               ? str_cat(name_, ": connection closed by the server", hint)
+               : str_cat(name_, ": read failed: ", ec.message(), hint));
       return;
     }
     deadline_ = Clock::now() + (state_ == State::kReady ? opt_.timeout : opt_.connect_timeout);
@@ -897,6 +965,7 @@ class Connection::Impl {
   asio::strand<asio::io_context::executor_type> strand_;
   // Everything below is touched only on strand_.
   tcp::socket socket_;
+  std::shared_ptr<TlsStream> tls_;  // over socket_, with TLS; one per connection
   asio::steady_timer timer_;
   tcp::resolver resolver_;
   std::vector<char> read_buf_;

@@ -18,6 +18,8 @@
 //   A closed connection (timeout, socket error, server gone) fails every request it holds with
 //   the reason; the next submit reconnects. A failed connect sets a backoff (doubling from
 //   backoff_initial up to backoff_max): until it passes, submits fail at once, nobody sleeps.
+// - With TLS (ConnectionOptions::tls) a TLS handshake, verifying the server's certificate and
+//   name, comes first; its failure is the connect's, with OpenSSL's reason.
 // - The handshake (AUTH when a password is set, READONLY for a replica read from, CONFIG GET
 //   proto-max-bulk-len) runs before any
 //   request is written; a SET whose value is over the server's bulk limit fails without being
@@ -35,6 +37,10 @@
 #include <vector>
 
 #include "storage/storage_backend.h"
+
+namespace boost::asio::ssl {
+class context;
+}
 
 namespace hicache::redis {
 
@@ -148,6 +154,13 @@ struct ConnectionOptions {
   std::string password;
   // Send READONLY in the handshake: a cluster replica then answers reads of its master's slots.
   bool readonly = false;
+  // TLS: every connection runs a TLS handshake with this context (trusted CAs, verification
+  // mode, a client certificate) before the Redis handshake; nullptr: plain TCP. Payloads are
+  // then copied (splice_min_bytes does not apply).
+  std::shared_ptr<boost::asio::ssl::context> tls;
+  // The name the server's certificate must carry (a DNS name, or an IP address checked against
+  // its IP SANs), also sent as SNI when a DNS name. Empty: `host`.
+  std::string tls_server_name;
   // SET payloads of at least this many bytes are sent without a copy: vmsplice'd into a pipe
   // and spliced to the socket, whose packets then reference the caller's pages until the server
   // has read them (it has, once it replies). 0: every byte is copied into the socket.

@@ -1,6 +1,7 @@
 #include "storage/redis_storage.h"
 
 #include <algorithm>
+#include <boost/asio/ssl/context.hpp>
 #include <atomic>
 #include <functional>
 #include <mutex>
@@ -29,7 +30,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       j,
       {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
        "connect_timeout_ms", "reconnect_backoff_ms", "username", "password", "max_value_bytes",
-       "zero_copy_min_bytes", "check_at_start", "read_from_replicas"},
+       "zero_copy_min_bytes", "check_at_start", "read_from_replicas", "tls"},
       what);
   RedisConfig c;
   c.cluster = json_fields::get<bool>(j, "cluster", false, what);
@@ -91,6 +92,26 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       json_fields::get_int(j, "zero_copy_min_bytes", 64 << 10, 0, INT64_MAX, what));
   c.check_at_start = json_fields::get<bool>(j, "check_at_start", true, what);
   c.read_from_replicas = json_fields::get<bool>(j, "read_from_replicas", false, what);
+  if (const auto it = j.find("tls"); it != j.end()) {
+    const std::string tls_what = str_cat(what, ": 'tls'");
+    if (!it->is_object()) {
+      throw InvalidArgument(str_cat(tls_what, " must be an object (e.g. {\"ca_file\": ...}), got ",
+                                    it->dump()));
+    }
+    json_fields::reject_unknown(*it, {"ca_file", "cert_file", "key_file", "server_name", "verify"},
+                                tls_what);
+    c.tls.enabled = true;
+    c.tls.ca_file = json_fields::get<std::string>(*it, "ca_file", "", tls_what);
+    c.tls.cert_file = json_fields::get<std::string>(*it, "cert_file", "", tls_what);
+    c.tls.key_file = json_fields::get<std::string>(*it, "key_file", "", tls_what);
+    c.tls.server_name = json_fields::get<std::string>(*it, "server_name", "", tls_what);
+    c.tls.verify = json_fields::get<bool>(*it, "verify", true, tls_what);
+    if (c.tls.cert_file.empty() != c.tls.key_file.empty()) {
+      throw InvalidArgument(str_cat(tls_what, ": 'cert_file' and 'key_file' go together (got ",
+                                    c.tls.cert_file.empty() ? "only key_file" : "only cert_file",
+                                    ")"));
+    }
+  }
   if (c.read_from_replicas && !c.cluster) {
     throw InvalidArgument(
         str_cat(what, ": key 'read_from_replicas' needs 'cluster': true (replicas are found in ",
@@ -127,7 +148,7 @@ std::pair<std::size_t, std::size_t> append_key_command(std::string& arena, std::
 class RedisStorage::Impl {
  public:
   Impl(RedisStorage& owner, const RedisConfig& config)
-      : owner_(owner), config_(config), io_(config.io_threads) {
+      : owner_(owner), config_(config), tls_(make_tls_context(config.tls)), io_(config.io_threads) {
     slots_.assign(redis::kClusterSlots, -1);
     read_slots_.assign(redis::kClusterSlots, -1);
     std::unique_lock lock(map_mu_);
@@ -656,7 +677,9 @@ class RedisStorage::Impl {
     o.username = config_.username;
     o.password = config_.password;
     o.readonly = readonly;
-    o.splice_min_bytes = static_cast<std::size_t>(config_.zero_copy_min_bytes);
+    o.tls = tls_;
+    o.tls_server_name = config_.tls.server_name;
+    o.splice_min_bytes = tls_ ? 0 : static_cast<std::size_t>(config_.zero_copy_min_bytes);
     for (int c = 0; c < config_.connections; ++c) {
       node->conns.push_back(std::make_unique<redis::Connection>(io_, o));
     }
@@ -703,8 +726,40 @@ class RedisStorage::Impl {
     refresh_gen_.fetch_add(1, std::memory_order_acq_rel);  // nobody answered: asked all the same
   }
 
+  // The connections' TLS context, or nullptr. A file that cannot be read: InvalidArgument
+  // naming it and OpenSSL's reason.
+  static std::shared_ptr<boost::asio::ssl::context> make_tls_context(const RedisTlsConfig& t) {
+    namespace ssl = boost::asio::ssl;
+    if (!t.enabled) return nullptr;
+    auto ctx = std::make_shared<ssl::context>(ssl::context::tls_client);
+    ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                     ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
+    auto step = [](const char* what, const std::string& file, auto&& f) {
+      boost::system::error_code ec;
+      f(ec);
+      if (ec) {
+        throw InvalidArgument(str_cat("redis storage: tls ", what, file.empty() ? "" : " '", file,
+                                      file.empty() ? "" : "'", ": ", ec.message()));
+      }
+    };
+    ctx->set_verify_mode(t.verify ? ssl::verify_peer : ssl::verify_none);
+    if (!t.ca_file.empty()) {
+      step("ca_file", t.ca_file, [&](auto& ec) { ctx->load_verify_file(t.ca_file, ec); });
+    } else {
+      step("system CA paths", "", [&](auto& ec) { ctx->set_default_verify_paths(ec); });
+    }
+    if (!t.cert_file.empty()) {
+      step("cert_file", t.cert_file,
+           [&](auto& ec) { ctx->use_certificate_chain_file(t.cert_file, ec); });
+      step("key_file", t.key_file,
+           [&](auto& ec) { ctx->use_private_key_file(t.key_file, ssl::context::pem, ec); });
+    }
+    return ctx;
+  }
+
   RedisStorage& owner_;
   const RedisConfig& config_;
+  std::shared_ptr<boost::asio::ssl::context> tls_;
   redis::IoThreads io_;  // before the nodes: stopped explicitly, destroyed after them
   std::mutex refresh_mu_;
   mutable std::shared_mutex map_mu_;

@@ -51,7 +51,9 @@
 //        "connections": 4, "io_threads": 0, "timeout_ms": 2000, "connect_timeout_ms": 1000,
 //        "reconnect_backoff_ms": [100, 5000], "username": "", "password": "",
 //        "max_value_bytes": 536870912,
-//        "zero_copy_min_bytes": 65536, "check_at_start": true, "read_from_replicas": false}
+//        "zero_copy_min_bytes": 65536, "check_at_start": true, "read_from_replicas": false,
+//        "tls": {"ca_file": "", "cert_file": "", "key_file": "", "server_name": "",
+//                "verify": true}}  ("tls" present: TLS on; zero_copy_min_bytes does not apply)
 #pragma once
 
 #include <chrono>
@@ -68,6 +70,21 @@ namespace hicache {
 struct RedisEndpoint {
   std::string host;
   std::uint16_t port = 0;
+};
+
+// TLS to every node (Boost.Asio's SSL over OpenSSL). The server's certificate is verified by
+// default: it must chain to `ca_file` (PEM; empty: the system's trusted CAs) and carry the node's
+// name (`server_name`, or the host each node is reached at: a DNS name, or an IP address matched
+// against the certificate's IP SANs). A client certificate (`cert_file` and `key_file`, PEM) is
+// presented when given, for servers with tls-auth-clients. A bad file is an error at start
+// naming it.
+struct RedisTlsConfig {
+  bool enabled = false;
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+  std::string server_name;
+  bool verify = true;  // false: any certificate is accepted (testing only)
 };
 
 struct RedisConfig {
@@ -94,6 +111,7 @@ struct RedisConfig {
   bool check_at_start = true;
   // Cluster only: reads (GET, EXISTS) from replicas (see above).
   bool read_from_replicas = false;
+  RedisTlsConfig tls;
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static RedisConfig from_json_text(std::string_view json_text);

@@ -23,6 +23,7 @@ packages=(build-essential cmake ninja-build ccache pkg-config
   libconcurrentqueue-dev libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   libbenchmark-dev libhiredis-dev libgloo-dev libssl-dev libxxhash-dev liburing-dev redis-server
   fio         # the baseline of hicache-storagebench
+  openssl     # certificates for the Redis TLS tests
   prometheus  # promtool and a real server for the /metrics tests
   python3-dev python3-pybind11 pybind11-dev python3-torch python3-pytest  # the Python package
   python3-setuptools python3-pip  # pip install --no-build-isolation . (tests/python)

@@ -987,6 +987,201 @@ TEST_F(RedisStorageFaults, AnAclUserAuthenticatesWithUsernameAndPassword) {
   }
 }
 
+// ---- TLS ----
+
+// Certificates made for the suite with the openssl tool: a CA, a server certificate it signs
+// for 127.0.0.1 and localhost, a client certificate it signs, and a second CA nobody trusts.
+struct TestPki {
+  std::filesystem::path dir;
+  std::string error;
+
+  bool make() {
+    const std::string openssl = bench::find_binary("openssl");
+    if (openssl.empty()) {
+      error = "the openssl tool is not installed";
+      return false;
+    }
+    char tmpl[] = "/tmp/hicache-pki-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return false;
+    dir = tmpl;
+    std::ofstream(dir / "server.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    std::ofstream(dir / "client.ext") << "extendedKeyUsage=clientAuth\n";
+    const auto key = [&](const std::string& name) {
+      return std::vector<std::string>{openssl, "req", "-newkey", "ec", "-pkeyopt",
+                                      "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
+                                      path(name + ".key")};
+    };
+    auto run = [&](std::vector<std::string> argv) {
+      int status = 0;
+      bench::run_capture(std::move(argv), &status);
+      if (status != 0) error = "openssl failed making the test certificates";
+      return status == 0;
+    };
+    for (const std::string ca : {"ca", "rogue-ca"}) {
+      auto argv = key(ca);
+      argv.insert(argv.end(), {"-x509", "-days", "2", "-subj", "/CN=hicache test " + ca, "-out",
+                               path(ca + ".crt")});
+      if (!run(argv)) return false;
+    }
+    for (const std::string leaf : {"server", "client"}) {
+      auto argv = key(leaf);
+      argv.insert(argv.end(), {"-subj", "/CN=hicache " + leaf, "-out", path(leaf + ".csr")});
+      if (!run(argv)) return false;
+      if (!run({openssl, "x509", "-req", "-in", path(leaf + ".csr"), "-CA", path("ca.crt"),
+                "-CAkey", path("ca.key"), "-CAcreateserial", "-days", "2", "-extfile",
+                path(leaf + ".ext"), "-out", path(leaf + ".crt")})) {
+        return false;
+      }
+    }
+    return true;
+  }
+  std::string path(const std::string& name) const { return (dir / name).string(); }
+  ~TestPki() {
+    std::error_code ec;
+    if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+  }
+};
+
+// One redis-server with a plain port (for the launcher and admin) and a TLS port.
+struct TlsServer {
+  TestPki pki;
+  testing::RedisServer server;
+  int tls_port = 0;
+  bool start(std::string* error) {
+    if (!pki.make()) {
+      *error = pki.error;
+      return false;
+    }
+    tls_port = bench::pick_server_port();
+    return server.start({"--tls-port", std::to_string(tls_port), "--tls-cert-file",
+                         pki.path("server.crt"), "--tls-key-file", pki.path("server.key"),
+                         "--tls-ca-cert-file", pki.path("ca.crt"), "--tls-auth-clients",
+                         "optional"},
+                        error);
+  }
+};
+bool start_tls_server(TlsServer& s, std::string* error) { return s.start(error); }
+
+class RedisTlsTest : public ServersSuite<TlsServer, start_tls_server> {
+ protected:
+  void SetUp() override {
+    ServersSuite::SetUp();
+    if (stopped()) return;
+    ASSERT_EQ(RawClient(servers_->server.port()).command({"FLUSHALL"}), "+OK");
+    ASSERT_EQ(redis_cli(servers_->server.port(), {"config", "set", "tls-auth-clients", "optional"}),
+              "OK\n");
+  }
+  static const TestPki& pki() { return servers_->pki; }
+  // A store on the TLS port; `tls` is the "tls" object's members.
+  static std::unique_ptr<RedisStorage> open_tls(const std::string& tls,
+                                                const std::string& extra = "") {
+    return open_redis(servers_->tls_port,
+                      str_cat(R"("connect_timeout_ms": 2000, "tls": {)", tls, "}", extra));
+  }
+  static std::string ca() { return str_cat(R"("ca_file": ")", pki().path("ca.crt"), R"(")"); }
+  // The IoError opening a store throws, or "opened".
+  template <typename Open>
+  static std::string start_error(Open&& open) {
+    try {
+      auto s = open();
+      return "opened";
+    } catch (const IoError& e) {
+      return e.what();
+    }
+  }
+};
+
+TEST_F(RedisTlsTest, RoundTripsByteForByteOverTls) {
+  for (const std::string name : {"", R"(, "server_name": "localhost")"}) {
+    auto s = open_tls(ca() + name);
+    const auto keys = make_keys(str_cat("tls", name.size()), 40);
+    put_ok(*s, keys, 256 << 10);  // over the zero-copy threshold: copied through TLS instead
+    expect_all(get(*s, keys, 256 << 10), IoStatus::kOk);
+    EXPECT_EQ(s->batch_exists(keys), keys.size());
+    EXPECT_EQ(s->zero_copy_bytes(), 0u);
+  }
+}
+
+// Connections the server drops are made again, each with a fresh TLS session: the batch in
+// flight fails per key, the next ones succeed.
+TEST_F(RedisTlsTest, ReconnectsAfterTheServerDropsTheConnections) {
+  auto s = open_tls(ca(), R"(, "connections": 2, "reconnect_backoff_ms": [1, 10])");
+  put_ok(*s, make_keys("before", 8), 64 << 10);
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_NE(RawClient(servers_->server.port()).command({"CLIENT", "KILL", "SKIPME", "yes"}), "");
+    const auto keys = make_keys(str_cat("after", round), 8);
+    if (!put(*s, keys, 64 << 10)[0].is_ok()) put_ok(*s, keys, 64 << 10);  // one retry at most
+    expect_all(get(*s, keys, 64 << 10), IoStatus::kOk);
+  }
+  expect_all(get(*s, make_keys("before", 8), 64 << 10), IoStatus::kOk);
+}
+
+// A server that requires client certificates: without one the store fails at start; with the
+// CA-signed one it works.
+TEST_F(RedisTlsTest, PresentsAClientCertificateWhenTheServerAsks) {
+  ASSERT_EQ(redis_cli(servers_->server.port(), {"config", "set", "tls-auth-clients", "yes"}),
+            "OK\n");
+  const std::string refused = start_error([&] { return open_tls(ca()); });
+  EXPECT_NE(refused.find(str_cat("127.0.0.1:", servers_->tls_port)), std::string::npos) << refused;
+  EXPECT_NE(refused.find("certificate required"), std::string::npos) << refused;
+  auto s = open_tls(str_cat(ca(), R"(, "cert_file": ")", pki().path("client.crt"),
+                            R"(", "key_file": ")", pki().path("client.key"), R"(")"));
+  put_ok(*s, {"mutual"}, 4096);
+  expect_all(get(*s, {"mutual"}, 4096), IoStatus::kOk);
+}
+
+// Each misconfiguration is one error at start that names the node and the cause.
+TEST_F(RedisTlsTest, EachMisconfigurationIsOneClearErrorAtStart) {
+  const std::string node = str_cat("127.0.0.1:", servers_->tls_port);
+  const std::string untrusted = start_error(
+      [&] { return open_tls(str_cat(R"("ca_file": ")", pki().path("rogue-ca.crt"), R"(")")); });
+  EXPECT_NE(untrusted.find(node), std::string::npos) << untrusted;
+  EXPECT_NE(untrusted.find("certificate was refused"), std::string::npos) << untrusted;
+  EXPECT_NE(untrusted.find("certificate in certificate chain"), std::string::npos) << untrusted;
+  const std::string wrong_name =
+      start_error([&] { return open_tls(ca() + R"(, "server_name": "redis.example.com")"); });
+  EXPECT_NE(wrong_name.find("hostname mismatch"), std::string::npos) << wrong_name;
+  // Plain text to the TLS port, and TLS to the plain port.
+  const std::string plain = start_error([&] { return open_redis(servers_->tls_port); });
+  EXPECT_NE(plain.find(node), std::string::npos) << plain;
+  EXPECT_NE(plain.find("a TLS port? set \"tls\""), std::string::npos) << plain;
+  const std::string tls_to_plain = start_error([&] {
+    return open_redis(servers_->server.port(), str_cat(R"("tls": {)", ca(), "}"));
+  });
+  EXPECT_NE(tls_to_plain.find("TLS handshake failed"), std::string::npos) << tls_to_plain;
+  EXPECT_NE(tls_to_plain.find("does the server speak TLS"), std::string::npos) << tls_to_plain;
+  // Without verification the rogue CA is accepted (testing setups only).
+  auto unverified = open_tls(R"("verify": false)");
+  put_ok(*unverified, {"unverified"}, 4096);
+}
+
+TEST(RedisTlsConfig, BadSettingsAndFilesAreNamed) {
+  auto message = [](const std::string& json) -> std::string {
+    try {
+      auto s = make_storage(json);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message(R"({"backend": "redis", "tls": true})").find("'tls' must be an object"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "redis", "tls": {"ca": "x"}})").find("unknown key 'ca'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "redis", "tls": {"cert_file": "c.pem"}})").find("go together"),
+            std::string::npos);
+  const std::string missing = message(
+      R"({"backend": "redis", "check_at_start": false, "tls": {"ca_file": "/nonexistent/ca.pem"}})");
+  EXPECT_NE(missing.find("tls ca_file '/nonexistent/ca.pem'"), std::string::npos) << missing;
+  const auto c = RedisConfig::from_json_text(
+      R"({"tls": {"ca_file": "a.pem", "server_name": "r.local", "verify": false}})");
+  EXPECT_TRUE(c.tls.enabled);
+  EXPECT_EQ(c.tls.ca_file, "a.pem");
+  EXPECT_EQ(c.tls.server_name, "r.local");
+  EXPECT_FALSE(c.tls.verify);
+  EXPECT_FALSE(RedisConfig::from_json_text("{}").tls.enabled);
+}
+
 // ---- a 3-node cluster ----
 
 class RedisClusterTest : public ServersSuite<testing::RedisCluster, start_cluster> {
