@@ -492,7 +492,7 @@ class RedisStorage::Impl {
       }
       if (moved) refresh_slots(map_seen);
       if (!failed.empty() && round < kMaxRedirects) {
-        if (!moved) refresh_slots(map_seen);
+        if (!moved && Clock::now() - last_refresh() >= kFailureRecheck) refresh_slots(map_seen);
         std::shared_lock lock(map_mu_);
         for (Request* r : failed) {
           if (route_locked(*r) == r->node && !r->asking) continue;  // nowhere else to go
@@ -773,6 +773,9 @@ class RedisStorage::Impl {
   std::atomic<std::uint64_t> refresh_gen_{0};  // slot map refreshes done
   std::atomic<Clock::rep> last_refresh_ns_{0};  // when the last one started
   static constexpr auto kReplicaRecheck = std::chrono::seconds(1);
+  // While a node fails, the map is re-read at most this often: an outage's failed batches do
+  // not each cost a CLUSTER SLOTS, and a promotion is still seen within this long.
+  static constexpr auto kFailureRecheck = std::chrono::milliseconds(50);
   Clock::time_point last_refresh() const {
     return Clock::time_point(Clock::duration(last_refresh_ns_.load(std::memory_order_relaxed)));
   }

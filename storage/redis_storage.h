@@ -35,8 +35,8 @@
 //   routed by CRC16 slot (hash tags honoured) and a batch is split per node. MOVED updates the
 //   map (and refreshes it), ASK is followed with ASKING; up to 5 redirects per key.
 // - Failover: a request that fails on its connection (the master is down), or with CLUSTERDOWN
-//   or TRYAGAIN, makes the client re-read the slot map (one re-read however many batches failed
-//   at once) and go again when its slot now has another master. Until a replica is promoted
+//   or TRYAGAIN, makes the client re-read the slot map (at most every 50 ms however many
+//   batches fail) and go again when its slot now has another master. Until a replica is promoted
 //   (the cluster's node timeout, plus its election) such requests are per-key errors; then they
 //   succeed, and keys the dead master had not yet replicated read as misses.
 // - "read_from_replicas": GET and EXISTS go to a replica of their slot (connections that send

@@ -66,7 +66,7 @@ struct Settings {
                trees = 2, branching = 3, depth = 3, tenants = 1;
   std::string length_dist = "uniform";
   double request_rate = 0;
-  std::int64_t max_inflight = 0;
+  std::int64_t max_inflight = 0, l3_detach_every = 0;
   bool barrier = false;
   // The cache's settings (HiCacheConfig's JSON keys): the main job's, then the user's.
   json cache;
@@ -181,6 +181,8 @@ const std::vector<Option>& options() {
       BOOL_OPT(keep_storage, "keep the file store and a stable key namespace (warm restarts)"),
       STR_OPT(redis, "Redis for the redis tier: HOST:PORT, or HOST:PORT,HOST:PORT,... (cluster)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
+      INT_OPT(l3_detach_every, 0, "detach L3 every N engine steps and attach it again N steps "
+                                  "later (the store reopened from the config); 0: never (0)"),
       DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
                                      "within this many seconds fails the run; 0: no limit (600)"),
       STR_OPT(report, "write the JSON report here"),
@@ -452,7 +454,8 @@ wl::RunOptions run_options(const Settings& s, const std::string& label, int inst
                         .barrier = s.barrier || instances > 1,
                         .seed = static_cast<std::uint64_t>(s.seed),
                         .label = label,
-                        .progress = s.progress};
+                        .progress = s.progress,
+                        .l3_detach_every = s.l3_detach_every};
 }
 
 // One process: the stack, the run, then every write and backup landed (kept stores hold it all).

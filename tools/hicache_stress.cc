@@ -11,9 +11,15 @@
 //   disk_full   the file store's disk filled to the last byte for a window (a tmpfs the tool
 //               mounts, with a ballast file; without the right to mount, sets fail with ENOSPC
 //               through the injector instead; Redis: the injector)
-//   redis_restart  redis-server killed (SIGKILL) and started again, empty, on the same port
+//   redis_restart  a redis-server of the cluster killed (SIGKILL) and started again, empty, on
+//               the same port
+//   redis_failover a master killed; its replica takes over after the cluster's node timeout; at
+//               the window's end the old master comes back, as a replica
 //   host_exhaust   every free host page taken for a window (another tenant of the pool)
 //   reset       HiRadixCache::reset through SimulatedEngine::reset in the middle of traffic
+//   l3_detach   L3 detached (HiCache::detach_storage) for a window, then attached again
+//
+// The Redis run uses a cluster of 3 masters with a replica each (cluster-node-timeout 1 s).
 //
 // Every page the engine reads from any tier is verified byte for byte against the data its
 // token prefix derives. At the end the faults stop, the engine drains, every write and backup
@@ -60,9 +66,10 @@ using hicache::InvalidArgument;
 using hicache::str_cat;
 using Clock = std::chrono::steady_clock;
 
-const std::vector<std::string> kFaults = {"error",    "exists",    "slow",          "timeout",
-                                          "corrupt",  "truncate",  "disk_full",     "redis_restart",
-                                          "host_exhaust", "reset"};
+const std::vector<std::string> kFaults = {
+    "error",        "exists", "slow",     "timeout",  "corrupt", "truncate", "disk_full",
+    "redis_restart", "redis_failover", "host_exhaust", "reset", "l3_detach"};
+constexpr int kRedisNodeTimeoutMs = 1000;
 
 struct Settings {
   double seconds = 60;
@@ -75,8 +82,9 @@ struct Settings {
   double error_rate = 0.02, exists_error_rate = 0.01, slow_rate = 0.05, timeout_rate = 0.005;
   int slow_ms = 20, timeout_ms = 50;
   double corrupt_every_s = 0.2, truncate_every_s = 0.5, disk_full_every_s = 7,
-         disk_full_window_s = 1, redis_restart_every_s = 10, host_exhaust_every_s = 4,
-         host_exhaust_window_s = 0.5, reset_every_s = 6;
+         disk_full_window_s = 1, redis_restart_every_s = 10, redis_failover_every_s = 12,
+         redis_failover_window_s = 4, host_exhaust_every_s = 4, host_exhaust_window_s = 0.5,
+         reset_every_s = 6, l3_detach_every_s = 8, l3_detach_window_s = 1;
   std::int64_t tmpfs_mb = 64;
   std::string report;
   bool progress = true;
@@ -87,15 +95,19 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --steps N               stop after N engine steps instead (0: by time)
   --seed N                workload and fault seed (1)
   --storage file|redis    L3: a file store on a tmpfs it mounts (or a temporary directory), or
-                          a redis-server it starts on a free loopback port (file)
+                          a Redis Cluster it starts on free loopback ports (3 masters with a
+                          replica each) (file)
   --faults LIST|all|none  comma list of: error, exists, slow, timeout, corrupt, truncate,
-                          disk_full, redis_restart, host_exhaust, reset (all)
+                          disk_full, redis_restart, redis_failover, host_exhaust, reset,
+                          l3_detach (all)
   --error-rate P          per key of a get/set (0.02)     --exists-error-rate P  (0.01)
   --slow-rate P           per batch (0.05)                --slow-ms N            (20)
   --timeout-rate P        per batch (0.005)               --timeout-ms N         (50)
   --corrupt-every-s S     (0.2)                           --truncate-every-s S   (0.5)
   --disk-full-every-s S   (7)                             --disk-full-window-s S (1)
   --redis-restart-every-s S (10)
+  --redis-failover-every-s S (12)                         --redis-failover-window-s S (4)
+  --l3-detach-every-s S   (8)                             --l3-detach-window-s S (1)
   --host-exhaust-every-s S (4)                            --host-exhaust-window-s S (0.5)
   --reset-every-s S       (6)
   --tmpfs-mb N            size of the file store's tmpfs (64)
@@ -153,6 +165,10 @@ Settings parse(int argc, char** argv) {
       {"--disk-full-every-s", &s.disk_full_every_s},
       {"--disk-full-window-s", &s.disk_full_window_s},
       {"--redis-restart-every-s", &s.redis_restart_every_s},
+      {"--redis-failover-every-s", &s.redis_failover_every_s},
+      {"--redis-failover-window-s", &s.redis_failover_window_s},
+      {"--l3-detach-every-s", &s.l3_detach_every_s},
+      {"--l3-detach-window-s", &s.l3_detach_window_s},
       {"--host-exhaust-every-s", &s.host_exhaust_every_s},
       {"--host-exhaust-window-s", &s.host_exhaust_window_s},
       {"--reset-every-s", &s.reset_every_s}};
@@ -322,34 +338,45 @@ int run(const Settings& s) {
   using namespace hicache;
   auto on = [&](const std::string& f) { return s.faults.count(f) != 0; };
   std::unique_ptr<Tmpfs> tmpfs;
-  std::unique_ptr<bench::RedisProcess> redis;
+  std::unique_ptr<bench::RedisDeployment> redis;
   std::string storage_json;
   fs::path store_root;
   if (s.storage == "file") {
     tmpfs = std::make_unique<Tmpfs>(s.tmpfs_mb);
     store_root = tmpfs->store();
-    // Capacity below the tmpfs: eviction keeps it from filling except when the ballast does.
-    storage_json = nlohmann::json{{"backend", "file"},
-                                  {"root", store_root.string()},
-                                  {"capacity_bytes", s.tmpfs_mb * 3 / 4 << 20}}
-                       .dump();
+    // On the tmpfs the store's capacity follows the filesystem (its free space less the
+    // reserve), and the ballast makes the disk fill under it: real ENOSPC, evictions and
+    // shrinks. Without a tmpfs the store sits on the machine's disk: a fixed capacity then.
+    nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}};
+    if (!tmpfs->mounted()) file["capacity_bytes"] = s.tmpfs_mb * 3 / 4 << 20;
+    storage_json = file.dump();
     std::printf("[hicache-stress] file store on %s (%s)\n", store_root.c_str(),
                 tmpfs->mounted() ? str_cat("tmpfs of ", s.tmpfs_mb, " MiB").c_str()
                                  : str_cat("no tmpfs: ", tmpfs->why_not(),
                                            "; a full disk is injected").c_str());
   } else {
-    redis = std::make_unique<bench::RedisProcess>();
+    redis = std::make_unique<bench::RedisDeployment>();
     std::string error;
-    if (!redis->start({"--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"}, &error)) {
-      std::fprintf(stderr, "hicache-stress: cannot start redis-server: %s\n", error.c_str());
+    if (!redis->start(3, /*cluster=*/true, &error, /*replicas=*/1, kRedisNodeTimeoutMs,
+                      {"--maxmemory", "96mb", "--maxmemory-policy", "allkeys-lru"})) {
+      std::fprintf(stderr, "hicache-stress: cannot start the redis cluster: %s\n", error.c_str());
       return 1;
     }
-    storage_json = nlohmann::json{{"backend", "redis"}, {"host", "127.0.0.1"}, {"port", redis->port()},
-                                  {"timeout_ms", 500}}
+    nlohmann::json nodes = nlohmann::json::array();
+    std::string listed;
+    for (int p : redis->ports()) {
+      nodes.push_back(str_cat("127.0.0.1:", p));
+      listed += str_cat(" ", p);
+    }
+    storage_json = nlohmann::json{{"backend", "redis"},       {"cluster", true},
+                                  {"nodes", nodes},           {"timeout_ms", 500},
+                                  {"connect_timeout_ms", 300}, {"reconnect_backoff_ms", {20, 500}}}
                        .dump();
-    std::printf("[hicache-stress] redis-server on 127.0.0.1:%d\n", redis->port());
+    std::printf("[hicache-stress] redis cluster, 3 masters with a replica each, on 127.0.0.1 "
+                "ports%s\n",
+                listed.c_str());
   }
-  auto faulty = std::make_unique<stress::FaultInjectingStorage>(make_storage(storage_json), s.seed);
+  auto faulty = std::make_shared<stress::FaultInjectingStorage>(make_storage(storage_json), s.seed);
   stress::FaultInjectingStorage* inject = faulty.get();
   const stress::FaultRates rates{.error = on("error") ? s.error_rate : 0,
                                  .exists_error = on("exists") ? s.exists_error_rate : 0,
@@ -360,7 +387,7 @@ int run(const Settings& s) {
   inject->set_rates(rates);
   std::unique_ptr<stress::Corruptor> corruptor =
       s.storage == "file" ? stress::make_file_corruptor(store_root)
-                          : stress::make_redis_corruptor(redis->port());
+                          : stress::make_redis_corruptor([&redis] { return redis->masters(); });
 
   workload::StackConfig config;
   nlohmann::json cache = s.cache;
@@ -368,7 +395,7 @@ int run(const Settings& s) {
   config.cache = HiCacheConfig::from_json_text(cache.dump());
   config.engine.max_batch = 8;
   config.engine.max_prefetches = 4;
-  workload::EngineStack stack(config, std::move(faulty));
+  workload::EngineStack stack(config, faulty);
   SimulatedEngine& engine = stack.engine();
   const std::int32_t page = config.cache.geometry.page_size;
   RequestSource source(s.seed, page);
@@ -380,15 +407,32 @@ int run(const Settings& s) {
   add("corrupt", s.corrupt_every_s, 0);
   add("truncate", s.truncate_every_s, 0);
   add("disk_full", s.disk_full_every_s, s.disk_full_window_s);
-  if (s.storage == "redis") add("redis_restart", s.redis_restart_every_s, 0);
+  if (s.storage == "redis") {
+    add("redis_restart", s.redis_restart_every_s, 0);
+    add("redis_failover", s.redis_failover_every_s, s.redis_failover_window_s);
+  }
+  add("l3_detach", s.l3_detach_every_s, s.l3_detach_window_s);
   add("host_exhaust", s.host_exhaust_every_s, s.host_exhaust_window_s);
   add("reset", s.reset_every_s, 0);
 
   std::int64_t submitted = 0, finished = 0, aborted = 0, corrupt_injected = 0, restart_failures = 0;
   std::vector<std::int64_t> held_host;
   std::mt19937_64& rng = source.rng();
+  int failed_master = 0;  // the port of the master redis_failover killed, while down
+  auto restart_redis = [&](int port) {
+    std::string error;
+    if (!redis->server_on(port)->restart(&error)) {
+      ++restart_failures;
+      std::fprintf(stderr, "hicache-stress: redis restart failed: %s\n", error.c_str());
+    }
+  };
   auto close_window = [&](Periodic& p) {
-    if (p.name == "disk_full") {
+    if (p.name == "redis_failover") {
+      if (failed_master != 0) restart_redis(failed_master);  // it rejoins as a replica
+      failed_master = 0;
+    } else if (p.name == "l3_detach") {
+      if (stack.storage() == nullptr) stack.hicache().attach_storage(faulty);
+    } else if (p.name == "disk_full") {
       if (tmpfs && tmpfs->mounted()) tmpfs->release_ballast();
       inject->set_disk_full(false);
     } else if (p.name == "host_exhaust" && !held_host.empty()) {
@@ -418,11 +462,21 @@ int run(const Settings& s) {
         inject->set_disk_full(true);
       }
     } else if (p.name == "redis_restart") {
-      std::string error;
-      if (!redis->restart(&error)) {
-        ++restart_failures;
-        std::fprintf(stderr, "hicache-stress: redis restart failed: %s\n", error.c_str());
+      std::vector<int> up;
+      for (int port : redis->ports()) {
+        if (redis->server_on(port)->running()) up.push_back(port);
       }
+      restart_redis(up[rng() % up.size()]);
+    } else if (p.name == "redis_failover") {
+      const std::vector<int> masters = redis->masters();
+      if (masters.empty()) {
+        --p.fired;
+      } else {
+        failed_master = masters[rng() % masters.size()];
+        redis->server_on(failed_master)->stop();
+      }
+    } else if (p.name == "l3_detach") {
+      stack.hicache().detach_storage();
     } else if (p.name == "host_exhaust") {
       const std::int64_t free = stack.host_pool().free_tokens() / page * page;
       if (free > 0) {
@@ -478,6 +532,14 @@ int run(const Settings& s) {
   }
   inject->set_rates({});
   inject->set_disk_full(false);
+  if (redis) {
+    // Every server back and the cluster whole again before the end checks.
+    std::string error;
+    if (!redis->wait_healthy(60, &error)) {
+      ++restart_failures;
+      std::fprintf(stderr, "hicache-stress: the redis cluster did not recover: %s\n", error.c_str());
+    }
+  }
   engine.run_until_idle(50'000'000);
   engine.flush();
   drain();
@@ -584,6 +646,9 @@ int run(const Settings& s) {
       {"storage_op_failures_seen", sc ? sc->failed_ops() : 0},
       {"storage_get_errors", inner.get_errors},
       {"storage_set_errors", inner.set_errors},
+      {"storage_topology_refreshes", inner.topology_refreshes},
+      {"storage_capacity_shrinks", inner.capacity_shrinks},
+      {"storage_evictions", inner.evictions},
       {"corruptions_injected", corrupt_injected},
       {"corruptions_detected", detected},
       {"corruptions_not_read", std::max<std::int64_t>(0, corrupt_injected - detected)},

@@ -162,6 +162,21 @@ TEST(HicacheBench, TenantsNeverHitEachOthersPages) {
   EXPECT_NE(run_bench("--tenants 0").status, 0);
 }
 
+// --l3-detach-every: L3 goes away and comes back (reopened from the config) during the run;
+// every page still verifies, the report adds up, and L3 served hits across the windows.
+TEST(HicacheBench, L3DetachedAndAttachedMidRunStillVerifiesEveryPage) {
+  TempFile report("hicache-bench-detach.json");
+  const BenchRun r = run_bench(kTiny + "--clients 4 --rounds 5 --tiers file --l3-detach-every 20 "
+                                       "--report " + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json c = read_json(report.path)["configurations"][0];
+  check_adds_up(c, 20);
+  EXPECT_GE(c["counters"]["l3_detaches"].get<double>(), 2) << r.output;
+  EXPECT_GT(c["tiers"]["l2_to_l3"]["pages"].get<double>(), 0);
+  EXPECT_GT(c["verified_pages"].get<double>(), 0);
+  EXPECT_NE(run_bench("--l3-detach-every -1").status, 0);
+}
+
 // An instance that does not finish a round within --instance-timeout-s fails the run (exit 1,
 // naming the instance and the round) instead of holding the parent for ever; the parent kills
 // and reaps every instance before it returns. Here each round lasts at least 10 s (1000

@@ -182,10 +182,10 @@ class FileCorruptor final : public Corruptor {
 
 class RedisCorruptor final : public Corruptor {
  public:
-  explicit RedisCorruptor(int port) : port_(port) {}
+  explicit RedisCorruptor(std::function<std::vector<int>()> ports) : ports_(std::move(ports)) {}
 
   bool flip_byte(std::mt19937_64& rng) override {
-    bench::RespClient c(port_);
+    bench::RespClient c(pick(rng));
     std::string key, value;
     if (!random_record(c, key, value)) return false;
     const std::size_t at = rng() % value.size();
@@ -195,7 +195,7 @@ class RedisCorruptor final : public Corruptor {
   }
 
   bool truncate(std::mt19937_64& rng) override {
-    bench::RespClient c(port_);
+    bench::RespClient c(pick(rng));
     std::string key, value;
     if (!random_record(c, key, value)) return false;
     return c.command({"SET", key, std::string_view(value).substr(0, rng() % value.size())}) == "+OK";
@@ -211,7 +211,12 @@ class RedisCorruptor final : public Corruptor {
     return !value.empty() && value != "$-1";
   }
 
-  int port_;
+  int pick(std::mt19937_64& rng) const {
+    const std::vector<int> ports = ports_();
+    return ports.empty() ? 0 : ports[rng() % ports.size()];
+  }
+
+  std::function<std::vector<int>()> ports_;
 };
 
 }  // namespace
@@ -220,8 +225,8 @@ std::unique_ptr<Corruptor> make_file_corruptor(fs::path root) {
   return std::make_unique<FileCorruptor>(std::move(root));
 }
 
-std::unique_ptr<Corruptor> make_redis_corruptor(int port) {
-  return std::make_unique<RedisCorruptor>(port);
+std::unique_ptr<Corruptor> make_redis_corruptor(std::function<std::vector<int>()> ports) {
+  return std::make_unique<RedisCorruptor>(std::move(ports));
 }
 
 }  // namespace hicache::stress

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -85,7 +86,8 @@ class Corruptor {
 
 // Records are the regular files directly under `root` (not .tmp/ or .trash/).
 std::unique_ptr<Corruptor> make_file_corruptor(std::filesystem::path root);
-// Over a RESP connection to the server on `port` (127.0.0.1).
-std::unique_ptr<Corruptor> make_redis_corruptor(int port);
+// Over RESP connections to 127.0.0.1: a record of a server `ports` returns (asked each time: the
+// masters of a cluster change with failovers), chosen at random.
+std::unique_ptr<Corruptor> make_redis_corruptor(std::function<std::vector<int>()> ports);
 
 }  // namespace hicache::stress

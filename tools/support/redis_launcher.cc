@@ -347,11 +347,11 @@ RedisProcess::~RedisProcess() {
 }
 
 bool RedisDeployment::start(int nodes, bool cluster, std::string* error, int replicas,
-                            int node_timeout_ms) {
-  std::vector<std::string> extra;
+                            int node_timeout_ms, const std::vector<std::string>& more) {
+  std::vector<std::string> extra = more;
   if (cluster) {
-    extra = {"--cluster-enabled",      "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", std::to_string(node_timeout_ms)};
+    extra.insert(extra.end(), {"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                               "--cluster-node-timeout", std::to_string(node_timeout_ms)});
   } else {
     replicas = 0;
   }

@@ -91,10 +91,11 @@ class RedisProcess {
 // One server (nodes == 1, no cluster mode) or a cluster of `nodes` masters, each with `replicas`
 // replicas, formed with redis-cli --cluster create (cluster-node-timeout `node_timeout_ms`) and
 // waited for until every node says cluster_state:ok and every replica's link to its master is up.
+// `extra`: more redis-server arguments for every server.
 class RedisDeployment {
  public:
   bool start(int nodes, bool cluster, std::string* error, int replicas = 0,
-             int node_timeout_ms = 5000);
+             int node_timeout_ms = 5000, const std::vector<std::string>& extra = {});
   std::vector<int> ports() const;  // every server's, masters and replicas alike
   // The server on `port` (nullptr when none of ours): to kill and restart it.
   RedisProcess* server_on(int port);

@@ -3,7 +3,7 @@
 namespace hicache::workload {
 namespace {
 
-HiCacheParts parts_with(std::unique_ptr<StorageBackend> storage) {
+HiCacheParts parts_with(std::shared_ptr<StorageBackend> storage) {
   HiCacheParts parts;
   parts.storage = std::move(storage);
   return parts;
@@ -11,7 +11,7 @@ HiCacheParts parts_with(std::unique_ptr<StorageBackend> storage) {
 
 }  // namespace
 
-EngineStack::EngineStack(const StackConfig& c, std::unique_ptr<StorageBackend> storage)
+EngineStack::EngineStack(const StackConfig& c, std::shared_ptr<StorageBackend> storage)
     : hicache_(c.cache, parts_with(std::move(storage))) {
   auto engine = c.engine;
   engine.use_storage = engine.use_storage && hicache_.storage_controller() != nullptr;

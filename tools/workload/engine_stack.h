@@ -19,7 +19,7 @@ class EngineStack {
  public:
   // `storage`: a backend to use instead of building one from config.cache.storage (the stress
   // tool's fault injector wraps one); nullptr: built from the JSON when it is not empty.
-  explicit EngineStack(const StackConfig& config, std::unique_ptr<StorageBackend> storage = nullptr);
+  explicit EngineStack(const StackConfig& config, std::shared_ptr<StorageBackend> storage = nullptr);
   ~EngineStack();
   EngineStack(const EngineStack&) = delete;
   EngineStack& operator=(const EngineStack&) = delete;

@@ -18,6 +18,12 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// A metric of the cache's registry, rank 0 (0 when absent).
+static double cache_metric(const EngineStack& stack, const char* name, MetricLabels labels) {
+  labels.insert(labels.begin(), {"tp_rank", "0"});
+  return std::max(0.0, const_cast<EngineStack&>(stack).hicache().metrics().value(name, labels));
+}
+
 // The steady clock's time point of a now_seconds() value.
 static std::chrono::steady_clock::time_point steady_time(double seconds) {
   return std::chrono::steady_clock::time_point(
@@ -103,6 +109,7 @@ void Runner::run_rounds(int first_round, int last_round) {
     while (cursor < todo.size() && sent_[static_cast<std::size_t>(todo[cursor])]) ++cursor;
 
     const bool busy = engine.step();
+    if (options_.l3_detach_every > 0 && ++steps_ % options_.l3_detach_every == 0) toggle_l3();
     bool finished_any = false;
     for (FinishedRequest& f : engine.drain_finished()) {
       finished_any = true;
@@ -163,8 +170,22 @@ void Runner::run_rounds(int first_round, int last_round) {
     }
     report_progress(false);
   }
+  if (l3_detached_) toggle_l3();  // L3 back for what follows (a flush, the next rounds)
   sample();
   report_progress(true);
+}
+
+void Runner::toggle_l3() {
+  HiCache& hc = stack_.hicache();
+  if (l3_detached_) {
+    hc.attach_storage();
+    l3_detached_ = false;
+  } else if (hc.storage() != nullptr) {
+    for (const auto& [k, v] : l3_counters()) retired_l3_[k] += v;
+    hc.detach_storage();
+    l3_detached_ = true;
+    ++l3_detaches_;
+  }
 }
 
 void Runner::flush() {
@@ -237,16 +258,8 @@ InstanceResult Runner::result() const {
   c["compute_seconds"] = e.compute_seconds;
   c["step_seconds"] = e.step_seconds;
   // The tiers' totals come from the cache's metrics registry (what /metrics serves).
-  const MetricsRegistry& m = const_cast<EngineStack&>(stack_).hicache().metrics();
   const auto metric = [&](const char* name, MetricLabels labels) {
-    labels.insert(labels.begin(), {"tp_rank", "0"});
-    return std::max(0.0, m.value(name, labels));
-  };
-  const auto storage_keys = [&](const char* op, const char* result) {
-    const StorageBackend* b = const_cast<EngineStack&>(stack_).storage();
-    if (b == nullptr) return 0.0;
-    return metric("hicache_storage_keys_total",
-                  {{"backend", std::string(b->name())}, {"op", op}, {"result", result}});
+    return cache_metric(stack_, name, std::move(labels));
   };
   c["evicted_device_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "device"}});
   c["evicted_host_tokens"] = metric("hicache_evicted_tokens_total", {{"tier", "host"}});
@@ -265,23 +278,37 @@ InstanceResult Runner::result() const {
       metric("hicache_ops_total", {{"direction", "l1_to_l2"}, {"outcome", "failed"}});
   c["controller_load_failures"] =
       metric("hicache_ops_total", {{"direction", "l2_to_l1"}, {"outcome", "failed"}});
+  for (const auto& [k, v] : l3_counters()) c[k] = v;
+  for (const auto& [k, v] : retired_l3_) c[k] += v;
+  if (options_.l3_detach_every > 0) c["l3_detaches"] = static_cast<double>(l3_detaches_);
+  out.first_mismatch = stack_.engine().first_mismatch();
+  return out;
+}
+
+std::map<std::string, double> Runner::l3_counters() const {
+  std::map<std::string, double> c;
+  const auto metric = [&](const char* name, MetricLabels labels) {
+    return cache_metric(stack_, name, std::move(labels));
+  };
   c["l2_to_l3_bytes"] = metric("hicache_bytes_total", {{"direction", "l2_to_l3"}});
   c["l3_to_l2_bytes"] = metric("hicache_bytes_total", {{"direction", "l3_to_l2"}});
   c["l3_to_l2_seconds"] = 0;
-  if (const StorageController* sc = stack_.storage_controller()) {
+  if (const StorageController* sc = const_cast<EngineStack&>(stack_).storage_controller()) {
     c["l3_to_l2_seconds"] = sc->read_seconds();
   }
   c["storage_errors"] = metric("hicache_storage_op_failures_total", {});
-  if (const_cast<EngineStack&>(stack_).storage() != nullptr) {
+  if (const StorageBackend* b = const_cast<EngineStack&>(stack_).storage()) {
+    const auto storage_keys = [&](const char* op, const char* result) {
+      return metric("hicache_storage_keys_total",
+                    {{"backend", std::string(b->name())}, {"op", op}, {"result", result}});
+    };
     c["storage_get_errors"] = storage_keys("get", "error");
     c["storage_set_errors"] = storage_keys("set", "error");
     c["storage_get_misses"] = storage_keys("get", "miss");
-    const StorageBackend* b = const_cast<EngineStack&>(stack_).storage();
     c["storage_bad_records"] = metric("hicache_storage_bad_records_total",
                                       {{"backend", std::string(b->name())}});
   }
-  out.first_mismatch = stack_.engine().first_mismatch();
-  return out;
+  return c;
 }
 
 }  // namespace hicache::workload

@@ -24,6 +24,11 @@ struct RunOptions {
   std::uint64_t seed = 1;
   std::string label;        // progress lines
   bool progress = true;     // progress on stderr (a bar on a terminal, else a line each 5 s)
+  // > 0: every this many engine steps L3 is detached (HiCache::detach_storage) or, when
+  // detached, attached again from the config (attach_storage): L3 runs in windows, as an
+  // operator taking the store away and back would make it. The tiers' L3 figures add up over
+  // the windows.
+  std::int64_t l3_detach_every = 0;
 };
 
 struct RequestRecord {
@@ -65,6 +70,10 @@ class Runner {
  private:
   void sample();
   void report_progress(bool final);
+  // The figures the L3 store and its controller count (they go with a detach).
+  std::map<std::string, double> l3_counters() const;
+  // --l3_detach_every: detach or attach again.
+  void toggle_l3();
 
   EngineStack& stack_;
   const std::vector<PlannedRequest>& plan_;
@@ -77,6 +86,10 @@ class Runner {
   std::vector<std::size_t> record_at_;  // by plan index: its place in records_, once sent
   std::vector<RequestRecord> records_;
   std::map<std::string, double> maxima_;
+  std::map<std::string, double> retired_l3_;  // l3_counters() of the detached stores
+  std::int64_t steps_ = 0;
+  std::int64_t l3_detaches_ = 0;
+  bool l3_detached_ = false;  // by toggle_l3
   double started_ = 0;
   double last_progress_ = 0;
   std::int64_t cached_tokens_ = 0, prompt_tokens_ = 0;
