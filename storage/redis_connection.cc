@@ -34,7 +34,9 @@ namespace hicache::redis {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
-using TlsStream = asio::ssl::stream<tcp::socket&>;
+// Owns its socket: operations of a torn-down connection's stream can reach only that closed
+// socket, never the one the next connection opens.
+using TlsStream = asio::ssl::stream<tcp::socket>;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
 
@@ -157,12 +159,6 @@ std::string resp_command(std::initializer_list<std::string_view> args) {
   return out;
 }
 
-// async_write's completion condition: everything, in as few system calls as the socket takes.
-// (asio::transfer_all() caps each writev at 64 KiB: a pipeline of 256 KiB values cost 16 calls
-// per MiB and a third of the SET throughput redis-benchmark gets from one send per pipeline.)
-std::size_t transfer_all_unlimited(const boost::system::error_code& ec, std::size_t) {
-  return ec ? 0 : std::numeric_limits<std::size_t>::max();
-}
 
 constexpr std::size_t kMaxIovecs = 1024;  // IOV_MAX on Linux
 
@@ -261,7 +257,9 @@ class Connection::Impl {
 
   void on_submit(const std::vector<Request*>& reqs) {
     if (closed_) {
-      for (Request* r : reqs) finish_error(r, str_cat(name_, ": storage is shutting down"));
+      for (Request* r : reqs) {
+        finish_error(r, str_cat(name_, ": storage is shutting down"), /*unsent=*/true);
+      }
       return;
     }
     if (state_ == State::kIdle) {
@@ -291,7 +289,8 @@ class Connection::Impl {
       if (server_max_bulk_ != 0 && r->bulk_bytes > server_max_bulk_) {
         finish_error(r, str_cat(name_, ": value of ", r->bulk_bytes,
                                 " bytes exceeds the server's proto-max-bulk-len of ",
-                                server_max_bulk_, " bytes; not sent"));
+                                server_max_bulk_, " bytes; not sent"),
+                     /*unsent=*/true);
         continue;
       }
       if (r->asking) {
@@ -329,10 +328,18 @@ class Connection::Impl {
     auto done = [this, gen, seq, keep = tls_](const error_code& ec, std::size_t) {
       on_write_done(gen, seq, ec ? ec.message() : std::string());
     };
+    // Everything, in as few system calls as the socket takes (asio::transfer_all() caps each
+    // writev at 64 KiB: a pipeline of 256 KiB values cost 16 calls per MiB and a third of the
+    // SET throughput redis-benchmark gets from one send per pipeline), and nothing more once
+    // the connection was torn down: the buffers are the failed requests', which their callers
+    // may have freed. The condition runs on the strand before each step.
+    auto more = [this, gen](const error_code& ec, std::size_t) -> std::size_t {
+      return ec || gen != gen_ ? 0 : std::numeric_limits<std::size_t>::max();
+    };
     if (tls_) {
-      asio::async_write(*tls_, write_bufs_, transfer_all_unlimited, std::move(done));
+      asio::async_write(*tls_, write_bufs_, more, std::move(done));
     } else {
-      asio::async_write(socket_, write_bufs_, transfer_all_unlimited, std::move(done));
+      asio::async_write(socket_, write_bufs_, more, std::move(done));
     }
   }
 
@@ -528,10 +535,11 @@ class Connection::Impl {
     start_handshake();
   }
 
-  // A fresh TLS stream over the socket per connection. Its handlers hold it: a torn-down
-  // connection's stream lives until its aborted operations have completed.
+  // A fresh TLS stream per connection, which takes the connected socket over (socket_ is left
+  // closed, for the next connect). Its handlers hold it: a torn-down connection's stream lives
+  // until its aborted operations have completed.
   void start_tls(std::uint64_t gen) {
-    tls_ = std::make_shared<TlsStream>(socket_, *opt_.tls);
+    tls_ = std::make_shared<TlsStream>(std::move(socket_), *opt_.tls);
     SSL* ssl = tls_->native_handle();
     const std::string& name = opt_.tls_server_name.empty() ? opt_.host : opt_.tls_server_name;
     error_code not_ip;
@@ -630,9 +638,11 @@ class Connection::Impl {
     // Abandoned with requests in flight: reset rather than close, so the kernel drops what it
     // still holds to send, spliced bytes of the caller's pages among them, instead of sending it
     // after the caller has been told the batch failed and may have reused them.
-    if (socket_.is_open() && (writing_ || !pending_.empty())) {
-      socket_.set_option(asio::socket_base::linger(true, 0), ignored);
+    tcp::socket& sock = tls_ ? tls_->next_layer() : socket_;
+    if (sock.is_open() && (writing_ || !pending_.empty())) {
+      sock.set_option(asio::socket_base::linger(true, 0), ignored);
     }
+    sock.close(ignored);
     socket_.close(ignored);
     tls_.reset();  // its pending handlers hold it until they have run
     resolver_.cancel();
@@ -808,10 +818,12 @@ class Connection::Impl {
     r->completion->finish_one();  // r may be gone after this
   }
 
-  void finish_error(Request* r, std::string why) {
+  // `unsent`: refused here for what it is, not for the connection's state.
+  void finish_error(Request* r, std::string why, bool unsent = false) {
     if (r->completion == nullptr) return;  // a handshake request: the connection is going anyway
     r->outcome = Outcome::kIoError;
     r->text = std::move(why);
+    r->unsent = unsent;
     r->completion->finish_one();
   }
 

@@ -98,12 +98,14 @@ struct Request {
   Outcome outcome = Outcome::kPending;
   long long integer = 0;
   std::string text;
+  bool unsent = false;  // kIoError without reaching the server (refused here, or shutting down)
   std::unique_ptr<RespValue> array;
   Completion* completion = nullptr;
 
   void reset_outcome() {
     outcome = Outcome::kPending;
     integer = 0;
+    unsent = false;
     text.clear();
     array.reset();
   }

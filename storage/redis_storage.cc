@@ -127,7 +127,7 @@ constexpr int kMaxRedirects = 5;
 // A failure after which the slot map may have changed: the node's connection failed (it may be
 // down and its replica promoted), or the cluster says so.
 bool maybe_remapped(const Request& r) {
-  return r.outcome == Outcome::kIoError ||
+  return (r.outcome == Outcome::kIoError && !r.unsent) ||
          (r.outcome == Outcome::kServerError &&
           (r.text.starts_with("CLUSTERDOWN") || r.text.starts_with("TRYAGAIN")));
 }
@@ -444,7 +444,6 @@ class RedisStorage::Impl {
     todo.reserve(reqs.size());
     for (Request& r : reqs) todo.push_back(&r);
     for (int round = 0;; ++round) {
-      const std::uint64_t map_seen = refresh_gen_.load(std::memory_order_acquire);
       bool no_replica = false;  // a read the map names no replica for went to the master
       if (config_.cluster) {
         std::shared_lock lock(map_mu_);
@@ -455,14 +454,25 @@ class RedisStorage::Impl {
       }
       dispatch(todo, round == 0 ? prepare : Prepare{});
       if (!config_.cluster) return;
+      const auto answered_at = Clock::now();
       // A cluster lists a replica only once it has reported replicating (a new one, or one
       // whose master was just promoted): while reads find none, the map is re-read, at most
       // once per kReplicaRecheck.
-      if (no_replica && Clock::now() - last_refresh() >= kReplicaRecheck) refresh_slots(map_seen);
+      if (no_replica && answered_at - last_refresh() >= kReplicaRecheck) {
+        refresh_slots(answered_at);
+      }
       std::vector<Request*> again;
       std::vector<Request*> failed;
       bool moved = false;
       for (Request* r : todo) {
+        if (r->replica_ok && round < kMaxRedirects && replica_failed(*r)) {
+          // A replica down, loading or cut off from its master: its master answers instead.
+          r->replica_ok = false;
+          r->asking = false;
+          r->reset_outcome();
+          again.push_back(r);
+          continue;
+        }
         if (maybe_remapped(*r)) {
           failed.push_back(r);
           continue;
@@ -490,9 +500,9 @@ class RedisStorage::Impl {
         r->reset_outcome();
         again.push_back(r);
       }
-      if (moved) refresh_slots(map_seen);
+      if (moved) refresh_slots(answered_at);
       if (!failed.empty() && round < kMaxRedirects) {
-        if (!moved && Clock::now() - last_refresh() >= kFailureRecheck) refresh_slots(map_seen);
+        if (!moved && answered_at - last_refresh() >= kFailureRecheck) refresh_slots(answered_at);
         std::shared_lock lock(map_mu_);
         for (Request* r : failed) {
           if (route_locked(*r) == r->node && !r->asking) continue;  // nowhere else to go
@@ -504,6 +514,16 @@ class RedisStorage::Impl {
       if (again.empty()) return;
       todo.swap(again);
     }
+  }
+
+  // A read routed to a replica that failed there: on the connection, or because the replica
+  // cannot serve (LOADING, MASTERDOWN).
+  bool replica_failed(const Request& r) const {
+    const bool refused = r.outcome == Outcome::kServerError &&
+                         (r.text.starts_with("LOADING") || r.text.starts_with("MASTERDOWN"));
+    if (!refused && !(r.outcome == Outcome::kIoError && !r.unsent)) return false;
+    std::shared_lock lock(map_mu_);
+    return nodes_[r.node]->readonly;
   }
 
   // The node a request goes to: a replica of its slot when it may and one is known, else the
@@ -689,12 +709,12 @@ class RedisStorage::Impl {
 
   // Asks the known nodes in turn for CLUSTER SLOTS and installs the first valid answer: the
   // masters, and (read_from_replicas) a replica per range to read from, the ranges spread over
-  // their replicas. `seen`: the refresh generation the caller last routed with; when another
-  // thread has refreshed since, its map stands and this call returns at once (a failover's
-  // failed batches ask once, not once each).
-  void refresh_slots(std::optional<std::uint64_t> seen = std::nullopt) {
+  // their replicas. When another thread has started one since `not_before` (when the caller
+  // saw what makes it ask), that map is as new as the caller needs and this call returns at
+  // once (a failover's failed batches ask once, not once each).
+  void refresh_slots(std::optional<Clock::time_point> not_before = std::nullopt) {
     std::lock_guard refresh(refresh_mu_);
-    if (seen && refresh_gen_.load(std::memory_order_acquire) != *seen) return;
+    if (not_before && last_refresh() >= *not_before) return;
     ++owner_.counters_.topology_refreshes;
     last_refresh_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
     static constexpr std::string_view kClusterSlots = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
@@ -720,10 +740,8 @@ class RedisStorage::Impl {
             node_index_locked(host(replica), replica.port, /*readonly=*/true));
         std::fill(read_slots_.begin() + range.first, read_slots_.begin() + range.last + 1, ridx);
       }
-      refresh_gen_.fetch_add(1, std::memory_order_acq_rel);
       return;
     }
-    refresh_gen_.fetch_add(1, std::memory_order_acq_rel);  // nobody answered: asked all the same
   }
 
   // The connections' TLS context, or nullptr. A file that cannot be read: InvalidArgument
@@ -770,8 +788,7 @@ class RedisStorage::Impl {
   std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
   std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
   std::vector<std::int32_t> read_slots_;      // guarded by map_mu_; slot -> replica, -1 none
-  std::atomic<std::uint64_t> refresh_gen_{0};  // slot map refreshes done
-  std::atomic<Clock::rep> last_refresh_ns_{0};  // when the last one started
+  std::atomic<Clock::rep> last_refresh_ns_{0};  // when the last slot-map refresh started
   static constexpr auto kReplicaRecheck = std::chrono::seconds(1);
   // While a node fails, the map is re-read at most this often: an outage's failed batches do
   // not each cost a CLUSTER SLOTS, and a promotion is still seen within this long.

@@ -181,6 +181,9 @@ void Runner::toggle_l3() {
     hc.attach_storage();
     l3_detached_ = false;
   } else if (hc.storage() != nullptr) {
+    // The backups in flight land first (a detach would wait for them too), so that they are
+    // counted here before the counters go.
+    stack_.engine().flush();
     for (const auto& [k, v] : l3_counters()) retired_l3_[k] += v;
     hc.detach_storage();
     l3_detached_ = true;
