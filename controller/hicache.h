@@ -64,8 +64,8 @@ struct HiCacheParts {
   HiCacheCollectives collectives;
   // The engine's KV memory, wrapped in place instead of allocated (never freed by hicache; the
   // engine keeps it alive and unmoved while the HiCache lives). Device: one buffer
-  // (device_kv, of config.device_tokens slots) or per-layer K/V buffers (device_k, device_v, at
-  // a constant stride); host: one buffer of config's host tokens in config.host_layout, in
+  // (device_kv, of config.device_tokens slots) or per-layer K/V buffers (device_k, device_v,
+  // wherever they lie: see DeviceKVPool); host: one buffer of config's host tokens in config.host_layout, in
   // host_kv.order. Empty: allocated by the device runtime.
   std::optional<ExternalKVBuffer> device_kv;
   std::vector<void*> device_k, device_v;

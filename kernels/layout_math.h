@@ -28,21 +28,39 @@ struct LayoutDesc {
   std::int64_t token_stride = 0; // bytes between consecutive tokens of one page
   std::int64_t layer_stride = 0; // bytes between layer l and layer l + 1
   std::int64_t kv_stride = 0;    // bytes between K and V of the same token and layer
+  // Buffers per (layer, kv) at unrelated addresses (an engine's per-layer tensors): the byte
+  // offset from `base` of the buffer of (layer, kv) is layer_offsets[layer * num_kv + kv], and
+  // layer_stride and kv_stride are unused. Null: layer * layer_stride + kv * kv_stride. The
+  // same table twice: in host memory for the CPU (plans, the CPU path), and in device memory for
+  // the kernels (the host copy on the host emulation). Both outlive every transfer that uses
+  // the layout.
+  const std::int64_t* layer_offsets = nullptr;
+  const std::int64_t* layer_offsets_device = nullptr;
+  std::int64_t layer_offsets_bits = 0;  // the table's entries ORed (their common alignment)
 };
+
+// Byte offset from `d.base` of the buffer of (layer, kv).
+HICACHE_HD std::int64_t layer_offset(const LayoutDesc& d, std::int32_t layer, std::int32_t kv) {
+#if defined(__CUDA_ARCH__)
+  const std::int64_t* table = d.layer_offsets_device;
+#else
+  const std::int64_t* table = d.layer_offsets;
+#endif
+  return table != nullptr ? table[layer * d.num_kv + kv] : layer * d.layer_stride + kv * d.kv_stride;
+}
 
 // Byte offset from `d.base` of the unit (layer, kv, token slot).
 HICACHE_HD std::int64_t unit_offset(const LayoutDesc& d, std::int32_t layer, std::int32_t kv,
                                     std::int64_t token) {
   const std::int64_t page = token / d.page_size;
   const std::int64_t in_page = token - page * d.page_size;
-  return page * d.page_stride + in_page * d.token_stride + layer * d.layer_stride +
-         kv * d.kv_stride;
+  return page * d.page_stride + in_page * d.token_stride + layer_offset(d, layer, kv);
 }
 
 // Byte offset of the first unit of page `page` for (layer, kv).
 HICACHE_HD std::int64_t page_unit_offset(const LayoutDesc& d, std::int32_t layer, std::int32_t kv,
                                          std::int64_t page) {
-  return page * d.page_stride + layer * d.layer_stride + kv * d.kv_stride;
+  return page * d.page_stride + layer_offset(d, layer, kv);
 }
 
 // True when the tokens of one page of one (layer, kv) lie back to back, so that the page's

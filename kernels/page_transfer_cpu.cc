@@ -24,7 +24,7 @@ std::int32_t transfer_vector_bytes(const PageTransfer& t) {
                        reinterpret_cast<std::uintptr_t>(t.src.base);
   for (const LayoutDesc* d : {&t.dst, &t.src}) {
     bits |= static_cast<std::uint64_t>(d->page_stride | d->token_stride | d->layer_stride |
-                                       d->kv_stride | d->unit_bytes);
+                                       d->kv_stride | d->unit_bytes | d->layer_offsets_bits);
   }
   bits |= 16;  // cap at 16 bytes
   return static_cast<std::int32_t>(bits & (~bits + 1));  // lowest set bit

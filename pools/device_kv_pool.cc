@@ -64,17 +64,12 @@ DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int6
   }
   const auto at = [&](std::size_t i) { return static_cast<std::int64_t>(all[i]); };
   const std::int64_t layer_stride = layers > 1 ? at(1) - at(0) : run;
+  bool one_stride = true;  // one allocation cut into layers: addressed by strides
   for (std::size_t l = 0; l < layers; ++l) {
     for (std::size_t c = 0; c < kv; ++c) {
       const std::size_t i = c * layers + l;
-      const std::int64_t want = at(c * layers) + static_cast<std::int64_t>(l) * layer_stride;
-      if (at(i) != want) {
-        throw InvalidArgument(str_cat("DeviceKVPool: the ", c == 0 ? "K" : "V", " buffer of layer ",
-                                      l, " is at ", reinterpret_cast<void*>(all[i]),
-                                      ", not at the constant layer stride ", layer_stride,
-                                      " from layer 0: the engine's buffers must come from one "
-                                      "allocation cut into layers"));
-      }
+      one_stride = one_stride &&
+                   at(i) == at(c * layers) + static_cast<std::int64_t>(l) * layer_stride;
     }
   }
   std::vector<std::uintptr_t> sorted = all;
@@ -91,9 +86,32 @@ DeviceKVPool::DeviceKVPool(Device& device, const KVGeometry& geometry, std::int6
   for (std::uintptr_t p : all) {
     memory_.push_back(device.wrap_device(reinterpret_cast<void*>(p), static_cast<std::size_t>(run)));
   }
-  desc_ = make_device_layout(geometry_, num_tokens, k[0]);
-  desc_.layer_stride = layer_stride;
-  desc_.kv_stride = kv == 2 ? at(layers) - at(0) : 0;
+  if (one_stride) {
+    desc_ = make_device_layout(geometry_, num_tokens, k[0]);
+    desc_.layer_stride = layer_stride;
+    desc_.kv_stride = kv == 2 ? at(layers) - at(0) : 0;
+    return;
+  }
+  // Unrelated addresses: a table of each buffer's offset from the lowest, in host memory and
+  // copied to device memory for the kernels.
+  desc_ = make_device_layout(geometry_, num_tokens, reinterpret_cast<void*>(sorted.front()));
+  desc_.layer_stride = 0;
+  desc_.kv_stride = 0;
+  layer_offsets_.resize(layers * kv);
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t c = 0; c < kv; ++c) {
+      const std::int64_t offset = at(c * layers + l) - static_cast<std::int64_t>(sorted.front());
+      layer_offsets_[l * kv + c] = offset;
+      desc_.layer_offsets_bits |= offset;
+    }
+  }
+  const std::size_t table_bytes = layer_offsets_.size() * sizeof(std::int64_t);
+  layer_offsets_device_ = device.alloc_device(table_bytes);
+  auto stream = device.create_stream();
+  stream->copy_async(layer_offsets_device_.data(), layer_offsets_.data(), table_bytes);
+  stream->synchronize();
+  desc_.layer_offsets = layer_offsets_.data();
+  desc_.layer_offsets_device = reinterpret_cast<const std::int64_t*>(layer_offsets_device_.data());
 }
 
 void DeviceKVPool::use_allocator(std::int64_t num_tokens, TokenSlotAllocator* engine_allocator) {

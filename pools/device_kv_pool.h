@@ -33,10 +33,10 @@ class DeviceKVPool {
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
                const ExternalKVBuffer& external, TokenSlotAllocator* engine_allocator = nullptr);
   // Wraps the engine's per-layer buffers: k[l] (and v[l] for MHA), each [num_tokens][unit] of
-  // exactly `buffer_bytes` (SGLang's k_buffer / v_buffer lists). They must lie at one constant
-  // stride from layer to layer (as one allocation cut into layers puts them) and not overlap;
-  // buffers at unrelated addresses are refused naming the first one off the stride (the copy
-  // kernels address every layer from one base).
+  // exactly `buffer_bytes` (SGLang's k_buffer / v_buffer lists), not overlapping. Buffers at one
+  // constant stride from layer to layer (one allocation cut into layers) are addressed by
+  // strides; buffers at unrelated addresses (one allocation each) through a table of their
+  // offsets, kept in host and in device memory (LayoutDesc::layer_offsets).
   DeviceKVPool(Device& device, const KVGeometry& geometry, std::int64_t num_tokens,
                std::span<void* const> k, std::span<void* const> v, std::size_t buffer_bytes,
                TokenSlotAllocator* engine_allocator = nullptr);
@@ -81,6 +81,8 @@ class DeviceKVPool {
   void use_allocator(std::int64_t num_tokens, TokenSlotAllocator* engine_allocator);
 
   std::vector<Buffer> memory_;  // one buffer, or the engine's per-layer buffers
+  std::vector<std::int64_t> layer_offsets_;  // per-layer buffers at unrelated addresses
+  Buffer layer_offsets_device_;              // the same table, for the kernels
   LayoutDesc desc_;
   std::unique_ptr<PagedTokenAllocator> own_allocator_;
   TokenSlotAllocator* allocator_ = nullptr;

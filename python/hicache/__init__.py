@@ -102,8 +102,8 @@ class HiCache:
     The engine's KV tensors, when given, are the pools' memory, wrapped in place and never
     freed, copied or moved (the cache keeps a reference to them): `device_kv` one tensor of the
     device pool (SGLang's order: MHA (2, L, S, H, D), MLA (L, S, 1, D)), or `device_k` /
-    `device_v` lists of per-layer tensors (S, H, D) cut from one allocation at a constant
-    stride; `host_kv` one tensor in the config's host_layout (SGLang's kv_buffer shapes).
+    `device_v` lists of per-layer tensors (S, H, D), SGLang's k_buffer / v_buffer, allocated
+    together or one by one; `host_kv` one tensor in the config's host_layout (SGLang's kv_buffer shapes).
     `dim_order` "hicache" reads them in hicache's own orders instead.
     """
 

@@ -82,6 +82,32 @@ class EngineMemory : public ::testing::TestWithParam<Case> {
     stream_->synchronize();
     return out;
   }
+  // Writes 4 fresh device pages to the host and waits for the ack: ok.
+  static void write_pages(HiCache& hc, std::vector<std::int64_t>& slots,
+                          std::vector<std::int64_t>& host_slots) {
+    auto fresh = hc.device_pool().allocator().alloc(4 * kPage);
+    ASSERT_TRUE(fresh.has_value());
+    slots = *fresh;
+    auto written = hc.controller().write(slots, 0, NodeId{1});
+    ASSERT_TRUE(written.has_value());
+    host_slots = *written;
+    const auto acks = wait_acks(hc.controller(), true, 1);
+    ASSERT_EQ(acks.size(), 1u);
+    ASSERT_TRUE(acks[0].ok);
+  }
+  // Loads host_slots into `into` as the forward pass would (every layer waited for), and waits
+  // for the ack: ok.
+  static void load_back(HiCache& hc, const std::vector<std::int64_t>& host_slots,
+                        const std::vector<std::int64_t>& into) {
+    ASSERT_TRUE(hc.controller().load_into(host_slots, into, 0, NodeId{2}));
+    const std::int32_t counter = hc.controller().start_loading();
+    ASSERT_GE(counter, 0);
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(hc.device_pool().wait_for_layer(l));
+    hc.controller().layer_done_counter().release(counter);
+    const auto acks = wait_acks(hc.controller(), false, 1);
+    ASSERT_EQ(acks.size(), 1u);
+    ASSERT_TRUE(acks[0].ok);
+  }
 
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
@@ -119,47 +145,37 @@ TEST_P(EngineMemory, PagesRoundTripThroughTheEnginesBuffersByteForByte) {
   std::mt19937_64 rng(7);
   for (auto& b : image) b = static_cast<std::byte>(rng());
   to_device(engine_device.data(), image);
-  auto slots = hc.device_pool().allocator().alloc(4 * kPage);
-  ASSERT_TRUE(slots.has_value());
 
   // Device -> host: the engine's host buffer holds those bytes where SGLang's shapes put them.
-  auto host_slots = hc.controller().write(*slots, 0, NodeId{1});
-  ASSERT_TRUE(host_slots.has_value());
-  auto acks = wait_acks(hc.controller(), true, 1);
-  ASSERT_EQ(acks.size(), 1u);
-  ASSERT_TRUE(acks[0].ok);
+  std::vector<std::int64_t> slots, host_slots;
+  write_pages(hc, slots, host_slots);
+  if (HasFatalFailure()) return;
   const int kvs = c.mla ? 1 : 2;
-  for (std::size_t i = 0; i < slots->size(); ++i) {
+  for (std::size_t i = 0; i < slots.size(); ++i) {
     for (int kv = 0; kv < kvs; ++kv) {
       for (int l = 0; l < kLayers; ++l) {
-        const auto d = offset("layer_first", c.mla, kDeviceTokens, kv, l, (*slots)[i], u);
-        const auto h = offset(c.layout, c.mla, kHostTokens, kv, l, (*host_slots)[i], u);
+        const auto d = offset("layer_first", c.mla, kDeviceTokens, kv, l, slots[i], u);
+        const auto h = offset(c.layout, c.mla, kHostTokens, kv, l, host_slots[i], u);
         ASSERT_EQ(std::memcmp(engine_host.data() + h, image.data() + d, static_cast<std::size_t>(u)), 0)
-            << "slot " << (*slots)[i] << " -> host slot " << (*host_slots)[i] << ", layer " << l
+            << "slot " << slots[i] << " -> host slot " << host_slots[i] << ", layer " << l
             << ", kv " << kv;
       }
     }
   }
 
   // Host -> device, into slots the engine chose: the engine's device buffer gets the bytes back.
-  hc.controller().evict_device(*slots, *host_slots);
+  hc.controller().evict_device(slots, host_slots);
   auto into = hc.device_pool().allocator().alloc(4 * kPage);
   ASSERT_TRUE(into.has_value());
   to_device(engine_device.data(), std::vector<std::byte>(device_bytes));  // engine zeroes it
-  ASSERT_TRUE(hc.controller().load_into(*host_slots, *into, 0, NodeId{2}));
-  const std::int32_t counter = hc.controller().start_loading();
-  ASSERT_GE(counter, 0);
-  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(hc.device_pool().wait_for_layer(l));
-  hc.controller().layer_done_counter().release(counter);
-  acks = wait_acks(hc.controller(), false, 1);
-  ASSERT_EQ(acks.size(), 1u);
-  ASSERT_TRUE(acks[0].ok);
+  load_back(hc, host_slots, *into);
+  if (HasFatalFailure()) return;
   const auto back = from_device(engine_device.data(), device_bytes);
   for (std::size_t i = 0; i < into->size(); ++i) {
     for (int kv = 0; kv < kvs; ++kv) {
       for (int l = 0; l < kLayers; ++l) {
         const auto now = offset("layer_first", c.mla, kDeviceTokens, kv, l, (*into)[i], u);
-        const auto was = offset("layer_first", c.mla, kDeviceTokens, kv, l, (*slots)[i], u);
+        const auto was = offset("layer_first", c.mla, kDeviceTokens, kv, l, slots[i], u);
         ASSERT_EQ(std::memcmp(back.data() + now, image.data() + was, static_cast<std::size_t>(u)), 0)
             << "device slot " << (*into)[i] << ", layer " << l << ", kv " << kv;
       }
@@ -186,8 +202,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineMemory, ::testing::ValuesIn(cases()),
                          [](const auto& p) { return name(p.param); });
 
 // SGLang's device pool is a list of per-layer K and V tensors. Cut from one allocation at a
-// constant stride they are wrapped as they are; anything else is refused, naming the buffer.
-TEST(EngineMemoryBuffers, PerLayerBuffersAtAConstantStrideAreWrappedOthersRefused) {
+// constant stride they are addressed by strides, at unrelated addresses through a table; buffers
+// that overlap, are missing or have another size are refused, naming them.
+TEST(EngineMemoryBuffers, PerLayerBuffersAreWrappedWhereverTheyLieAndBadOnesRefused) {
   auto device = Device::create("host");
   const KVGeometry g = geometry(false);
   const std::int64_t run = kDeviceTokens * g.unit_bytes();
@@ -204,13 +221,16 @@ TEST(EngineMemoryBuffers, PerLayerBuffersAtAConstantStrideAreWrappedOthersRefuse
     EXPECT_EQ(static_cast<void*>(pool.k_buffer(l)), k[l]);
     EXPECT_EQ(static_cast<void*>(pool.v_buffer(l)), v[l]);
   }
-  auto bad = k;
-  bad[2] = memory.data() + 5 * run + 64;
-  try {
-    DeviceKVPool refused(*device, g, kDeviceTokens, bad, v, each);
-    ADD_FAILURE() << "buffers off the stride were wrapped";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("K buffer of layer 2"), std::string::npos) << e.what();
+  EXPECT_EQ(pool.layout().layer_offsets, nullptr) << "one stride needs no table";
+  // Layer 2's K elsewhere (past the others, unaligned to them): through the table.
+  std::vector<std::byte> more(static_cast<std::size_t>(2 * kLayers * run + run + 64));
+  auto moved = k;
+  moved[2] = more.data() + 64;
+  DeviceKVPool table(*device, g, kDeviceTokens, moved, v, each);
+  ASSERT_NE(table.layout().layer_offsets, nullptr);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(static_cast<void*>(table.k_buffer(l)), moved[l]);
+    EXPECT_EQ(static_cast<void*>(table.v_buffer(l)), v[l]);
   }
   auto overlapping = v;
   for (auto& p : overlapping) p = static_cast<std::byte*>(p) - run / 2;
@@ -226,6 +246,110 @@ TEST(EngineMemoryBuffers, PerLayerBuffersAtAConstantStrideAreWrappedOthersRefuse
         << e.what();
   }
 }
+
+// Per-layer device buffers at unrelated addresses (SGLang's k_buffer / v_buffer, one tensor
+// each): writes read and loads fill each layer's own buffer, through the kernels' table and
+// through the direct copies' plans alike.
+class EnginePerLayerMemory
+    : public EngineMemory {};  // GetParam().layout: the io backend, "kernel" or "direct"
+
+TEST_P(EnginePerLayerMemory, PagesRoundTripThroughBuffersAtUnrelatedAddresses) {
+  const Case& c = GetParam();
+  const KVGeometry g = geometry(false);
+  const std::int64_t u = g.unit_bytes();
+  const std::int64_t run = kDeviceTokens * u;  // one layer's K or V
+  // 2 * kLayers buffers in one allocation, in a shuffled order with gaps of odd sizes: no
+  // stride relates them.
+  const std::int64_t order[] = {3, 0, 5, 1, 4, 2};
+  const std::int64_t total = 2 * kLayers * (run + 96);
+  Buffer memory = device_->alloc_device(static_cast<std::size_t>(total));
+  std::vector<void*> k, v;
+  std::vector<std::int64_t> at;  // byte offset of buffer b (K of layer l: b = l, V: kLayers + l)
+  for (int b = 0; b < 2 * kLayers; ++b) at.push_back(order[b] * (run + 96) + 32 * (b % 3));
+  for (int l = 0; l < kLayers; ++l) {
+    k.push_back(memory.data() + at[static_cast<std::size_t>(l)]);
+    v.push_back(memory.data() + at[static_cast<std::size_t>(kLayers + l)]);
+  }
+  HiCacheConfig config;
+  config.device = c.backend;
+  config.geometry = g;
+  config.device_tokens = kDeviceTokens;
+  config.host_size = HostPoolSize{.tokens = kHostTokens};
+  config.host_layout = HostLayout::kPageFirst;
+  config.controller.io_backend =
+      std::string_view(c.layout) == "direct" ? IoBackend::kDirect : IoBackend::kKernel;
+  config.metrics = false;
+  HiCacheParts parts{.device = device_.get()};
+  parts.device_k = k;
+  parts.device_v = v;
+  parts.device_layer_bytes = static_cast<std::size_t>(run);
+  HiCache hc(config, std::move(parts));
+  ASSERT_NE(hc.device_pool().layout().layer_offsets, nullptr);
+
+  std::vector<std::byte> image(static_cast<std::size_t>(total));
+  std::mt19937_64 rng(11);
+  for (auto& b : image) b = static_cast<std::byte>(rng());
+  to_device(memory.data(), image);
+  const auto unit_at = [&](int kv, int l, std::int64_t slot) {
+    return at[static_cast<std::size_t>(kv * kLayers + l)] + slot * u;
+  };
+  std::vector<std::int64_t> slots, host_slots;
+  write_pages(hc, slots, host_slots);
+  if (HasFatalFailure()) return;
+  const std::byte* host = hc.host_pool().layout().base == nullptr
+                              ? nullptr
+                              : reinterpret_cast<const std::byte*>(hc.host_pool().layout().base);
+  ASSERT_NE(host, nullptr);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int l = 0; l < kLayers; ++l) {
+        const auto h = unit_offset(hc.host_pool().layout(), l, kv, host_slots[i]);
+        ASSERT_EQ(std::memcmp(host + h, image.data() + unit_at(kv, l, slots[i]),
+                              static_cast<std::size_t>(u)),
+                  0)
+            << "slot " << slots[i] << ", layer " << l << ", kv " << kv;
+      }
+    }
+  }
+  hc.controller().evict_device(slots, host_slots);
+  auto into = hc.device_pool().allocator().alloc(4 * kPage);
+  ASSERT_TRUE(into.has_value());
+  to_device(memory.data(), std::vector<std::byte>(static_cast<std::size_t>(total)));
+  load_back(hc, host_slots, *into);
+  if (HasFatalFailure()) return;
+  const auto back = from_device(memory.data(), static_cast<std::size_t>(total));
+  std::size_t nonzero = 0;
+  for (std::size_t i = 0; i < into->size(); ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int l = 0; l < kLayers; ++l) {
+        ASSERT_EQ(std::memcmp(back.data() + unit_at(kv, l, (*into)[i]),
+                              image.data() + unit_at(kv, l, slots[i]), static_cast<std::size_t>(u)),
+                  0)
+            << "device slot " << (*into)[i] << ", layer " << l << ", kv " << kv;
+      }
+    }
+  }
+  // Nothing else of the buffers was written: the loaded units are the only non-zero bytes.
+  for (std::byte b : back) nonzero += b != std::byte{0} ? 1 : 0;
+  std::size_t loaded = 0;
+  for (std::size_t i = 0; i < into->size(); ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int l = 0; l < kLayers; ++l) {
+        const std::byte* p = image.data() + unit_at(kv, l, slots[i]);
+        for (std::int64_t j = 0; j < u; ++j) loaded += p[j] != std::byte{0} ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_EQ(nonzero, loaded);
+  hc.stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EnginePerLayerMemory,
+                         ::testing::Values(Case{"host", "kernel", false, true},
+                                           Case{"host", "direct", false, true},
+                                           Case{"cuda", "kernel", false, true},
+                                           Case{"cuda", "direct", false, true}),
+                         [](const auto& p) { return std::string(p.param.backend) + "_" + p.param.layout; });
 
 TEST(EngineMemoryBuffers, ShortOrNullBuffersAreRefusedNamingTheSizes) {
   auto device = Device::create("host");

@@ -160,6 +160,15 @@ def test_config_reference_comes_from_the_schema():
     assert "| key | flag |" in ref and "prefetch_threshold_tokens" in ref
 
 
+def _load_back(c, host_slots, into, layers):
+    """Loads host_slots into `into` (node 2) as the forward pass would, every layer waited for."""
+    assert c.load_into(host_slots, into, 2)
+    counter = c.start_loading()
+    assert all(c.wait_for_layer(layer) for layer in range(layers))
+    c.release_loading(counter)
+    assert c.wait_acks("load", 1) == [(2, True)]
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("backend", ["host", "cuda"])
@@ -216,11 +225,7 @@ def test_the_engines_torch_tensors_are_the_pools_memory(layout, mla, backend):
         c.evict_device(slots, host_slots)
         into = c.alloc_device(2 * P)
         dev.zero_()
-        assert c.load_into(host_slots, into, 2)
-        counter = c.start_loading()
-        assert all(c.wait_for_layer(layer) for layer in range(L))
-        c.release_loading(counter)
-        assert c.wait_acks("load", 1) == [(2, True)]
+        _load_back(c, host_slots, into, L)
         for s, d in zip(slots, into):
             for kv in range(1 if mla else 2):
                 for layer in range(L):
@@ -239,14 +244,41 @@ def test_engine_tensors_that_do_not_fit_are_refused():
         hicache.HiCache(cfg, device_kv=torch.zeros(2, 2, 64, 1, 8).transpose(0, 2))
     with pytest.raises(ValueError, match="unknown dimension order"):
         hicache.HiCache(cfg, dim_order="sideways")
-    # Per-layer buffers cut from one tensor, K at a stride of 1000 elements, V at 2500: the
-    # V buffer of layer 1 is off the stride K set.
+    # Per-layer buffers that overlap are refused.
     base = torch.zeros(10000, dtype=torch.float16)
     k = [base[0:512].view(64, 1, 8), base[1000:1512].view(64, 1, 8)]
-    v = [base[3000:3512].view(64, 1, 8), base[5500:6012].view(64, 1, 8)]
-    with pytest.raises(ValueError, match="V buffer of layer 1 .* not at the constant layer stride"):
-        hicache.HiCache(cfg, device_k=k, device_v=v)
-    # The same buffers at one stride are taken as they are.
-    v = [base[3000:3512].view(64, 1, 8), base[4000:4512].view(64, 1, 8)]
+    with pytest.raises(ValueError, match="overlap"):
+        hicache.HiCache(cfg, device_k=k, device_v=[base[256:768].view(64, 1, 8),
+                                                   base[3000:3512].view(64, 1, 8)])
+
+
+def test_per_layer_tensors_allocated_one_by_one_are_the_pools_memory():
+    """SGLang's device pool: one torch tensor per layer for K and one for V, allocated one by
+    one (no stride relates them). A page written to the host and loaded back into other slots
+    lands in each layer's own tensor, and nothing else of them changes."""
+    L, P, S_dev, S_host, H, D = 3, 4, 64, 128, 2, 8
+    cfg = {"device": "host", "page_size": P, "device_tokens": S_dev, "host_tokens": S_host,
+           "io_backend": "kernel", "metrics": False,
+           "model": {"layers": L, "kv_heads": H, "head_dim": D, "dtype": "bf16"}}
+    spacers = []
+    k, v = [], []
+    for layer in range(L):  # allocations of other sizes in between: unrelated addresses
+        k.append(torch.zeros((S_dev, H, D), dtype=torch.bfloat16))
+        spacers.append(torch.zeros(1000 + 77 * layer, dtype=torch.int8))
+        v.append(torch.zeros((S_dev, H, D), dtype=torch.bfloat16))
+    for t in k + v:
+        t.view(torch.int16).random_(-30000, 30000)
+    original = [t.clone() for t in k + v]
     with hicache.HiCache(cfg, device_k=k, device_v=v) as c:
-        assert c.device_tokens == 64
+        slots = c.alloc_device(2 * P)
+        host_slots = c.write(slots, 1)
+        assert c.wait_acks("write", 1) == [(1, True)]
+        c.evict_device(slots, host_slots)
+        into = c.alloc_device(2 * P)
+        for t in k + v:
+            t.zero_()
+        _load_back(c, host_slots, into, L)
+    for now, was in zip(k + v, original):
+        expected = torch.zeros_like(was)
+        expected[into] = was[slots]
+        assert torch.equal(now.view(torch.int16), expected.view(torch.int16))
