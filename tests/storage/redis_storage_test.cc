@@ -1521,7 +1521,13 @@ TEST_F(RedisReplicatedClusterTest, FollowsAFailoverUnderTraffic) {
   put_ok(*s, after, kBytes);
   expect_all(get(*s, after, kBytes), IoStatus::kOk);
 
-  // The dead master comes back as a replica of the one promoted in its place.
+  // The dead master comes back as a replica of the one promoted in its place (once the
+  // promotion happened: back before it, it would still own its slots, empty).
+  const auto promoted_by = Clock::now() + 30s;
+  while (cluster_->masters().size() < 3 && Clock::now() < promoted_by) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_EQ(cluster_->masters().size(), 3u) << "no replica was promoted";
   std::string error;
   ASSERT_TRUE(dead->restart(&error)) << error;
   ASSERT_TRUE(cluster_->wait_healthy(30, &error)) << error;
