@@ -1024,6 +1024,14 @@ void HiRadixCache::apply_events() {
 // rank says what arrived (0: not yet), one min-reduction fuses all four kinds, and only what
 // arrived everywhere is applied, with the outcome of the worst rank.
 void HiRadixCache::agree_and_apply() {
+  // Nothing pending: nothing can have arrived, and nothing is pending on any rank either (the
+  // ranks start and end ops at the same agreed steps), so every rank skips the reduction alike.
+  // An idle engine's steps cost no collective.
+  if (pending_->writes.empty() && pending_->loads.empty() && pending_->backups.empty() &&
+      pending_->prefetches.empty()) {
+    arrived_->revoked.clear();  // revokes of prefetches that already ended
+    return;
+  }
   constexpr std::size_t K = kAgreeSlots;
   auto oldest = [](const std::unordered_map<NodeId, Pending::Op>& ops) {
     std::vector<NodeId> ids;

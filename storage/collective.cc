@@ -21,6 +21,11 @@ std::int64_t call_check(std::string_view tag, std::uint64_t call) {
 
 }  // namespace
 
+std::uint64_t Collective::calls() const {
+  std::lock_guard lock(mu_);
+  return calls_;
+}
+
 CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::string_view tag) {
   std::lock_guard lock(mu_);
   // The first failure stays, and closes this rank's side of the group.

@@ -58,6 +58,8 @@ class Collective {
 
   // The first failure, or empty.
   std::string failure() const;
+  // Calls made on this rank so far (what each costs under TP is a round trip between ranks).
+  std::uint64_t calls() const;
   // A call is in progress on this rank now (what a cancel() would interrupt).
   bool in_call() const;
 

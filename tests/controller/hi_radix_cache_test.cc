@@ -1097,6 +1097,46 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
   EXPECT_GT(verified[0], 50);
 }
 
+// An idle step costs no collective: with nothing pending on either rank, check_events skips the
+// reduction on both alike; with a write pending it makes one per step, and the ranks stay in
+// step either way.
+TEST(HiRadixCacheTp, AStepWithNothingPendingMakesNoCollective) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::uint64_t> idle_calls(2), busy_calls(2);
+  std::vector<std::string> trees(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, nullptr, {}, tp[r].get());
+      std::mt19937 rng(5);
+      for (int step = 0; step < 20; ++step) e.run(family_prompt(rng, 3, 4));
+      e.settle();
+      ASSERT_EQ(e.cache.stats().writes_in_flight, 0);
+      const std::uint64_t before = tp[r]->calls();
+      for (int i = 0; i < 50; ++i) e.cache.check_events();
+      idle_calls[r] = tp[r]->calls() - before;
+      // A new prompt: its write pending, the next step agrees on it, once.
+      std::vector<std::int32_t> fresh;
+      for (int i = 0; i < 2 * kPage; ++i) fresh.push_back(99'000 + i);
+      e.run(fresh);
+      ASSERT_GT(e.cache.stats().writes_in_flight, 0);
+      const std::uint64_t busy = tp[r]->calls();
+      e.cache.check_events();
+      busy_calls[r] = tp[r]->calls() - busy;
+      e.settle();
+      trees[r] = e.cache.describe();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(group->divergence(), "");
+  EXPECT_EQ(idle_calls[0], 0u);
+  EXPECT_EQ(idle_calls[1], 0u);
+  EXPECT_EQ(trees[0], trees[1]);
+  EXPECT_EQ(busy_calls[0], 1u);
+  EXPECT_EQ(busy_calls[1], 1u);
+}
+
 // TP=2 where rank 0's host pool holds 6 pages fewer free than rank 1's, as a prefetch thread's
 // reservation (or a failed write's release) leaves it for a while on one rank only. A write the
 // host cannot take on rank 0 must not be made on rank 1 alone (its tree would show a host copy
