@@ -336,11 +336,9 @@ class Connection::Impl {
     auto more = [this, gen](const error_code& ec, std::size_t) -> std::size_t {
       return ec || gen != gen_ ? 0 : std::numeric_limits<std::size_t>::max();
     };
-    if (tls_) {
-      asio::async_write(*tls_, write_bufs_, more, std::move(done));
-    } else {
-      asio::async_write(socket_, write_bufs_, more, std::move(done));
-    }
+    on_stream([&](auto& stream) {
+      asio::async_write(stream, write_bufs_, more, std::move(done));
+    });
   }
 
   void on_write_done(std::uint64_t gen, std::uint64_t seq, const std::string& error) {
@@ -563,11 +561,22 @@ class Connection::Impl {
     });
   }
 
+  // Calls f with the stream the connection's bytes go through: the TLS stream, or the socket.
+  template <typename F>
+  void on_stream(F&& f) {
+    if (tls_) {
+      f(*tls_);
+    } else {
+      f(socket_);
+    }
+  }
+
   // Why a TLS handshake failed: the certificate check's verdict when it failed, else OpenSSL's.
   static std::string tls_failure(TlsStream& tls, const error_code& ec) {
     const long verdict = SSL_get_verify_result(tls.native_handle());
     if (verdict != X509_V_OK) {
-      return str_cat("the server's certificate was refused: ", X509_verify_cert_error_string(verdict));
+      return str_cat("the server's certificate was refused: ",
+                     X509_verify_cert_error_string(verdict));
     }
     if (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated) {
       return "the server closed the connection (does it speak TLS on this port?)";
@@ -708,11 +717,9 @@ class Connection::Impl {
       if (gen != gen_) return;
       on_read(ec, n);
     };
-    if (tls_) {
-      tls_->async_read_some(asio::buffer(read_buf_), std::move(done));
-    } else {
-      socket_.async_read_some(asio::buffer(read_buf_), std::move(done));
-    }
+    on_stream([&](auto& stream) {
+      stream.async_read_some(asio::buffer(read_buf_), std::move(done));
+    });
   }
 
   void on_read(const error_code& ec, std::size_t n) {
@@ -977,7 +984,8 @@ class Connection::Impl {
   asio::strand<asio::io_context::executor_type> strand_;
   // Everything below is touched only on strand_.
   tcp::socket socket_;
-  std::shared_ptr<TlsStream> tls_;  // over socket_, with TLS; one per connection
+  // With TLS, one per connection, owning the connected socket (socket_ is then closed).
+  std::shared_ptr<TlsStream> tls_;
   asio::steady_timer timer_;
   tcp::resolver resolver_;
   std::vector<char> read_buf_;

@@ -124,10 +124,13 @@ namespace {
 
 constexpr int kMaxRedirects = 5;
 
+// The request reached its node's connection, and the connection failed (not a refusal here).
+bool connection_failed(const Request& r) { return r.outcome == Outcome::kIoError && !r.unsent; }
+
 // A failure after which the slot map may have changed: the node's connection failed (it may be
 // down and its replica promoted), or the cluster says so.
 bool maybe_remapped(const Request& r) {
-  return (r.outcome == Outcome::kIoError && !r.unsent) ||
+  return connection_failed(r) ||
          (r.outcome == Outcome::kServerError &&
           (r.text.starts_with("CLUSTERDOWN") || r.text.starts_with("TRYAGAIN")));
 }
@@ -458,9 +461,7 @@ class RedisStorage::Impl {
       // A cluster lists a replica only once it has reported replicating (a new one, or one
       // whose master was just promoted): while reads find none, the map is re-read, at most
       // once per kReplicaRecheck.
-      if (no_replica && answered_at - last_refresh() >= kReplicaRecheck) {
-        refresh_slots(answered_at);
-      }
+      if (no_replica) refresh_slots(answered_at - kReplicaRecheck);
       std::vector<Request*> again;
       std::vector<Request*> failed;
       bool moved = false;
@@ -502,7 +503,7 @@ class RedisStorage::Impl {
       }
       if (moved) refresh_slots(answered_at);
       if (!failed.empty() && round < kMaxRedirects) {
-        if (!moved && answered_at - last_refresh() >= kFailureRecheck) refresh_slots(answered_at);
+        if (!moved) refresh_slots(answered_at - kFailureRecheck);
         std::shared_lock lock(map_mu_);
         for (Request* r : failed) {
           if (route_locked(*r) == r->node && !r->asking) continue;  // nowhere else to go
@@ -521,7 +522,7 @@ class RedisStorage::Impl {
   bool replica_failed(const Request& r) const {
     const bool refused = r.outcome == Outcome::kServerError &&
                          (r.text.starts_with("LOADING") || r.text.starts_with("MASTERDOWN"));
-    if (!refused && !(r.outcome == Outcome::kIoError && !r.unsent)) return false;
+    if (!refused && !connection_failed(r)) return false;
     std::shared_lock lock(map_mu_);
     return nodes_[r.node]->readonly;
   }
@@ -529,7 +530,9 @@ class RedisStorage::Impl {
   // The node a request goes to: a replica of its slot when it may and one is known, else the
   // slot's master (the first seed while the map is unknown). REQUIRES: map_mu_ held.
   std::size_t route_locked(const Request& r) const {
-    if (r.replica_ok && read_slots_[r.slot] >= 0) return static_cast<std::size_t>(read_slots_[r.slot]);
+    if (r.replica_ok && read_slots_[r.slot] >= 0) {
+      return static_cast<std::size_t>(read_slots_[r.slot]);
+    }
     return slots_[r.slot] >= 0 ? static_cast<std::size_t>(slots_[r.slot]) : 0;
   }
 
@@ -709,14 +712,14 @@ class RedisStorage::Impl {
 
   // Asks the known nodes in turn for CLUSTER SLOTS and installs the first valid answer: the
   // masters, and (read_from_replicas) a replica per range to read from, the ranges spread over
-  // their replicas. When another thread has started one since `not_before` (when the caller
-  // saw what makes it ask), that map is as new as the caller needs and this call returns at
-  // once (a failover's failed batches ask once, not once each).
+  // their replicas. When one started at `not_before` or later (when the caller saw what makes
+  // it ask, less how stale a map it accepts), that map stands and this call returns at once: a
+  // failover's failed batches ask once, not once each.
   void refresh_slots(std::optional<Clock::time_point> not_before = std::nullopt) {
     std::lock_guard refresh(refresh_mu_);
-    if (not_before && last_refresh() >= *not_before) return;
+    if (not_before && last_refresh_ >= *not_before) return;
     ++owner_.counters_.topology_refreshes;
-    last_refresh_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    last_refresh_ = Clock::now();
     static constexpr std::string_view kClusterSlots = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
     const std::size_t known = known_nodes();
     for (std::size_t n = 0; n < known; ++n) {
@@ -788,14 +791,12 @@ class RedisStorage::Impl {
   std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
   std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
   std::vector<std::int32_t> read_slots_;      // guarded by map_mu_; slot -> replica, -1 none
-  std::atomic<Clock::rep> last_refresh_ns_{0};  // when the last slot-map refresh started
+  Clock::time_point last_refresh_{};  // guarded by refresh_mu_; when the last refresh started
+  // How stale a map is accepted: while reads find no replica listed, and while a node fails (an
+  // outage's failed batches do not each cost a CLUSTER SLOTS; a promotion is still seen within
+  // this long).
   static constexpr auto kReplicaRecheck = std::chrono::seconds(1);
-  // While a node fails, the map is re-read at most this often: an outage's failed batches do
-  // not each cost a CLUSTER SLOTS, and a promotion is still seen within this long.
   static constexpr auto kFailureRecheck = std::chrono::milliseconds(50);
-  Clock::time_point last_refresh() const {
-    return Clock::time_point(Clock::duration(last_refresh_ns_.load(std::memory_order_relaxed)));
-  }
 };
 
 namespace {
