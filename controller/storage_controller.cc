@@ -301,9 +301,33 @@ std::shared_ptr<PrefetchOperation> StorageController::prefetch(
     std::string request_id, std::span<const std::int32_t> tokens,
     std::optional<PageDigest> prior) {
   if (request_id.empty()) throw InvalidArgument("prefetch: empty request id");
+  return queue_prefetch(std::make_shared<PrefetchOperation>(
+      std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
+      page_size_));
+}
+
+std::shared_ptr<PrefetchOperation> StorageController::prefetch_into(
+    std::string request_id, std::span<const std::int32_t> tokens, std::optional<PageDigest> prior,
+    std::span<const std::int64_t> host_slots) {
+  if (request_id.empty()) throw InvalidArgument("prefetch_into: empty request id");
+  const auto pages = static_cast<std::int64_t>(tokens.size()) / page_size_;
+  if (static_cast<std::int64_t>(host_slots.size()) < pages * page_size_) {
+    throw InvalidArgument(str_cat("prefetch_into: ", host_slots.size(), " host slots for ", pages,
+                                  " whole pages of ", page_size_, " tokens"));
+  }
+  host_.require_state(host_slots, PageState::kReserved, "prefetch_into");
   auto op = std::make_shared<PrefetchOperation>(
       std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
       page_size_);
+  op->slots_.assign(host_slots.begin(), host_slots.end());
+  op->caller_slots_ = true;
+  auto queued = queue_prefetch(op);
+  if (queued == nullptr) op->slots_.clear();  // still the caller's
+  return queued;
+}
+
+std::shared_ptr<PrefetchOperation> StorageController::queue_prefetch(
+    std::shared_ptr<PrefetchOperation> op) {
   op_queued();
   ++prefetches_;
   if (prefetch_queue_.push(PrefetchTask{0, op}) != PushResult::kOk) {
@@ -346,8 +370,10 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   const std::int64_t want = agreed_hit[0] * page_size_;
   std::int64_t got = 0;
   try {
-    op.budget_ = BudgetCredit::take(budget_used_, want, config_.prefetch_budget_tokens);
-    if (op.budget_.tokens() == want) {
+    if (op.caller_slots_) {  // reserved by the caller, at least one page per page of tokens
+      got = agreed_hit[0];
+    } else if (op.budget_ = BudgetCredit::take(budget_used_, want, config_.prefetch_budget_tokens);
+               op.budget_.tokens() == want) {
       if (host_.alloc(want, op.slots_)) {
         got = agreed_hit[0];
       } else {
@@ -367,6 +393,12 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     revoke(op);
     return;
   }
+  if (op.caller_slots_) {  // the caller's slots past the hit go back now
+    const std::span<const std::int64_t> past = std::span<const std::int64_t>(op.slots_).subspan(
+        static_cast<std::size_t>(want));
+    if (!past.empty()) host_.free(past);
+    op.slots_.resize(static_cast<std::size_t>(want));
+  }
   op.keys_.resize(static_cast<std::size_t>(agreed_hit[0]));
   op.hit_pages_ = agreed_hit[0];
   {
@@ -383,6 +415,10 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
 }
 
 void StorageController::revoke(PrefetchOperation& op) {
+  if (op.caller_slots_ && !op.slots_.empty()) {  // freed before the caller can see the revoke
+    host_.free(op.slots_);
+    op.slots_.clear();
+  }
   ++revoked_;
   revokes_.enqueue(op.request_id_);  // queued before the stage shows it, so a waiter finds it
   {

@@ -153,6 +153,7 @@ class PrefetchOperation {
   std::atomic<std::int64_t> completed_pages_{0};
   std::vector<std::string> keys_;      // the agreed hit's keys
   std::vector<std::int64_t> slots_;    // host slots reserved for them
+  bool caller_slots_ = false;          // slots_ came from prefetch_into (no budget held)
   BudgetCredit budget_;                // credits held while host pages are reserved
 };
 
@@ -204,6 +205,18 @@ class StorageController {
   std::shared_ptr<PrefetchOperation> prefetch(std::string request_id,
                                               std::span<const std::int32_t> tokens,
                                               std::optional<PageDigest> prior = std::nullopt);
+  // As prefetch(), into host slots the caller reserved before it asked (SGLang's radix cache
+  // allocates them first): `host_slots` whole pages in state reserved, at least one per whole
+  // page of `tokens`. The op owns them from here: once the ranks agree on the hit it keeps the
+  // hit's pages and frees the rest; a revoke (also by stop()) frees them all, before the request
+  // id is queued; terminate_prefetch frees those past the agreed prefix and returns the prefix.
+  // Takes no prefetch budget (the caller limits what it reserves). Returns nothing, the slots
+  // still the caller's, when the queue is full or stopped. Throws InvalidArgument (malformed or
+  // too few slots, empty request id) or StateError (a page not reserved); nothing changes then.
+  std::shared_ptr<PrefetchOperation> prefetch_into(std::string request_id,
+                                                   std::span<const std::int32_t> tokens,
+                                                   std::optional<PageDigest> prior,
+                                                   std::span<const std::int64_t> host_slots);
   // Moves revoked request ids into `out`; never blocks.
   std::size_t drain_revokes(std::vector<std::string>& out);
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
@@ -271,6 +284,7 @@ class StorageController {
   void backup_loop();
   void prefetch_loop();
   void prefetch_io_loop();
+  std::shared_ptr<PrefetchOperation> queue_prefetch(std::shared_ptr<PrefetchOperation> op);
   void agree_and_reserve(const std::shared_ptr<PrefetchOperation>& handle);
   void read_pages(PrefetchOperation& op);
   void revoke(PrefetchOperation& op);

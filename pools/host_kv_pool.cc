@@ -196,6 +196,11 @@ void HostKVPool::mark_backup(std::span<const std::int64_t> slots) {
   transition(slots, state_bit(PageState::kSynced), PageState::kBackup, "HostKVPool::mark_backup");
 }
 
+void HostKVPool::mark_synced(std::span<const std::int64_t> slots) {
+  MutexLock lock(mu_);
+  transition(slots, state_bit(PageState::kBackup), PageState::kSynced, "HostKVPool::mark_synced");
+}
+
 PageState HostKVPool::page_state(std::int64_t page) const {
   MutexLock lock(mu_);
   if (page < 0 || page >= allocator_.num_pages()) {

@@ -81,6 +81,9 @@ class HostKVPool {
   void complete_io(std::span<const std::int64_t> slots, PageState to);
   void abort_io(std::span<const std::int64_t> slots);    // protected -> reserved (no valid data)
   void mark_backup(std::span<const std::int64_t> slots);  // synced -> backup (device copy gone)
+  // backup -> synced: the engine put the same bytes on the device again (it recomputed the
+  // prefix, SGLang's update_synced), so the host copy once more shadows a live device copy.
+  void mark_synced(std::span<const std::int64_t> slots);
   // Every page -> free (the owner dropped all it held: HiRadixCache::reset). A page in state
   // protected has a copy in flight: StateError naming it, nothing changed.
   void reset();

@@ -4,6 +4,7 @@
 //     ^                │  ^                        │   ^  └───complete_io(backup)──> backup
 //     └──────free──────┘  └──────abort_io──────────┘   └──────protect_load──────────┘  │
 //     ^                                                 synced ──mark_backup──> backup  │
+//     ^                                                 synced <──mark_synced── backup  │
 //     └────────────────────────────────free─────────────────────────────────────────────┘
 //
 //   reserved   allocated, holds no data yet

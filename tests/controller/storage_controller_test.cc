@@ -433,6 +433,74 @@ TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKep
   }
 }
 
+// prefetch_into: the caller reserved the host slots (SGLang's radix cache allocates before it
+// asks). The hit lands in the first of them byte for byte; those past the hit go back after the
+// agreement, those past the agreed prefix at terminate, all of them on a revoke; no budget.
+TEST_P(PrefetchLayouts, IntoTheCallersSlotsKeepsTheHitAndFreesTheRest) {
+  Rank r(GetParam(), str_cat("pfi", static_cast<int>(GetParam())));
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local,
+                      {.io_batch_pages = 2, .prefetch_threshold_tokens = 2 * kPage,
+                       .prefetch_budget_tokens = kPage});
+  const auto tokens = tokens_for(7, 11);
+  seed_storage(r.file, r.host, tokens, 6, /*skip=*/4);  // hit: pages 0-3
+  const std::int64_t free_before = r.host.free_tokens();
+  const auto mine = r.host.alloc(7 * kPage).value();
+  auto op = c.prefetch_into("req-into", tokens, std::nullopt, mine);
+  ASSERT_TRUE(op);
+  const PrefetchResult res = wait_and_terminate(c, *op);
+  EXPECT_EQ(res.tokens, 4 * kPage) << op->error();
+  expect_pages_verify(r.host, res);
+  EXPECT_EQ(res.host_slots, std::vector<std::int64_t>(mine.begin(), mine.begin() + 4 * kPage))
+      << "the hit lands in the caller's first slots";
+  EXPECT_EQ(r.host.free_tokens(), free_before - 4 * kPage) << "the 3 pages past the hit are free";
+  EXPECT_EQ(c.prefetch_tokens_held(), 0) << "no budget taken (it is 1 page)";
+  r.host.free(res.host_slots);
+
+  // Below the threshold: revoked, every slot freed before the revoke is seen.
+  const auto short_tokens = tokens_for(3, 12);
+  seed_storage(r.file, r.host, short_tokens, 1);
+  const auto theirs = r.host.alloc(3 * kPage).value();
+  auto revoked_op = c.prefetch_into("req-short", short_tokens, std::nullopt, theirs);
+  std::vector<std::string> revoked;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (revoked.empty() && std::chrono::steady_clock::now() < deadline) {
+    if (c.drain_revokes(revoked) == 0) std::this_thread::yield();
+  }
+  EXPECT_EQ(revoked, std::vector<std::string>{"req-short"});
+  EXPECT_EQ(r.host.free_tokens(), free_before);
+  EXPECT_EQ(c.terminate_prefetch(*revoked_op).tokens, 0);
+  EXPECT_EQ(r.host.free_tokens(), free_before);
+}
+
+// Bad slots are refused at the call and change nothing: too few, not reserved, not whole pages.
+TEST(StorageController, PrefetchIntoRefusesSlotsThatAreNotTheCallersReservation) {
+  Rank r(HostLayout::kPageFirst, "pfibad");
+  LocalCollective local;
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
+  const auto tokens = tokens_for(3, 13);
+  const auto two = r.host.alloc(2 * kPage).value();
+  EXPECT_THROW(c.prefetch_into("few", tokens, std::nullopt, two), InvalidArgument);
+  const std::int64_t free_before = r.host.free_tokens();
+  auto synced = r.host.alloc(3 * kPage).value();
+  r.host.protect_write(synced);
+  r.host.complete_io(synced, PageState::kSynced);
+  try {
+    c.prefetch_into("synced", tokens, std::nullopt, synced);
+    ADD_FAILURE() << "pages in state synced accepted";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("prefetch_into"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(r.host.page_state(synced[0] / kPage), PageState::kSynced);
+  auto partial = r.host.alloc(3 * kPage).value();
+  partial.back() = partial.front();  // the last page is not whole, the first one twice
+  EXPECT_ANY_THROW(c.prefetch_into("partial", tokens, std::nullopt, partial));
+  EXPECT_THROW(c.prefetch_into("", tokens, std::nullopt, two), InvalidArgument);
+  EXPECT_EQ(r.host.free_tokens(), free_before - 3 * kPage - 3 * kPage);
+  std::vector<std::string> revoked;
+  EXPECT_EQ(c.drain_revokes(revoked), 0u);
+}
+
 TEST(StorageController, PrefetchBelowThresholdIsRevokedAndHoldsNothing) {
   Rank r(HostLayout::kPageFirst, "thr");
   LocalCollective local;

@@ -16,7 +16,7 @@ constexpr std::int32_t kPage = 4;
 KVGeometry small_geometry() { return KVGeometry::mha(2, 2, 4, DType::kFloat16, kPage); }
 
 enum class Op { kFree, kProtectWrite, kProtectLoad, kCompleteSynced, kCompleteBackup, kAbort,
-                kMarkBackup, kDiscard };
+                kMarkBackup, kMarkSynced, kDiscard };
 
 const char* name(Op op) {
   switch (op) {
@@ -27,6 +27,7 @@ const char* name(Op op) {
     case Op::kCompleteBackup: return "complete_io(backup)";
     case Op::kAbort: return "abort_io";
     case Op::kMarkBackup: return "mark_backup";
+    case Op::kMarkSynced: return "mark_synced";
     case Op::kDiscard: return "discard";
   }
   return "?";
@@ -41,6 +42,7 @@ void apply(HostKVPool& pool, Op op, const std::vector<std::int64_t>& slots) {
     case Op::kCompleteBackup: return pool.complete_io(slots, PageState::kBackup);
     case Op::kAbort: return pool.abort_io(slots);
     case Op::kMarkBackup: return pool.mark_backup(slots);
+    case Op::kMarkSynced: return pool.mark_synced(slots);
     case Op::kDiscard: return pool.discard(slots);
   }
 }
@@ -78,6 +80,7 @@ const std::map<std::pair<PageState, Op>, PageState> kLegal = {
     {{PageState::kSynced, Op::kDiscard}, PageState::kFree},
     {{PageState::kBackup, Op::kFree}, PageState::kFree},
     {{PageState::kBackup, Op::kProtectLoad}, PageState::kProtected},
+    {{PageState::kBackup, Op::kMarkSynced}, PageState::kSynced},
 };
 
 TEST(HostKVPool, PageStateMachineExhaustive) {
@@ -85,7 +88,8 @@ TEST(HostKVPool, PageStateMachineExhaustive) {
   const PageState states[] = {PageState::kFree, PageState::kReserved, PageState::kProtected,
                               PageState::kSynced, PageState::kBackup};
   const Op ops[] = {Op::kFree,           Op::kProtectWrite, Op::kProtectLoad, Op::kCompleteSynced,
-                    Op::kCompleteBackup, Op::kAbort,        Op::kMarkBackup,   Op::kDiscard};
+                    Op::kCompleteBackup, Op::kAbort,        Op::kMarkBackup,   Op::kMarkSynced,
+                    Op::kDiscard};
   int legal = 0, illegal = 0;
   for (PageState from : states) {
     for (Op op : ops) {
@@ -114,8 +118,8 @@ TEST(HostKVPool, PageStateMachineExhaustive) {
       }
     }
   }
-  EXPECT_EQ(legal, 9);
-  EXPECT_EQ(illegal, 31);
+  EXPECT_EQ(legal, 10);
+  EXPECT_EQ(illegal, 35);
 }
 
 TEST(HostKVPool, MixedStatesInOneCallChangeNothing) {
