@@ -152,10 +152,13 @@ HiCache::~HiCache() {
 }
 
 std::unique_ptr<Collective> HiCache::make_tp_group(const std::string& role) const {
+  // Named after the namespace every rank shares: this rank's own names its TP slice.
+  KeyNamespace group = ns_;
+  group.tp_rank = 0;
   return make_gloo_collective(GlooConfig{.rank = config_.tp.rank,
                                          .size = config_.tp.size,
                                          .store_dir = config_.tp.store_dir,
-                                         .prefix = str_cat("hicache.", ns_.prefix(), ".", role),
+                                         .prefix = str_cat("hicache.", group.prefix(), ".", role),
                                          .hostname = config_.tp.hostname,
                                          .timeout = config_.tp.timeout,
                                          .connect_timeout = config_.tp.connect_timeout});

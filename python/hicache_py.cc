@@ -15,16 +15,20 @@
 #include <cstring>
 #include <thread>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "controller/config.h"
 #include "controller/config_schema.h"
 #include "controller/hicache.h"
 #include "controller/hi_radix_cache.h"
+#include "controller/storage_controller.h"
+#include "pools/paged_token_allocator.h"
 #include "storage/page_key.h"
 #include "storage/storage_backend.h"
 #include "transfer/errors.h"
@@ -391,6 +395,85 @@ std::pair<void*, std::size_t> tensor_memory(py::handle t, const char* what) {
           t.attr("numel")().cast<std::size_t>() * t.attr("element_size")().cast<std::size_t>()};
 }
 
+// The device pool's slots when the engine's own allocator hands them out (SGLang's
+// token_to_kv_pool_allocator, a Python object): hicache never allocates device slots then (loads
+// go into slots the engine chose, load_into), treats every slot as the engine's, and the slots
+// it frees (evict_device, loads dropped by a reset) are collected here for the Python side to
+// hand back to the engine's allocator, on its own thread, with the GIL.
+class EngineSlots final : public TokenSlotAllocator {
+ public:
+  EngineSlots(std::int64_t num_tokens, std::int32_t page_size)
+      : page_size_(page_size), num_pages_(num_tokens / page_size) {}
+  std::int32_t page_size() const override { return page_size_; }
+  std::int64_t num_pages() const override { return num_pages_; }
+  std::int64_t free_tokens() const override { return 0; }  // the engine's to know
+  bool is_allocated(std::int64_t page) const override { return page >= 0 && page < num_pages_; }
+  bool alloc(std::int64_t, std::vector<std::int64_t>&) override { return false; }
+  void free(std::span<const std::int64_t> slots) override {
+    std::vector<std::int64_t> pages;
+    slots_to_pages(slots, page_size_, num_pages_, "EngineSlots::free", pages);  // checks first
+    std::lock_guard hold(mu_);
+    returned_.insert(returned_.end(), slots.begin(), slots.end());
+  }
+  void reset() override {}
+  std::vector<std::int64_t> take_returned() {
+    std::lock_guard hold(mu_);
+    return std::exchange(returned_, {});
+  }
+
+ private:
+  std::int32_t page_size_;
+  std::int64_t num_pages_;
+  std::mutex mu_;
+  std::vector<std::int64_t> returned_;
+};
+
+// A store whose every call throws while `throwing` is set (else it forwards to `inner`): the
+// Python suite's way to show that a backend's exception never ends hicache's storage threads.
+class ThrowingStorage final : public StorageBackend {
+ public:
+  explicit ThrowingStorage(std::shared_ptr<StorageBackend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return "throwing"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    check();
+    return inner_->batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_->remove(key); }
+  void clear() override { inner_->clear(); }
+  std::atomic<bool> throwing{true};
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    check();
+    return inner_->batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    check();
+    return inner_->batch_set(keys, src);
+  }
+
+ private:
+  void check() const {
+    if (throwing) throw std::runtime_error("the test store threw");
+  }
+  std::shared_ptr<StorageBackend> inner_;
+};
+
+PageState parse_page_state(const std::string& name) {
+  for (PageState s : {PageState::kFree, PageState::kReserved, PageState::kProtected,
+                      PageState::kSynced, PageState::kBackup}) {
+    if (to_string(s) == name) return s;
+  }
+  throw InvalidArgument(str_cat("page state '", name, "': valid are free, reserved, protected, synced, backup"));
+}
+
+std::optional<PageDigest> prior_of(const std::optional<std::string>& hex) {
+  if (!hex || hex->empty()) return std::nullopt;
+  return digest_from_hex(*hex);
+}
+
 // A HiCache; `store` (may be None) is the one its config names, opened by the Python side so
 // that it can be handed out as a Store too. The engine's KV tensors (optional) are wrapped in
 // place; `keep` holds them alive as long as the cache.
@@ -398,10 +481,15 @@ class PyHiCache {
  public:
   PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store, py::object device_kv,
             py::object host_kv, py::object device_k, py::object device_v,
-            const std::string& dim_order)
+            const std::string& dim_order, bool engine_allocator)
       : store_(std::move(store)) {
     const HiCacheConfig config = HiCacheConfig::from_json_text(config_json);
     HiCacheParts parts;
+    if (engine_allocator) {
+      engine_slots_ = std::make_unique<EngineSlots>(config.device_tokens,
+                                                    config.geometry.page_size);
+      parts.device_allocator = engine_slots_.get();
+    }
     if (store_) parts.storage = store_->backend();
     const DimOrder order = parse_dim_order(dim_order);
     if (!device_kv.is_none()) {
@@ -516,7 +604,33 @@ class PyHiCache {
     return out;
   }
 
+  // Device slots hicache handed back since the last call (engine_allocator mode; else none).
+  std::vector<std::int64_t> take_returned_device_slots() {
+    return engine_slots_ ? engine_slots_->take_returned() : std::vector<std::int64_t>{};
+  }
+
+  StorageController& storage_controller(HiCache& hc) {
+    StorageController* sc = hc.storage_controller();
+    if (sc == nullptr) throw StateError("no L3 store is attached");
+    return *sc;
+  }
+  // The page keys of `tokens` (whole pages) chained after `prior_hex` (a page's hex digest, as
+  // SGLang's get_hash_str gives), and each page's hex digest.
+  std::pair<std::vector<std::string>, std::vector<std::string>> page_keys(
+      const std::vector<std::int32_t>& tokens, const std::optional<std::string>& prior_hex) {
+    Use u = use();
+    if (!keyer_) keyer_ = std::make_unique<PageKeyer>(u.hc.key_namespace());
+    const std::optional<PageDigest> prior = prior_of(prior_hex);
+    std::vector<std::string> keys, hexes;
+    std::vector<PageDigest> digests;
+    keyer_->keys(tokens, prior ? &*prior : nullptr, keys, &digests);
+    for (const PageDigest& d : digests) hexes.push_back(to_hex(d));
+    return {std::move(keys), std::move(hexes)};
+  }
+
  private:
+  std::unique_ptr<EngineSlots> engine_slots_;  // outlives cache_ (declared first)
+  std::unique_ptr<PageKeyer> keyer_;
   std::shared_ptr<PyStore> store_;
   std::vector<py::object> keep_;
   std::shared_mutex life_;
@@ -624,12 +738,43 @@ PYBIND11_MODULE(_hicache, m) {
       .def("metrics_json", &PyStore::metrics_json)
       .def("metrics_text", &PyStore::metrics_text);
 
+  m.def("_throwing_store",
+        [](const std::shared_ptr<PyStore>& inner) {
+          auto backend = std::make_shared<ThrowingStorage>(inner->backend());
+          auto* raw = backend.get();
+          auto store = std::make_shared<PyStore>(std::move(backend));
+          // (store, set_throwing): the switch keeps the store alive
+          return py::make_tuple(store, py::cpp_function([store, raw](bool on) {
+                                  raw->throwing = on;
+                                }));
+        },
+        py::arg("inner"), "For tests: a store over `inner` that throws from every call while on");
+
+  py::class_<PrefetchOperation, std::shared_ptr<PrefetchOperation>>(
+      m, "PrefetchOperation", "The handle of one prefetch (StorageController)")
+      .def_property_readonly("request_id", &PrefetchOperation::request_id)
+      .def_property_readonly("stage",
+                             [](const PrefetchOperation& op) {
+                               switch (op.stage()) {
+                                 case PrefetchStage::kQueued: return "queued";
+                                 case PrefetchStage::kRevoked: return "revoked";
+                                 case PrefetchStage::kLoading: return "loading";
+                                 case PrefetchStage::kFinished: return "finished";
+                                 case PrefetchStage::kTerminated: return "terminated";
+                               }
+                               return "?";
+                             })
+      .def_property_readonly("hit_tokens", &PrefetchOperation::hit_tokens)
+      .def_property_readonly("completed_tokens", &PrefetchOperation::completed_tokens)
+      .def_property_readonly("error", &PrefetchOperation::error);
+
   py::class_<PyHiCache>(m, "HiCache")
       .def(py::init<const std::string&, std::shared_ptr<PyStore>, py::object, py::object,
-                    py::object, py::object, const std::string&>(),
+                    py::object, py::object, const std::string&, bool>(),
            py::arg("config_json"), py::arg("store"), py::arg("device_kv") = py::none(),
            py::arg("host_kv") = py::none(), py::arg("device_k") = py::none(),
-           py::arg("device_v") = py::none(), py::arg("dim_order") = "sglang")
+           py::arg("device_v") = py::none(), py::arg("dim_order") = "sglang",
+           py::arg("engine_allocator") = false)
       .def("alloc_device",
            [](PyHiCache& c, std::int64_t tokens) {
              return c.use().hc.device_pool().allocator().alloc(tokens);
@@ -675,6 +820,136 @@ PYBIND11_MODULE(_hicache, m) {
              c.use().hc.controller().layer_done_counter().release(slot);
            },
            py::arg("slot"))
+      // --- for a drop-in controller over the engine's allocators (hicache.sglang) -----
+      .def("take_returned_device_slots", &PyHiCache::take_returned_device_slots)
+      .def("host_alloc",
+           [](PyHiCache& c, std::int64_t tokens) { return c.use().hc.host_pool().alloc(tokens); },
+           py::arg("tokens"))
+      .def("host_free",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots) {
+             c.use().hc.host_pool().free(slots);
+           },
+           py::arg("slots"))
+      .def("host_mark_synced",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots) {
+             c.use().hc.host_pool().mark_synced(slots);
+           },
+           py::arg("slots"))
+      .def("host_require_state",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots, const std::string& state,
+              const std::string& what) {
+             c.use().hc.host_pool().require_state(slots, parse_page_state(state), what);
+           },
+           py::arg("slots"), py::arg("state"), py::arg("what"))
+      .def("host_all_in_state",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots, const std::string& state) {
+             return c.use().hc.host_pool().all_in_state(slots, parse_page_state(state));
+           },
+           py::arg("slots"), py::arg("state"))
+      .def("host_states",
+           [](PyHiCache& c, const std::vector<std::int64_t>& slots) {
+             auto u = c.use();
+             const std::int64_t page = u.hc.config().geometry.page_size;
+             std::vector<std::string> out;
+             for (std::size_t i = 0; i < slots.size(); i += static_cast<std::size_t>(page)) {
+               out.emplace_back(to_string(u.hc.host_pool().page_state(slots[i] / page)));
+             }
+             return out;
+           },
+           py::arg("slots"))
+      .def("host_reset", [](PyHiCache& c) { c.use().hc.host_pool().reset(); })
+      .def_property_readonly("host_free_tokens",
+                             [](PyHiCache& c) { return c.use().hc.host_pool().free_tokens(); })
+      .def("reserve_write",
+           [](PyHiCache& c, std::int64_t tokens) {
+             return c.use().hc.controller().reserve_write(tokens);
+           },
+           py::arg("tokens"))
+      .def("write_reserved",
+           [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
+              const std::vector<std::int64_t>& host_slots, NodeId node) {
+             return c.use().hc.controller().write_reserved(device_slots, host_slots, 0, node);
+           },
+           py::arg("device_slots"), py::arg("host_slots"), py::arg("node_id"))
+      .def("evict_host",
+           [](PyHiCache& c, const std::vector<std::int64_t>& host_slots) {
+             return c.use().hc.controller().evict_host(host_slots);
+           },
+           py::arg("host_slots"))
+      .def("wait_layer",
+           [](PyHiCache& c, std::int32_t slot, std::int32_t layer) {
+             auto u = c.use();
+             py::gil_scoped_release nogil;
+             return u.hc.controller().layer_done_counter().wait_until(slot, layer);
+           },
+           py::arg("slot"), py::arg("layer"))
+      .def_property_readonly("num_layers",
+                             [](PyHiCache& c) { return c.use().hc.config().geometry.num_layers; })
+      .def("reset_controllers",
+           [](PyHiCache& c) {
+             auto u = c.use();
+             py::gil_scoped_release nogil;  // joins threads, waits for storage ops to agree
+             if (StorageController* sc = u.hc.storage_controller()) sc->reset();
+             u.hc.controller().reset();
+           })
+      .def_property_readonly("has_storage",
+                             [](PyHiCache& c) { return c.use().hc.storage_controller() != nullptr; })
+      .def("page_keys", &PyHiCache::page_keys, py::arg("tokens"), py::arg("prior_hex"))
+      .def("write_storage",
+           [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
+              std::vector<std::string> keys) {
+             auto u = c.use();
+             return c.storage_controller(u.hc).write_storage(host_slots, std::move(keys));
+           },
+           py::arg("host_slots"), py::arg("keys"))
+      .def("drain_backup_acks",
+           [](PyHiCache& c) {
+             auto u = c.use();
+             std::vector<BackupAck> acks;
+             if (StorageController* sc = u.hc.storage_controller()) sc->drain_backup_acks(acks);
+             std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::string>> out;
+             for (BackupAck& a : acks) {
+               out.emplace_back(a.id, a.completed_tokens, a.total_tokens, std::move(a.error));
+             }
+             return out;
+           })
+      .def("drain_revokes",
+           [](PyHiCache& c) {
+             auto u = c.use();
+             std::vector<std::string> out;
+             if (StorageController* sc = u.hc.storage_controller()) sc->drain_revokes(out);
+             return out;
+           })
+      .def("prefetch_into",
+           [](PyHiCache& c, std::string request_id, const std::vector<std::int32_t>& tokens,
+              const std::optional<std::string>& prior_hex,
+              const std::vector<std::int64_t>& host_slots) {
+             auto u = c.use();
+             return c.storage_controller(u.hc).prefetch_into(std::move(request_id), tokens,
+                                                             prior_of(prior_hex), host_slots);
+           },
+           py::arg("request_id"), py::arg("tokens"), py::arg("prior_hex"), py::arg("host_slots"))
+      .def("terminate_prefetch",
+           [](PyHiCache& c, PrefetchOperation& op) {
+             auto u = c.use();
+             StorageController& sc = c.storage_controller(u.hc);
+             PrefetchResult r;
+             {
+               py::gil_scoped_release nogil;  // waits for the agreement and the batch in flight
+               r = sc.terminate_prefetch(op);
+             }
+             std::vector<std::string> hexes;
+             const std::size_t cut = u.hc.key_namespace().prefix().size() + 1;  // "<prefix>-"
+             for (const std::string& k : r.keys) hexes.push_back(k.substr(std::min(cut, k.size())));
+             return std::make_tuple(r.tokens, std::move(r.host_slots), std::move(hexes));
+           },
+           py::arg("op"))
+      .def("can_terminate",
+           [](PyHiCache& c, const PrefetchOperation& op) {
+             auto u = c.use();
+             return c.storage_controller(u.hc).can_terminate(op);
+           },
+           py::arg("op"))
       .def("wait_acks", &PyHiCache::wait_acks, py::arg("kind"), py::arg("n"),
            py::arg("timeout_s") = 60.0)
       .def("close", &PyHiCache::close)

@@ -31,7 +31,9 @@ try:  # subclass SGLang's interface when SGLang is installed; work without it
 except Exception:  # noqa: BLE001 - any import failure means "no SGLang here"
     _Base = object
 
-__all__ = ["HiCacheStore"]
+from .sglang_controller import HiCacheController  # noqa: E402,F401 - the drop-in controller
+
+__all__ = ["HiCacheStore", "HiCacheController"]
 
 # Keys of the extra config that SGLang's dynamic loader and SGLang itself read; ignored here.
 _SGLANG_KEYS = {

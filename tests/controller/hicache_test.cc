@@ -6,6 +6,8 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <thread>
 
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
@@ -156,6 +158,37 @@ TEST(HiCache, SeveralRanksWithoutCollectivesNeedARendezvousDirectory) {
   });
   EXPECT_NE(e.find("tp"), std::string::npos) << e;
   EXPECT_NE(e.find("store_dir"), std::string::npos) << e;
+}
+
+// Ranks of an MHA model hold different slices (their key namespaces differ), yet they must
+// meet in one Gloo group per role: two ranks built at once from the config agree and run.
+TEST(HiCache, RanksOfAnMhaModelMeetOverGlooFromTheConfig) {
+  TempDir dir, rendezvous;
+  fs::create_directories(rendezvous.path);
+  const auto make = [&](int rank) {
+    return std::make_unique<HiCache>(HiCacheConfig::from_json_text(config_json(str_cat(
+        R"("tp_size": 2, "tp_rank": )", rank, R"(, "tp_store_dir": ")", rendezvous.path.string(),
+        R"(", "tp_connect_timeout_ms": 20000, "storage": {"backend": "file", "root": ")",
+        dir.path.string(), R"("})"))));
+  };
+  std::unique_ptr<HiCache> other;
+  std::string other_error;
+  std::thread t([&] {
+    try {
+      other = make(1);
+    } catch (const std::exception& e) {
+      other_error = e.what();
+    }
+  });
+  std::unique_ptr<HiCache> first;
+  std::string error = error_of([&] { first = make(0); });
+  t.join();
+  ASSERT_TRUE(first && other) << error << " / " << other_error;
+  EXPECT_NE(first->key_namespace().prefix(), other->key_namespace().prefix());
+  std::thread stop([&] { other->detach_storage(); });  // an agreement of both ranks
+  first->detach_storage();
+  stop.join();
+  EXPECT_EQ(first->storage_controller(), nullptr);
 }
 
 TEST(HiCache, RefusesCollectivesThatDisagreeWithTheConfig) {
