@@ -13,6 +13,11 @@
 
 namespace hicache {
 
+// How long the write and load threads look for the next op before they sleep (OpQueue::
+// pop_spinning), as a layer's consumer does (LayerDoneCounter): a write() or start_loading()
+// that finds its thread still looking wakes no sleeping thread.
+constexpr std::chrono::microseconds kSpinBeforeSleep{100};
+
 WritePolicy parse_write_policy(std::string_view name) {
   if (name == "write_through") return WritePolicy::kWriteThrough;
   if (name == "write_through_selective") return WritePolicy::kWriteThroughSelective;
@@ -414,7 +419,7 @@ void HiCacheController::finish_op(CacheOperation& op, moodycamel::ConcurrentQueu
 
 void HiCacheController::write_loop() {
   Scratch scratch;
-  while (auto op = write_queue_.pop()) {
+  while (auto op = write_queue_.pop_spinning(kSpinBeforeSleep)) {
     // Writes queued meanwhile go along (up to kMaxMergedWrites ops, in priority order): one
     // copy batch and one stream synchronisation for all of them, instead of two thread
     // hand-offs per op. A failed batch fails every op in it (each is acked, not ok).
@@ -431,7 +436,7 @@ void HiCacheController::write_loop() {
 
 void HiCacheController::load_loop() {
   Scratch scratch;
-  while (auto batch = load_queue_.pop()) run_load(*batch, scratch);
+  while (auto batch = load_queue_.pop_spinning(kSpinBeforeSleep)) run_load(*batch, scratch);
 }
 
 std::int64_t HiCacheController::evict_device(std::span<const std::int64_t> device_slots,

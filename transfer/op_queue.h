@@ -7,7 +7,9 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <chrono>
 #include <optional>
+#include <thread>
 #include <queue>
 #include <vector>
 
@@ -42,6 +44,23 @@ class OpQueue {
     while (heap_.empty() && !stopped_) mu_.wait(cv_);
     if (stopped_) return std::nullopt;
     return take();
+  }
+
+  // pop(), re-checking (yielding the CPU in between) for up to `spin` before it blocks: a
+  // producer that pushes while the consumer still spins wakes no sleeping thread. On a VM whose
+  // idle vCPU halts, that wake-up costs the pushing thread about 13 us (measured from Python:
+  // a write() to an idle write thread took 16.6 us, to a busy one 3.7 us).
+  std::optional<Op> pop_spinning(std::chrono::steady_clock::duration spin) {
+    const auto give_up = std::chrono::steady_clock::now() + spin;
+    while (std::chrono::steady_clock::now() < give_up) {
+      {
+        MutexLock lock(mu_);
+        if (stopped_) return std::nullopt;
+        if (!heap_.empty()) return take();
+      }
+      std::this_thread::yield();
+    }
+    return pop();
   }
 
   // Returns the first op without waiting, or nothing when empty or stopped.

@@ -103,5 +103,35 @@ TEST(OpQueue, AWaitingConsumerWakesOnWorkAndOnStop) {
   EXPECT_EQ(q.size(), 0u);
 }
 
+// pop_spinning: work pushed while the consumer looks, or after it fell asleep, is taken in
+// priority order; stop ends it in either phase.
+TEST(OpQueue, ASpinningConsumerTakesWorkInEitherPhaseAndStops) {
+  OpQueue<Item> q(4);
+  q.push(Item{2, 1});
+  q.push(Item{1, 2});
+  auto first = q.pop_spinning(std::chrono::milliseconds(50));
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->tag, 2) << "lower priority first";
+  auto asleep = std::async(std::launch::async,
+                           [&] { return q.pop_spinning(std::chrono::microseconds(1)); });
+  auto second = asleep.get();  // queued already
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->tag, 1);
+  auto waiter = std::async(std::launch::async,
+                           [&] { return q.pop_spinning(std::chrono::microseconds(100)); });
+  EXPECT_EQ(waiter.wait_for(std::chrono::milliseconds(20)), std::future_status::timeout)
+      << "past its spin it blocks";
+  q.push(Item{0, 3});
+  auto third = waiter.get();
+  ASSERT_TRUE(third);
+  EXPECT_EQ(third->tag, 3);
+  auto spinning = std::async(std::launch::async,
+                             [&] { return q.pop_spinning(std::chrono::seconds(30)); });
+  q.stop();
+  EXPECT_EQ(spinning.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "stop ends the spin at once";
+  EXPECT_FALSE(spinning.get());
+}
+
 }  // namespace
 }  // namespace hicache
