@@ -41,18 +41,20 @@ _MADV_HUGEPAGE = 14
 
 
 def tensor(shape, dtype):
-    """torch.empty on transparent huge pages, as hicache's own pools are (madvise before the
-    first touch): the engine's memory and the C++ run's then differ in nothing but the caller."""
+    """An uninitialised tensor on transparent huge pages, as hicache's own pools are: 2 MiB
+    aligned, advised before the first touch, so that the engine's memory and the C++ run's
+    differ in nothing but the caller."""
     import ctypes
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
     huge = 2 << 20
-    start = (t.data_ptr() + huge - 1) // huge * huge
-    end = (t.data_ptr() + nbytes) // huge * huge
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return t
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + huge, dtype=torch.uint8)
+    skip = -raw.data_ptr() % huge
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(raw.data_ptr() + skip),
+                 ctypes.c_size_t((nbytes + huge - 1) // huge * huge), _MADV_HUGEPAGE)
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
 WORKLOADS = {  # name: (load, tiny, pages per op, count), hicache-opbench's
     "write_p1": (False, False, 1, 2000), "write_p16": (False, False, 16, 150),
     "load_p1": (True, False, 1, 600), "load_p16": (True, False, 16, 40),

@@ -313,6 +313,7 @@ class HiCacheController:
                                        device_k=device_k, device_v=device_v,
                                        dim_order="sglang", engine_allocator=True)
         self._keep = (mem_pool_host.kv_buffer, device_k, device_v)
+        self._cuda = config["device"] == "cuda"
         self._host_slots = _SlotTable(mem_pool_host.size, self.page_size, mem_pool_host.kv_buffer)
         self._device_slots = _SlotTable(int(device_k[0].shape[0]), self.page_size, device_k[0])
         self.storage_backend = _StorageView(self._cache) if self.enable_storage else None
@@ -366,6 +367,7 @@ class HiCacheController:
         if isinstance(extra, str):
             extra = json.loads(extra) if extra.strip() else {}
         extra = dict(extra or {})
+        extra.pop("prefetch_threshold", None)  # SGLang passes it as prefetch_threshold too
         own = extra.pop(_OWN_EXTRA_KEY, {})
         if not isinstance(own, dict):
             raise ValueError(f"hicache: extra config '{_OWN_EXTRA_KEY}' must be an object of "
@@ -432,6 +434,7 @@ class HiCacheController:
         """Backs up device pages to new host pages; the host indices, or None (nothing
         changed) when the host pool or the write queue is full."""
         device = _as_list(device_indices)
+        self._sync_compute()
         host = self._cache.reserve_write(len(device))
         if host is None:
             return None
@@ -447,6 +450,7 @@ class HiCacheController:
         device_indices = self.mem_pool_device_allocator.alloc(len(host))
         if device_indices is None:
             return None
+        self._sync_compute()
         try:
             queued = self._cache.load_into(host, _as_list(device_indices), int(node_id))
         except Exception:
@@ -456,6 +460,14 @@ class HiCacheController:
             self.mem_pool_device_allocator.free(device_indices)
             return None
         return device_indices
+
+    def _sync_compute(self):
+        """On a GPU, as SGLang's controller: the work queued so far on the compute stream
+        (the forward pass that wrote the pages, the batch that last read the slots a load will
+        overwrite) finishes before hicache's copy streams touch the slots."""
+        if self._cuda:
+            import torch
+            torch.cuda.current_stream().synchronize()
 
     def start_loading(self):
         """Starts every load queued since the last call as one batch; its producer index (the
