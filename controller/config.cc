@@ -136,10 +136,11 @@ const std::vector<Key>& keys() {
         "load batches in flight at once (LayerDoneCounter slots)", "", ""},
        1, 64, false, [](Draft& d, const json& v) { d.c.controller.layer_slots = as_int32(v); }},
       {{"queue_capacity", "queue-capacity", T::kInteger, "4096", ">= 1",
-        "write and load ops queued before write()/load() push back", "", ""},
+        "ops queued per queue (write, load, backup, prefetch) before a call pushes back", "", ""},
        1, 1 << 24, false,
        [](Draft& d, const json& v) {
          d.c.controller.queue_capacity = static_cast<std::size_t>(as_int(v));
+         d.c.storage_controller.queue_capacity = d.c.controller.queue_capacity;
        }},
       {{"kernel_max_blocks", "kernel-max-blocks", T::kInteger, "0", ">= 0",
         "CUDA blocks of the kernel io path at most (0: no cap)", "", ""},

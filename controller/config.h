@@ -47,7 +47,8 @@ struct HiCacheConfig {
   std::string storage;  // JSON object for make_storage; empty: no L3
   std::string model_name = "model";
   std::string model_fingerprint = "unversioned";
-  StorageControllerConfig storage_controller{.prefetch_threshold_tokens = 256};
+  StorageControllerConfig storage_controller{.queue_capacity = 4096,
+                                             .prefetch_threshold_tokens = 256};
   RadixCacheConfig radix;
   TensorParallelConfig tp;
   // The /metrics HTTP server: -1 off, 0 a free port, else that port; on metrics_bind.

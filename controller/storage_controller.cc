@@ -387,17 +387,13 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   std::int64_t agreed_got[1] = {got};
   if (!prefetch_collective_.min_allreduce(agreed_got, "prefetch.reserve").ok) ++failed_ops_;
   if (agreed_got[0] < agreed_hit[0]) {  // some rank is short: abort everywhere
-    if (!op.slots_.empty()) host_.free(op.slots_);
-    op.slots_.clear();
+    if (!op.caller_slots_) {
+      if (!op.slots_.empty()) host_.free(op.slots_);
+      op.slots_.clear();
+    }
     op.budget_.release();
     revoke(op);
     return;
-  }
-  if (op.caller_slots_) {  // the caller's slots past the hit go back now
-    const std::span<const std::int64_t> past = std::span<const std::int64_t>(op.slots_).subspan(
-        static_cast<std::size_t>(want));
-    if (!past.empty()) host_.free(past);
-    op.slots_.resize(static_cast<std::size_t>(want));
   }
   op.keys_.resize(static_cast<std::size_t>(agreed_hit[0]));
   op.hit_pages_ = agreed_hit[0];
@@ -415,10 +411,6 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
 }
 
 void StorageController::revoke(PrefetchOperation& op) {
-  if (op.caller_slots_ && !op.slots_.empty()) {  // freed before the caller can see the revoke
-    host_.free(op.slots_);
-    op.slots_.clear();
-  }
   ++revoked_;
   revokes_.enqueue(op.request_id_);  // queued before the stage shows it, so a waiter finds it
   {
@@ -569,6 +561,10 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
   // agreed by every rank); any other op's completed prefix is agreed by every rank, since all
   // terminate the same ops in the same order.
   PrefetchResult result;
+  if (op.stage() == PrefetchStage::kRevoked && op.caller_slots_ && !op.slots_.empty()) {
+    host_.free(op.slots_);  // the caller's reservation, untouched
+    op.slots_.clear();
+  }
   if (op.stage() != PrefetchStage::kRevoked) {
     std::int64_t completed[1] = {op.completed_pages_.load()};
     if (!main_collective_.min_allreduce(completed, "prefetch.terminate").ok) ++failed_ops_;

@@ -153,7 +153,7 @@ class PrefetchOperation {
   std::atomic<std::int64_t> completed_pages_{0};
   std::vector<std::string> keys_;      // the agreed hit's keys
   std::vector<std::int64_t> slots_;    // host slots reserved for them
-  bool caller_slots_ = false;          // slots_ came from prefetch_into (no budget held)
+  bool caller_slots_ = false;          // slots_ came from prefetch_into (all kept to terminate)
   BudgetCredit budget_;                // credits held while host pages are reserved
 };
 
@@ -207,12 +207,14 @@ class StorageController {
                                               std::optional<PageDigest> prior = std::nullopt);
   // As prefetch(), into host slots the caller reserved before it asked (SGLang's radix cache
   // allocates them first): `host_slots` whole pages in state reserved, at least one per whole
-  // page of `tokens`. The op owns them from here: once the ranks agree on the hit it keeps the
-  // hit's pages and frees the rest; a revoke (also by stop()) frees them all, before the request
-  // id is queued; terminate_prefetch frees those past the agreed prefix and returns the prefix.
-  // Takes no prefetch budget (the caller limits what it reserves). Returns nothing, the slots
-  // still the caller's, when the queue is full or stopped. Throws InvalidArgument (malformed or
-  // too few slots, empty request id) or StateError (a page not reserved); nothing changes then.
+  // page of `tokens`. The op owns them from here; the hit is read into the first of them, and
+  // terminate_prefetch frees every one past the agreed prefix (all of them when the op was
+  // revoked) and returns the prefix. Nothing is freed on the controller's threads: the host
+  // pool's free count changes only on the caller's thread, at calls every TP rank makes in the
+  // same order, so an allocation there finds the same room on every rank. Takes no prefetch
+  // budget (the caller limits what it reserves). Returns nothing, the slots still the caller's,
+  // when the queue is full or stopped. Throws InvalidArgument (malformed or too few slots, empty
+  // request id) or StateError (a page not reserved); nothing changes then.
   std::shared_ptr<PrefetchOperation> prefetch_into(std::string request_id,
                                                    std::span<const std::int32_t> tokens,
                                                    std::optional<PageDigest> prior,

@@ -10,7 +10,7 @@ makes it:
 
   write_pP   N ops of P pages, 4 in flight: write(); on each ack (ack_write_queue) evict the
              device copy, then the host copy, and submit the next.
-  load_pP    steps of 4 load() ops of P pages: start_loading(), set_consumer(), the device
+  load_pP    N steps of 4 load() ops of P pages: start_loading(), set_consumer(), the device
              pool's get_key_buffer(layer) for every layer in order, the 4 acks
              (ack_load_queue), then evict_device.
 
@@ -205,7 +205,7 @@ def run_loads(pages, count):
     for d, h in zip(written, sources):
         ctrl.evict_device(d, h)
     latencies = []
-    steps = max(1, count // IN_FLIGHT)
+    steps = count  # hicache-opbench counts load steps (of IN_FLIGHT ops each)
     seconds = 0.0
     verified = True
     for step in range(steps + 3):  # 3 warm-up steps

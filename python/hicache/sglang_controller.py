@@ -64,16 +64,21 @@ BackupAck = collections.namedtuple("BackupAck", "id completed_tokens")
 
 class _AckQueue:
     """A list of acks (SGLang's later releases iterate, pop and slice it) that also answers as
-    a queue.Queue (qsize, empty, get, get_nowait: the 2025 releases); `unwrap` maps an ack to
-    what get() returns. Every read first moves what the C++ side acknowledged since."""
+    a queue.Queue (qsize, empty, get, get_nowait: the 2025 releases); `unwrap` maps an item to
+    what get() returns. Every read first moves what the C++ side acknowledged since (`pull`),
+    then raises a failure `check` finds (after the good acks are in the list). A blocking get()
+    waits without the GIL through `wait(timeout)` (SGLang's write_back waits so)."""
 
-    def __init__(self, pull, unwrap=lambda item: item):
+    def __init__(self, pull, unwrap=lambda item: item, wait=None, check=lambda: None):
         self._pull = pull
         self._unwrap = unwrap
+        self._wait = wait
+        self._check = check
         self._items = []
 
     def _refresh(self):
         self._items.extend(self._pull())
+        self._check()
         return self._items
 
     # list
@@ -110,8 +115,13 @@ class _AckQueue:
 
     def get(self, block=True, timeout=None):
         import queue
-        if not self._refresh():
-            raise queue.Empty  # never blocks: the scheduler asks for what qsize() counted
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._refresh():
+            left = None if deadline is None else deadline - time.monotonic()
+            if not block or self._wait is None or (left is not None and left <= 0):
+                raise queue.Empty
+            self._items.extend(self._wait(60.0 if left is None else left))
         return self._unwrap(self._items.pop(0))
 
     def get_nowait(self):
@@ -125,28 +135,35 @@ class LayerDoneCounter:
     """SGLang's LayerDoneCounter over hicache's: the device pool's get_key_buffer(layer) calls
     wait_until(layer), which returns once that layer of the consumer's load batch is in device
     memory (without the GIL), and raises HiCacheDeviceError when the batch failed, was dropped
-    by reset() or was never started. A batch's slot is handed back once its consumer waited for
-    the last layer, or set another consumer, or when every slot is taken and a new batch starts
-    (SGLang's ring of producer slots never blocks the scheduler); waits on a batch whose layers
-    were all waited for return at once."""
+    by reset() or never started. A batch holds a slot of hicache's counter until its consumer
+    waited for the last layer or set another consumer, or until every slot is taken and a new
+    batch starts (SGLang's ring of producer slots never blocks the scheduler); hicache hands a
+    slot to a new batch only once the old one's copies are all done, and a consumer of a batch
+    whose slot moved on finds its layers in place. Slots carry a generation, so a consumer never
+    releases or waits for a later batch in the same slot."""
 
     def __init__(self, controller, num_layers, num_slots):
         self._c = controller
         self.num_layers = num_layers
         self.num_counters = num_slots
         self._lock = threading.Lock()
-        self._held = collections.deque()  # slots whose consumer side is not released, oldest first
-        self._done = set()  # slots released after their last layer landed
+        self._next_gen = 1
+        self._live = {}  # slot -> the generation of the batch started in it (until reset)
+        self._held = collections.deque()  # (slot, gen) not released by their consumer, oldest first
+        self._void = set()  # (slot, gen) dropped by reset()
+        self._consumer = None  # (slot, gen)
         self.producer_index = -1
-        self.consumer_index = -1
 
-    def _release(self, slot):
+    @property
+    def consumer_index(self):
+        return -1 if self._consumer is None else self._consumer[0]
+
+    def _release(self, entry):
         with self._lock:
-            if slot not in self._held:
+            if entry not in self._held:
                 return
-            self._held.remove(slot)
-            self._done.add(slot)
-        self._c._cache.release_loading(slot)
+            self._held.remove(entry)
+        self._c._cache.release_loading(entry[0])
 
     def _make_room(self):
         with self._lock:
@@ -156,41 +173,52 @@ class LayerDoneCounter:
 
     def _started(self, slot):
         with self._lock:
-            self._done.discard(slot)
-            self._held.append(slot)
+            gen, self._next_gen = self._next_gen, self._next_gen + 1
+            self._live[slot] = gen
+            self._held.append((slot, gen))
         self.producer_index = slot
 
     def _forget(self):
         with self._lock:
-            self._held.clear()  # the controller's reset voided every slot
-            self._done.clear()
-        self.producer_index = self.consumer_index = -1
+            self._void.update(self._live.items())  # the controller's reset voided every batch
+            self._live.clear()
+            self._held.clear()
+        self._consumer = None
+        self.producer_index = -1
 
     def next_producer(self):
-        return self.producer_index
+        """SGLang 2025's ready_to_load_host_cache() calls this, then sets load_cache_event: the
+        loads queued since the last batch start now, and their slot is returned (-1: none)."""
+        return self._c.start_loading()
 
     def update_producer(self):
         return self.producer_index
 
     def set_consumer(self, index):
-        previous, self.consumer_index = self.consumer_index, index
-        if previous >= 0 and previous != index:
+        previous = self._consumer
+        with self._lock:
+            self._consumer = None if index < 0 else (index, self._live.get(index, 0))
+        if previous is not None and previous != self._consumer:
             self._release(previous)
 
     def wait_until(self, threshold):
-        slot = self.consumer_index
-        if slot < 0:
+        consumer = self._consumer
+        if consumer is None:
             return
+        slot, gen = consumer
         with self._lock:
-            if slot in self._done:
-                return
-            in_flight = slot in self._held
-        if not in_flight or not self._c._cache.wait_layer(slot, int(threshold)):
+            void = gen == 0 or consumer in self._void
+            moved_on = self._live.get(slot) != gen  # a later batch has the slot: ours is done
+        if void:
             raise HiCacheDeviceError(
-                f"hicache: layer {threshold} of load batch {slot}: the batch failed, was dropped "
-                "by reset() or never started; its bytes are not in device memory")
+                f"hicache: load batch {slot} was dropped by reset() or never started; its bytes "
+                "are not in device memory")
+        if not moved_on and not self._c._cache.wait_layer(slot, int(threshold)):
+            raise HiCacheDeviceError(
+                f"hicache: layer {threshold} of load batch {slot} failed or the controller "
+                "stopped: its bytes are not in device memory")
         if threshold >= self.num_layers - 1:
-            self._release(slot)
+            self._release(consumer)
 
     def reset(self):
         pass  # the producer side is hicache's own
@@ -241,25 +269,41 @@ def _tp_of(tp_group):
 
 
 class _Prefetch:
-    """The operation prefetch() returns (the reference's PrefetchOperation's fields)."""
+    """The operation prefetch() returns, with the reference's fields: `hash_value` lists the
+    pages the op may still bring (all of them while the hit is unknown, the agreed hit while it
+    loads, the completed prefix once terminated), so that SGLang's completion test
+    `completed_tokens == len(hash_value) * page_size` holds exactly when the op is done."""
 
     _counter = 0
 
-    def __init__(self, request_id, host_indices, token_ids, last_hash, native):
+    def __init__(self, request_id, host_indices, token_ids, last_hash, native, hashes, page):
+        import time
         self.request_id = request_id
         self.host_indices = host_indices
         self.token_ids = token_ids
         self.last_hash = last_hash
-        self.hash_value = []
-        self.native = native  # None when the queue refused it (revoked at once)
+        self.native = native  # None when the queue refused it: done, nothing read
+        self.start_time = time.monotonic()
         self.id = _Prefetch._counter
         _Prefetch._counter += 1
-        self._terminated = None
+        self._hashes = hashes
+        self._page = page
+        self._terminated = None  # (completed tokens, hashes) once terminated
+
+    @property
+    def hash_value(self):
+        if self._terminated is not None:
+            return self._terminated[1]
+        if self.native is None or self.native.stage == "revoked":
+            return []
+        if self.native.stage == "queued":
+            return self._hashes
+        return self._hashes[:self.native.hit_tokens // self._page]
 
     @property
     def completed_tokens(self):
         if self._terminated is not None:
-            return self._terminated
+            return self._terminated[0]
         return self.native.completed_tokens if self.native is not None else 0
 
     def is_done(self):
@@ -323,11 +367,17 @@ class HiCacheController:
         if hasattr(self.mem_pool_device, "register_layer_transfer_counter"):
             self.mem_pool_device.register_layer_transfer_counter(self.layer_done_counter)
 
-        self.ack_write_queue = _AckQueue(lambda: self._acks("write"),
-                                         lambda ack: ack.node_ids[0])
-        self.ack_load_queue = _AckQueue(lambda: self._acks("load"), lambda ack: ack.node_ids[0])
+        self._failures = []  # failed copies not yet raised
+        self._loads_queued = 0
+        self._prefetches = {}  # request id -> _Prefetch, until terminated or its revoke is read
+        self.ack_write_queue = _AckQueue(
+            lambda: self._acks("write"), lambda ack: ack.node_ids[0],
+            wait=lambda t: self._acks("write", t), check=self._raise_failures)
+        self.ack_load_queue = _AckQueue(
+            lambda: self._acks("load"), lambda ack: ack.node_ids[0],
+            wait=lambda t: self._acks("load", t), check=self._raise_failures)
         self.ack_backup_queue = _AckQueue(self._backup_acks)
-        self.prefetch_revoke_queue = _AckQueue(self._cache.drain_revokes)
+        self.prefetch_revoke_queue = _AckQueue(self._cache.drain_revokes, self._deliver_revoke)
         self.host_mem_release_queue = _AckQueue(lambda: [])  # releases are applied at once
         self.write_failures = 0
         self.load_failures = 0
@@ -361,6 +411,9 @@ class HiCacheController:
             "prefetch_threshold_tokens": self.prefetch_threshold,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_world_size,
+            # Queues that never fill: a call refused on one TP rank only would make the ranks'
+            # trees (and calls) differ; SGLang's own queues are unbounded.
+            "queue_capacity": 1 << 20,
         }
         if self.io_backend in ("direct", "kernel"):
             config["io_backend"] = self.io_backend
@@ -459,6 +512,7 @@ class HiCacheController:
         if not queued:
             self.mem_pool_device_allocator.free(device_indices)
             return None
+        self._loads_queued += 1
         return device_indices
 
     def _sync_compute(self):
@@ -472,6 +526,9 @@ class HiCacheController:
     def start_loading(self):
         """Starts every load queued since the last call as one batch; its producer index (the
         consumer's set_consumer argument), or -1 when nothing was queued."""
+        if self._loads_queued == 0:
+            return -1
+        self._loads_queued = 0
         self.layer_done_counter._make_room()
         slot = self._cache.start_loading()
         if slot >= 0:
@@ -500,20 +557,31 @@ class HiCacheController:
         if slots:
             self.mem_pool_device_allocator.free(self._device_slots(slots))
 
-    def _acks(self, kind):
+    def _acks(self, kind, timeout=None):
+        """The acks of `kind` that arrived (with `timeout`: waits up to that long for one,
+        without the GIL). A failed copy is recorded and raised once every good ack drained with
+        it is in its queue."""
         out = []
-        for node, ok in self._cache.wait_acks(kind, 0, 0.0):
+        got = (self._cache.wait_acks(kind, 0, 0.0) if timeout is None
+               else self._cache.wait_acks(kind, 1, timeout))
+        for node, ok in got:
             if not ok:
                 if kind == "write":
                     self.write_failures += 1
                 else:
                     self.load_failures += 1
-                raise HiCacheDeviceError(
-                    f"hicache: the {'device -> host' if kind == 'write' else 'host -> device'} "
-                    f"copy of node {node} failed; its bytes are not to be used")
-            if node != 0:  # the reference acknowledges no op of node 0
+                self._failures.append(
+                    f"the {'device -> host' if kind == 'write' else 'host -> device'} copy of "
+                    f"node {node} failed")
+            elif node != 0:  # the reference acknowledges no op of node 0
                 out.append(HiCacheAck(_DONE, _DONE, [node]))
         return out
+
+    def _raise_failures(self):
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise HiCacheDeviceError("hicache: " + "; ".join(failures) +
+                                     ": those bytes are not to be used")
 
     # --- L2 <-> L3 ----------------------------------------------------------------------
 
@@ -537,27 +605,37 @@ class HiCacheController:
 
     def prefetch(self, request_id, host_indices, new_input_tokens, last_hash=None):
         """Reads the L3 hit of new_input_tokens into host_indices (the radix cache's
-        reservation, whole pages); pages past the hit are freed once the ranks agree on it,
-        all of them when it is revoked (prefetch_revoke_queue)."""
+        reservation, whole pages). The pages stay the op's until terminate_prefetch, which
+        frees those past the agreed prefix, or until its revoke is read from
+        prefetch_revoke_queue, which frees them all: host memory changes only on this thread."""
         tokens = list(new_input_tokens)
         host = _as_list(host_indices)
         native = self._cache.prefetch_into(str(request_id), tokens, last_hash, host)
-        op = _Prefetch(request_id, host_indices, tokens, last_hash, native)
-        if native is None:  # queue full or stopped: revoked at once, the pages freed
-            self._cache.host_free(host)
-            self.prefetch_revoke_queue.put(request_id)
+        _, hashes = self._cache.page_keys(tokens, last_hash)
+        op = _Prefetch(request_id, host_indices, tokens, last_hash, native, hashes,
+                       self.page_size)
+        self._prefetches[request_id] = op
         return op
 
     def terminate_prefetch(self, operation):
         """Ends a prefetch: (completed tokens, page hashes) agreed by every rank; the pages
-        past them are freed."""
-        if operation.native is None:
-            operation._terminated = 0
-            return 0, []
-        tokens, _slots, hashes = self._cache.terminate_prefetch(operation.native)
-        operation._terminated = tokens
-        operation.hash_value = hashes
-        return tokens, hashes
+        past them are freed. A second call returns the same."""
+        if operation._terminated is None:
+            if operation.native is None:  # refused by a stopped controller: nothing was read
+                self._cache.host_free(_as_list(operation.host_indices))
+                operation._terminated = (0, [])
+            else:
+                tokens, _slots, hashes = self._cache.terminate_prefetch(operation.native)
+                operation._terminated = (tokens, hashes)
+            self._prefetches.pop(operation.request_id, None)
+        return operation._terminated
+
+    def _deliver_revoke(self, request_id):
+        """A revoke read from prefetch_revoke_queue: the op's pages go back now."""
+        op = self._prefetches.get(request_id)
+        if op is not None:
+            self.terminate_prefetch(op)
+        return request_id
 
     def prefetch_rate_limited(self):
         return self.prefetch_tokens_occupied >= self.prefetch_capacity_limit
@@ -574,6 +652,9 @@ class HiCacheController:
                   self.prefetch_revoke_queue, self.host_mem_release_queue):
             q.clear()
         self.prefetch_tokens_occupied = 0
+        self._prefetches.clear()  # their pages go with the host pool's clear()
+        self._failures.clear()
+        self._loads_queued = 0
 
     def metrics(self):
         return json.loads(self._cache.metrics_json())

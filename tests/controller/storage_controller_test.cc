@@ -434,8 +434,9 @@ TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKep
 }
 
 // prefetch_into: the caller reserved the host slots (SGLang's radix cache allocates before it
-// asks). The hit lands in the first of them byte for byte; those past the hit go back after the
-// agreement, those past the agreed prefix at terminate, all of them on a revoke; no budget.
+// asks). The hit lands in the first of them byte for byte; nothing is freed on the controller's
+// threads (TP ranks must find the same room on the caller's thread): terminate frees those past
+// the agreed prefix, all of them for a revoked op; no budget.
 TEST_P(PrefetchLayouts, IntoTheCallersSlotsKeepsTheHitAndFreesTheRest) {
   Rank r(GetParam(), str_cat("pfi", static_cast<int>(GetParam())));
   LocalCollective local;
@@ -448,6 +449,10 @@ TEST_P(PrefetchLayouts, IntoTheCallersSlotsKeepsTheHitAndFreesTheRest) {
   const auto mine = r.host.alloc(7 * kPage).value();
   auto op = c.prefetch_into("req-into", tokens, std::nullopt, mine);
   ASSERT_TRUE(op);
+  while (op->stage() == PrefetchStage::kQueued || op->stage() == PrefetchStage::kLoading) {
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(r.host.free_tokens(), free_before - 7 * kPage) << "freed on the controller's thread";
   const PrefetchResult res = wait_and_terminate(c, *op);
   EXPECT_EQ(res.tokens, 4 * kPage) << op->error();
   expect_pages_verify(r.host, res);
@@ -457,7 +462,7 @@ TEST_P(PrefetchLayouts, IntoTheCallersSlotsKeepsTheHitAndFreesTheRest) {
   EXPECT_EQ(c.prefetch_tokens_held(), 0) << "no budget taken (it is 1 page)";
   r.host.free(res.host_slots);
 
-  // Below the threshold: revoked, every slot freed before the revoke is seen.
+  // Below the threshold: revoked; its slots stay reserved until terminate frees them all.
   const auto short_tokens = tokens_for(3, 12);
   seed_storage(r.file, r.host, short_tokens, 1);
   const auto theirs = r.host.alloc(3 * kPage).value();
@@ -468,7 +473,7 @@ TEST_P(PrefetchLayouts, IntoTheCallersSlotsKeepsTheHitAndFreesTheRest) {
     if (c.drain_revokes(revoked) == 0) std::this_thread::yield();
   }
   EXPECT_EQ(revoked, std::vector<std::string>{"req-short"});
-  EXPECT_EQ(r.host.free_tokens(), free_before);
+  EXPECT_EQ(r.host.free_tokens(), free_before - 3 * kPage) << "the caller's until terminate";
   EXPECT_EQ(c.terminate_prefetch(*revoked_op).tokens, 0);
   EXPECT_EQ(r.host.free_tokens(), free_before);
 }

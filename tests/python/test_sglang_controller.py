@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -113,8 +114,12 @@ class Driver:
     """The calls SGLang's HiRadixCache makes, over per-page nodes (a page chain is a path)."""
 
     def __init__(self, layout, root, mla=False, rank=0, tp_group=None, extra=None,
-                 device_pages=24, host_pages=48, storage=True):
-        self.rank, self.tp_group, self.mla = rank, tp_group, mla
+                 device_pages=24, host_pages=48, storage=True, style="later"):
+        """style "later": start_loading() and acks read as lists (SGLang's later releases);
+        "2025": load_cache_event with next_producer(), acks read as queues, prefetches
+        finished by SGLang's own completion test (the 2025-08 radix cache)."""
+        self.rank, self.tp_group, self.mla, self.style = rank, tp_group, mla, style
+        self.event = threading.Event() if style == "2025" else None
         self.pool = DevicePool(device_pages, mla)
         self.alloc = Allocator(self.pool)
         self.host = HostPool(layout, mla=mla, layers=L, heads=H, head_dim=D, page_size=P,
@@ -122,7 +127,8 @@ class Driver:
         cfg = {"storage": {"backend": "file", "root": str(root)}} if storage else {}
         cfg.update(extra or {})
         self.ctrl = HiCacheController(
-            self.alloc, self.host, P, tp_group, write_policy="write_through", io_backend="direct",
+            self.alloc, self.host, P, tp_group, load_cache_event=self.event,
+            write_policy="write_through", io_backend="direct",
             storage_backend="hicache" if storage else None, prefetch_threshold=P,
             model_name="drop-in-test",
             storage_backend_extra_config=json.dumps(cfg["storage"] | ({"hicache": extra}
@@ -133,6 +139,7 @@ class Driver:
         self.clock = 0
         self.writing, self.loading, self.backups = {}, {}, {}
         self.verified = {"device": 0, "loaded": 0, "prefetched": 0}
+        self.revoked = self.prefetch_calls = 0
         self.prefetched_pages = 0
 
     # --- TP: what SGLang's radix cache min-reduces before acting on a queue ------------------
@@ -145,31 +152,46 @@ class Driver:
         return int(t.item())
 
     # --- events --------------------------------------------------------------------------
+    def written(self, nid):
+        node = self.writing.pop(nid)
+        node.backed_up = True
+        node.lock -= 1
+        self.backup(node)
+
+    def loaded(self, nid):
+        for node in self.loading.pop(nid):
+            node.lock -= 1
+
     def check_events(self):
-        q = self.ctrl.ack_write_queue  # later releases: a list of acks with events
-        done = 0
-        for _, finish_event, _ids in q:
-            if not finish_event.query():
-                break
-            done += 1
-        for _ in range(self.agreed(done)):
-            _, finish_event, ids = q.pop(0)
-            finish_event.synchronize()
-            for nid in ids:
-                node = self.writing.pop(nid)
-                node.backed_up = True
-                node.lock -= 1
-                self.backup(node)
-        q = self.ctrl.ack_load_queue
-        done = self.agreed(len(q))
-        for ack in list(q)[:done]:
-            for nid in ack.node_ids:
-                for node in self.loading.pop(nid):
-                    node.lock -= 1
-        del q[:done]
+        if self.style == "2025":  # queues of node ids
+            q = self.ctrl.ack_write_queue
+            for _ in range(self.agreed(q.qsize())):
+                self.written(q.get())
+            q = self.ctrl.ack_load_queue
+            while not q.empty():
+                self.loaded(q.get_nowait())
+        else:  # lists of acks with events
+            q = self.ctrl.ack_write_queue
+            done = 0
+            for _, finish_event, _ids in q:
+                if not finish_event.query():
+                    break
+                done += 1
+            for _ in range(self.agreed(done)):
+                _, finish_event, ids = q.pop(0)
+                finish_event.synchronize()
+                for nid in ids:
+                    self.written(nid)
+            q = self.ctrl.ack_load_queue
+            done = self.agreed(len(q))
+            for ack in list(q)[:done]:
+                for nid in ack.node_ids:
+                    self.loaded(nid)
+            del q[:done]
         q = self.ctrl.prefetch_revoke_queue  # the 2025 releases: a queue
         for _ in range(self.agreed(q.qsize())):
             q.get()
+            self.revoked += 1
         q = self.ctrl.ack_backup_queue
         for _ in range(self.agreed(q.qsize())):
             ack = q.get()
@@ -253,8 +275,14 @@ class Driver:
             if host is not None:
                 self.ctrl.prefetch_tokens_occupied += len(rest)
                 op = self.ctrl.prefetch(rid, host, rest, hashes[i - 1] if i else None)
+                self.prefetch_calls += 1
                 deadline = time.monotonic() + 30
-                while not op.is_done() and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    if self.style == "2025":  # SGLang's wait_complete test
+                        if op.completed_tokens == len(op.hash_value) * P:
+                            break
+                    elif op.is_done():
+                        break
                     time.sleep(0.0005)
                 completed, hash_value = self.ctrl.terminate_prefetch(op)
                 completed = self.agreed(completed)
@@ -281,7 +309,11 @@ class Driver:
                 node.device = device[j * P:(j + 1) * P]
                 node.lock += 1
             self.loading[to_load[-1].id] = to_load
-        producer = self.ctrl.start_loading()
+        if self.style == "2025":  # ready_to_load_host_cache()
+            producer = self.ctrl.layer_done_counter.next_producer()
+            self.event.set()
+        else:
+            producer = self.ctrl.start_loading()
         self.ctrl.layer_done_counter.set_consumer(producer)
         # The forward pass: read the cached pages layer by layer, write the new ones.
         new = self.on_device((n - i) * P, lambda: self.alloc.alloc((n - i) * P)) if i < n else None
@@ -353,17 +385,18 @@ def requests(count, seed, families=5):
         yield f"req-{seed}-{r}", [f * 100000 + t for t in range(pages * P)]
 
 
-def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count=60):
+def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count=60,
+               style="later"):
     """Phase 1 computes, writes through and backs up; phase 2, a fresh engine on the same
     store, finds the pages in L3 only and reads them back through prefetch and load."""
-    d = Driver(layout, root, mla, rank, tp_group, extra)
+    d = Driver(layout, root, mla, rank, tp_group, extra, style=style)
     for rid, tokens in requests(count, 1):
         d.serve(rid, tokens)
     d.check_no_leak()
     first = dict(d.verified)
     nodes_1 = sorted(d.nodes)
     d.ctrl.close()
-    d2 = Driver(layout, root, mla, rank, tp_group, extra)
+    d2 = Driver(layout, root, mla, rank, tp_group, extra, style=style)
     for rid, tokens in requests(count // 2, 2):
         d2.serve(rid, tokens)
     d2.check_no_leak()
@@ -377,6 +410,14 @@ def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_the_radix_cache_call_sequence_serves_every_byte(tmp_path, layout, mla):
     s = run_phases(layout, tmp_path / "l3", mla)
+    assert s["first"]["device"] > 20 and s["first"]["loaded"] > 10, s
+    assert s["second"]["prefetched"] > 10, s
+
+
+def test_sglang_2025s_call_sequence_serves_every_byte(tmp_path):
+    """The 2025-08 radix cache: ready_to_load_host_cache() (next_producer, then the event),
+    acks as queues of node ids, prefetches ended by its completion test."""
+    s = run_phases("page_first", tmp_path / "l3", style="2025")
     assert s["first"]["device"] > 20 and s["first"]["loaded"] > 10, s
     assert s["second"]["prefetched"] > 10, s
 
@@ -471,6 +512,8 @@ def test_a_store_that_throws_leaves_the_threads_alive(tmp_path):
         d.serve(rid, tokens)
     d.settle()
     assert not any(node.in_l3 for node in d.nodes.values()), "nothing was stored"
+    assert d.prefetch_calls > 0 and d.revoked == d.prefetch_calls, \
+        "every prefetch was revoked (its hit query throws: no hit)"
     set_throwing(False)
     for node in d.nodes.values():
         if node.host is not None and not node.backing_up:
@@ -492,6 +535,80 @@ def test_a_failed_layer_raises_instead_of_serving_the_bytes(tmp_path):
     c.layer_done_counter.set_consumer(producer)
     with pytest.raises(HiCacheDeviceError):
         d.pool.get_key_buffer(0)
+    c.close()
+
+
+def test_a_failed_copy_raises_after_the_good_acks_drained_with_it_are_queued(tmp_path):
+    """hicache posts (node, ok) acks; one not ok among good ones: the good ones stay in the
+    queue (their nodes are not lost) and reading the queue raises once, naming the node."""
+    d = Driver("page_first", tmp_path, storage=False)
+    c = d.ctrl
+    native = c._cache
+
+    class OneFailure:
+        def __init__(self):
+            self.acks = [(11, True), (12, False), (13, True)]
+
+        def wait_acks(self, kind, n, timeout):
+            out, self.acks = (self.acks, []) if kind == "write" else ([], self.acks)
+            return out
+
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+    c._cache = OneFailure()
+    with pytest.raises(HiCacheDeviceError, match="node 12"):
+        len(c.ack_write_queue)
+    assert [ack.node_ids for ack in c.ack_write_queue] == [[11], [13]], "no good ack lost"
+    assert c.write_failures == 1
+    c._cache = native
+    c.close()
+
+
+def test_a_blocking_get_waits_for_the_ack_as_write_back_does(tmp_path):
+    """SGLang's write_back evicts by writing and then blocking on ack_write_queue.get()."""
+    d = Driver("page_first", tmp_path, storage=False)
+    c = d.ctrl
+    for node in (21, 22):
+        assert c.write(d.alloc.alloc(P), node_id=node) is not None
+    assert [c.ack_write_queue.get(), c.ack_write_queue.get()] == [21, 22]
+    with pytest.raises(Exception) as empty:
+        c.ack_write_queue.get(timeout=0.05)
+    assert type(empty.value).__name__ == "Empty"
+    c.close()
+
+
+def test_prefetch_pages_change_hands_only_on_the_callers_thread(tmp_path):
+    """TP ranks must find the same host room at the same call: a prefetch's pages stay
+    reserved until terminate (past the prefix freed) or until its revoke is read (all freed),
+    however far the prefetch thread got."""
+    d = Driver("page_first", tmp_path / "l3")
+    for rid, tokens in requests(6, 4):
+        d.serve(rid, tokens)
+    d.check_no_leak()
+    d.ctrl.close()
+    d = Driver("page_first", tmp_path / "l3")
+    c, pool = d.ctrl, d.ctrl.mem_pool_host
+    stored = next(tokens for _, tokens in requests(6, 4))
+    missing = [7] * (4 * P)  # never stored: below the one-page threshold, revoked
+    free = pool.available_size()
+    hit = c.prefetch("hit", pool.alloc(len(stored) + 2 * P), stored + [5] * (2 * P))
+    miss = c.prefetch("miss", pool.alloc(len(missing)), missing)
+    deadline = time.monotonic() + 30
+    while not (hit.is_done() and miss.is_done()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert hit.completed_tokens == len(hit.hash_value) * P == len(stored)
+    assert time.monotonic() - hit.start_time < 30
+    assert pool.available_size() == free - len(stored) - 2 * P - len(missing), \
+        "the prefetch thread freed pages"
+    assert c.prefetch_revoke_queue.qsize() == 1
+    assert c.prefetch_revoke_queue.get() == "miss"
+    assert pool.available_size() == free - len(stored) - 2 * P, "the revoke read frees them all"
+    assert c.terminate_prefetch(hit)[0] == len(stored)
+    assert pool.available_size() == free - len(stored), "terminate frees past the prefix"
+    assert c.terminate_prefetch(hit)[0] == len(stored), "a second terminate returns the same"
+    pool.free(hit.host_indices[:len(stored)])
+    assert pool.available_size() == free
     c.close()
 
 
