@@ -537,8 +537,13 @@ class HiCacheController:
 
     def evict_device(self, device_indices, host_indices):
         """Frees the device copy of pages whose host copy is synced (they become backup)."""
-        n = self._cache.evict_device(_as_list(device_indices), _as_list(host_indices))
-        self._return_device_slots()
+        device = _as_list(device_indices)
+        n = self._cache.evict_device(device, _as_list(host_indices))
+        returned = self._cache.take_returned_device_slots()
+        if returned == device:  # exactly the caller's slots: hand back its own tensor
+            self.mem_pool_device_allocator.free(device_indices)
+        elif returned:
+            self.mem_pool_device_allocator.free(self._device_slots(returned))
         return n
 
     def evict_host(self, host_indices, backup_only=True):
