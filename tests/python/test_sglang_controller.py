@@ -470,6 +470,30 @@ def test_illegal_host_transitions_raise_and_change_nothing(tmp_path):
     c.close()
 
 
+def test_a_reset_mid_run_drops_everything_and_the_cache_serves_on(tmp_path):
+    """SGLang's flush: cache_controller.reset(), the host pool's clear(), the allocator's
+    clear(), the tree forgotten, with writes, backups and acks in flight. Afterwards every page
+    is free and the same controller serves and verifies again."""
+    d = Driver("page_first", tmp_path / "l3")
+    for round_ in range(3):
+        for rid, tokens in requests(12, 10 + round_):
+            d.serve(rid, tokens)
+        d.ctrl.reset()  # acks, writes and backups in flight are dropped
+        d.ctrl.mem_pool_host.clear()
+        d.alloc.free_pages = list(range(1, d.pool.size // P + 1))
+        d.nodes.clear()
+        d.writing.clear()
+        d.loading.clear()
+        d.backups.clear()
+        assert d.ctrl.mem_pool_host.available_size() == d.host.size
+        assert len(d.ctrl.ack_write_queue) == 0 and d.ctrl.ack_backup_queue.qsize() == 0
+    for rid, tokens in requests(12, 20):
+        d.serve(rid, tokens)
+    d.check_no_leak()
+    assert d.verified["device"] > 0 and d.verified["prefetched"] > 0, d.verified
+    d.ctrl.close()
+
+
 def written_and_evicted(d, node_id):
     """One device page written through (its ack taken) and evicted: (device, host) slots."""
     c = d.ctrl
