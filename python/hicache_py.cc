@@ -860,17 +860,6 @@ PYBIND11_MODULE(_hicache, m) {
       .def("host_reset", [](PyHiCache& c) { c.use().hc.host_pool().reset(); })
       .def_property_readonly("host_free_tokens",
                              [](PyHiCache& c) { return c.use().hc.host_pool().free_tokens(); })
-      .def("reserve_write",
-           [](PyHiCache& c, std::int64_t tokens) {
-             return c.use().hc.controller().reserve_write(tokens);
-           },
-           py::arg("tokens"))
-      .def("write_reserved",
-           [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
-              const std::vector<std::int64_t>& host_slots, NodeId node) {
-             return c.use().hc.controller().write_reserved(device_slots, host_slots, 0, node);
-           },
-           py::arg("device_slots"), py::arg("host_slots"), py::arg("node_id"))
       .def("evict_host",
            [](PyHiCache& c, const std::vector<std::int64_t>& host_slots) {
              return c.use().hc.controller().evict_host(host_slots);

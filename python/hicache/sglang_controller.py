@@ -98,7 +98,7 @@ class _AckQueue:
         return len(self) > 0
 
     def pop(self, i=-1):
-        return self._refresh().pop(i)
+        return (self._items or self._refresh()).pop(i)  # what was counted is there already
 
     def append(self, item):
         self._items.append(item)
@@ -486,14 +486,9 @@ class HiCacheController:
     def write(self, device_indices, priority=None, node_id=0):
         """Backs up device pages to new host pages; the host indices, or None (nothing
         changed) when the host pool or the write queue is full."""
-        device = _as_list(device_indices)
         self._sync_compute()
-        host = self._cache.reserve_write(len(device))
-        if host is None:
-            return None
-        if not self._cache.write_reserved(device, host, int(node_id)):
-            return None  # stopped: the reservation is freed
-        return self._host_slots(host)
+        host = self._cache.write(_as_list(device_indices), int(node_id))
+        return None if host is None else self._host_slots(host)
 
     def load(self, host_indices, priority=None, node_id=0):
         """Loads host pages (state backup) into device slots from the engine's allocator; the
