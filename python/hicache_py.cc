@@ -881,8 +881,6 @@ PYBIND11_MODULE(_hicache, m) {
              if (StorageController* sc = u.hc.storage_controller()) sc->reset();
              u.hc.controller().reset();
            })
-      .def_property_readonly("has_storage",
-                             [](PyHiCache& c) { return c.use().hc.storage_controller() != nullptr; })
       .def("page_keys", &PyHiCache::page_keys, py::arg("tokens"), py::arg("prior_hex"))
       .def("write_storage",
            [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
@@ -931,12 +929,6 @@ PYBIND11_MODULE(_hicache, m) {
              const std::size_t cut = u.hc.key_namespace().prefix().size() + 1;  // "<prefix>-"
              for (const std::string& k : r.keys) hexes.push_back(k.substr(std::min(cut, k.size())));
              return std::make_tuple(r.tokens, std::move(r.host_slots), std::move(hexes));
-           },
-           py::arg("op"))
-      .def("can_terminate",
-           [](PyHiCache& c, const PrefetchOperation& op) {
-             auto u = c.use();
-             return c.storage_controller(u.hc).can_terminate(op);
            },
            py::arg("op"))
       .def("wait_acks", &PyHiCache::wait_acks, py::arg("kind"), py::arg("n"),
