@@ -534,11 +534,7 @@ class HiCacheController:
         """Frees the device copy of pages whose host copy is synced (they become backup)."""
         device = _as_list(device_indices)
         n = self._cache.evict_device(device, _as_list(host_indices))
-        returned = self._cache.take_returned_device_slots()
-        if returned == device:  # exactly the caller's slots: hand back its own tensor
-            self.mem_pool_device_allocator.free(device_indices)
-        elif returned:
-            self.mem_pool_device_allocator.free(self._device_slots(returned))
+        self._return_device_slots(device, device_indices)
         return n
 
     def evict_host(self, host_indices, backup_only=True):
@@ -552,9 +548,13 @@ class HiCacheController:
         if slots:
             self._cache.host_free(slots)
 
-    def _return_device_slots(self):
+    def _return_device_slots(self, expected=None, expected_tensor=None):
+        """Hands the device slots hicache freed back to the engine's allocator; when they are
+        exactly `expected`, as the caller's own tensor."""
         slots = self._cache.take_returned_device_slots()
-        if slots:
+        if slots and slots == expected:
+            self.mem_pool_device_allocator.free(expected_tensor)
+        elif slots:
             self.mem_pool_device_allocator.free(self._device_slots(slots))
 
     def _acks(self, kind, timeout=None):
