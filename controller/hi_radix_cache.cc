@@ -95,6 +95,11 @@ struct HiRadixCache::Pending {
     Node* node = nullptr;  // locked while the prefetch lasts
     std::vector<std::int32_t> tokens;
     std::string identity;
+    std::int64_t reserved = 0;  // host tokens reserved for it (prefetch_reserved_tokens_)
+    // TP: what the last check_events agreed (whether every rank's policy lets it terminate, and
+    // the pages every rank had completed then).
+    bool agreed_ready = false;
+    std::int64_t agreed_pages = 0;
   };
   std::unordered_map<std::string, Prefetch> prefetches;
   // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each
@@ -312,6 +317,7 @@ void HiRadixCache::reset() {
   if (storage_ != nullptr) storage_->reset();
   controller_.reset();
   pending_ = std::make_unique<Pending>();  // prefetch ops go; their host pages go with the pool
+  prefetch_reserved_tokens_ = 0;
   arrived_ = std::make_unique<Arrived>();
   acks_.clear();
   backup_acks_.clear();
@@ -653,64 +659,92 @@ void HiRadixCache::unlock(Node* node) {
 
 void HiRadixCache::write_node(Node* node) {
   if (!config_.host_tier) return;  // device only: the node stays device-only
-  // Reserved first, then agreed: the host pools of TP ranks differ while a prefetch thread's
-  // reservation or a failed write's release lands on one rank before another, so a rank could
-  // find the host full where the others do not. Only a write every rank can make is made.
-  auto host = controller_.reserve_write(static_cast<std::int64_t>(node->device.size()));
-  if (!all_ranks(host.has_value(), "radix.write")) {
-    if (host) controller_.release_write(*host);
-    return;  // host full or queue full (on some rank): the node stays device-only
+  const auto tokens = static_cast<std::int64_t>(node->device.size());
+  // TP: the room is judged on what every rank has alike (host_room(), and the writes in flight,
+  // which the write queue holds at most), never on the pool's or the queue's own state, which
+  // the controller's threads change at times that differ between ranks.
+  const bool tp = agreeing();
+  if (tp && (host_room() < tokens || pending_->writes.size() >= controller_.config().queue_capacity)) {
+    return;  // host full or queue full: the node stays device-only
   }
-  if (!controller_.write_reserved(node->device, *host, 0, node->id)) return;  // stopped
-  node->host = std::move(*host);
+  auto host = controller_.reserve_write(tokens);
+  if (!host && !tp) return;  // host full or queue full: the node stays device-only
+  if (host && !controller_.write_reserved(node->device, *host, 0, node->id)) return;  // stopped
   node->write_op = node->id;
   lock(node);
-  refresh(node);
   pending_->writes[node->id] = Pending::Op{node, {node}};
-}
-
-bool HiRadixCache::moving_pays(std::int64_t tokens, double bytes_moved, double seconds,
-                               double* gbps, double* estimate_s, const char* tag) {
-  bool pays = true;
-  if (bytes_moved > 0 && seconds > 0) {
-    const double bandwidth = bytes_moved / seconds;
-    const double bytes =
-        static_cast<double>(tokens) * static_cast<double>(device_pool_.geometry().token_bytes());
-    *gbps = bandwidth / 1e9;
-    *estimate_s = bytes / bandwidth;
-    counters_.last_recompute_estimate_s =
-        static_cast<double>(tokens) * config_.recompute_seconds_per_token;
-    pays = *estimate_s <= counters_.last_recompute_estimate_s;
+  if (host) {
+    node->host = std::move(*host);
+  } else {
+    // The room was there by the agreed count but not in this rank's pool: something else holds
+    // its pages (the caller broke the contract of host_room()). The write fails here, and the
+    // next check_events makes every rank drop it.
+    arrived_->writes[node->id] = Arrived::kFailed;
   }
-  // Measured bandwidths differ between ranks: all must find it pays.
-  return all_ranks(pays, tag);
+  refresh(node);
 }
 
-void HiRadixCache::min_over_ranks(std::span<std::int64_t> values, const char* tag) {
-  if (tp_ == nullptr || !tp_->failure().empty()) return;
-  std::vector<std::int64_t> agreed(values.begin(), values.end());
-  if (!tp_->min_allreduce(agreed, tag).ok) {
-    ++events_.tp_failures;
-    return;  // the collective is failed for good: each rank goes on alone (its own values)
-  }
-  std::copy(agreed.begin(), agreed.end(), values.begin());
+bool HiRadixCache::moving_pays(std::int64_t tokens, std::int64_t bytes_per_second, double* gbps,
+                               double* estimate_s) {
+  if (bytes_per_second == kUnmeasured) return true;
+  const auto bandwidth = static_cast<double>(bytes_per_second);
+  const double bytes =
+      static_cast<double>(tokens) * static_cast<double>(device_pool_.geometry().token_bytes());
+  *gbps = bandwidth / 1e9;
+  *estimate_s = bytes / bandwidth;
+  counters_.last_recompute_estimate_s =
+      static_cast<double>(tokens) * config_.recompute_seconds_per_token;
+  return *estimate_s <= counters_.last_recompute_estimate_s;
 }
 
-std::int64_t HiRadixCache::min_over_ranks(std::int64_t local, const char* tag) {
-  min_over_ranks(std::span(&local, 1), tag);
-  return local;
+namespace {
+// bytes / seconds as whole bytes per second (at least 1), or `unmeasured` before a transfer.
+std::int64_t rate(double bytes, double seconds, std::int64_t unmeasured) {
+  if (bytes <= 0 || seconds <= 0) return unmeasured;
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::min(bytes / seconds, 1e18)));
 }
+}  // namespace
+
+std::int64_t HiRadixCache::local_load_bps() const {
+  const ControllerStats cs = controller_.stats();
+  return rate(static_cast<double>(cs.bytes_loaded), cs.load_seconds, kUnmeasured);
+}
+
+std::int64_t HiRadixCache::local_prefetch_bps() const {
+  if (storage_ == nullptr) return kUnmeasured;
+  return rate(static_cast<double>(storage_->read_bytes()), storage_->read_seconds(), kUnmeasured);
+}
+
+// Measured bandwidths differ between ranks: TP ranks go by the slowest, as agreed.
+std::int64_t HiRadixCache::load_bps() const {
+  return agreeing() ? agreed_load_bps_ : local_load_bps();
+}
+
+std::int64_t HiRadixCache::prefetch_bps() const {
+  return agreeing() ? agreed_prefetch_bps_ : local_prefetch_bps();
+}
+
+bool HiRadixCache::agreeing() const { return tp_ != nullptr && tp_->failure().empty(); }
 
 bool HiRadixCache::all_ranks(bool local, const char* tag) {
-  return min_over_ranks(local ? 1 : 0, tag) == 1;
+  if (!agreeing()) return local;
+  std::int64_t value[1] = {local ? 1 : 0};
+  if (!tp_->min_allreduce(value, tag).ok) {
+    ++events_.tp_failures;
+    return local;  // the collective is failed for good: each rank goes on alone
+  }
+  return value[0] == 1;
+}
+
+std::int64_t HiRadixCache::host_room() const {
+  if (!agreeing()) return host_pool_.free_tokens();
+  return host_pool_.capacity_tokens() - index_->host_tokens - prefetch_reserved_tokens_;
 }
 
 bool HiRadixCache::load_back_pays(std::int64_t tokens) {
   if (config_.recompute_seconds_per_token <= 0) return true;
-  const ControllerStats cs = controller_.stats();
-  const bool pays = moving_pays(tokens, static_cast<double>(cs.bytes_loaded), cs.load_seconds,
-                                &counters_.measured_load_gbps, &counters_.last_load_estimate_s,
-                                "radix.load_back_pays");
+  const bool pays = moving_pays(tokens, load_bps(), &counters_.measured_load_gbps,
+                                &counters_.last_load_estimate_s);
   if (!pays) {
     ++events_.load_backs_refused_by_cost;
     events_.miss_load_refused_tokens += tokens;
@@ -827,9 +861,8 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
 }
 
 std::int64_t HiRadixCache::evict_host_to_free(std::int64_t target) {
-  const std::int64_t need = std::max<std::int64_t>(0, target - host_pool_.free_tokens());
-  const std::int64_t most = -min_over_ranks(-need, "radix.host_free");
-  return most > 0 ? evict_host(most) : 0;
+  const std::int64_t need = target - host_room();
+  return need > 0 ? evict_host(need) : 0;
 }
 
 std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
@@ -872,12 +905,6 @@ void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t 
     }
     if (ok) backup_node(n);
   }
-}
-
-void HiRadixCache::count_revoked(const std::string& request_id) {
-  ++events_.revoked_prefetches;
-  auto it = pending_->prefetches.find(request_id);
-  if (it != pending_->prefetches.end()) events_.miss_revoked_tokens += it->second.tokens.size();
 }
 
 void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
@@ -1000,17 +1027,15 @@ void HiRadixCache::apply_events() {
     arrived_->backups.clear();
     std::vector<std::string> finished;
     for (const auto& [id, p] : pending_->prefetches) {
-      if (arrived_->revoked.count(id) != 0) {
-        finished.push_back(id);
-      } else if (p.op->stage() == PrefetchStage::kFinished) {
+      if (arrived_->revoked.count(id) != 0 || p.op->stage() == PrefetchStage::kFinished) {
         finished.push_back(id);
       }
     }
+    std::sort(finished.begin(), finished.end());
     for (const std::string& id : finished) {
-      const bool revoked = arrived_->revoked.count(id) != 0;
-      if (revoked) count_revoked(id);
       // Finished prefetches become visible now, not when the scheduler next looks at them.
-      finish_prefetch(id, !revoked);
+      const auto& op = *pending_->prefetches.at(id).op;
+      finish_prefetch(id, false, op.completed_tokens() / page_size_);
     }
     arrived_->revoked.clear();
     return;
@@ -1021,8 +1046,10 @@ void HiRadixCache::apply_events() {
 // TP ranks: every change to the tree comes from values all ranks agreed on, so the trees stay
 // identical (docs/architecture.md, "Tensor parallelism"). The ranks run the same ops in the same
 // order, so their pending ops carry the same ids; for the oldest kAgreeSlots of each kind every
-// rank says what arrived (0: not yet), one min-reduction fuses all four kinds, and only what
-// arrived everywhere is applied, with the outcome of the worst rank.
+// rank says what arrived (0: not yet), and only what arrived everywhere is applied, with the
+// outcome of the worst rank. The same min-reduction carries, per prefetch, whether this rank's
+// policy lets it terminate and the pages it completed, and the bandwidths the cost rule weighs:
+// the step's one collective call.
 void HiRadixCache::agree_and_apply() {
   // Nothing pending: nothing can have arrived, and nothing is pending on any rank either (the
   // ranks start and end ops at the same agreed steps), so every rank skips the reduction alike.
@@ -1033,8 +1060,9 @@ void HiRadixCache::agree_and_apply() {
     return;
   }
   constexpr std::size_t K = kAgreeSlots;
-  auto oldest = [](const std::unordered_map<NodeId, Pending::Op>& ops) {
-    std::vector<NodeId> ids;
+  auto oldest = [](const auto& ops) {
+    using Id = typename std::decay_t<decltype(ops)>::key_type;
+    std::vector<Id> ids;
     ids.reserve(ops.size());
     for (const auto& [id, op] : ops) ids.push_back(id);
     std::sort(ids.begin(), ids.end());
@@ -1043,14 +1071,14 @@ void HiRadixCache::agree_and_apply() {
   };
   const std::vector<NodeId> writes = oldest(pending_->writes), loads = oldest(pending_->loads),
                             backups = oldest(pending_->backups);
-  std::vector<std::string> prefetches;
-  for (const auto& [id, p] : pending_->prefetches) prefetches.push_back(id);
-  std::sort(prefetches.begin(), prefetches.end());
-  if (prefetches.size() > K) prefetches.resize(K);
-
+  const std::vector<std::string> prefetches = oldest(pending_->prefetches);
+  // The buffer's sections; their sizes follow the pending sets, the same on every rank.
+  const std::size_t W = writes.size(), L = loads.size(), B = backups.size(), P = prefetches.size();
+  const std::size_t at_loads = W, at_backups = W + L, at_state = at_backups + B,
+                    at_ready = at_state + P, at_pages = at_ready + P, at_bps = at_pages + P;
+  agree_buffer_.assign(at_bps + 2, 0);
   // What arrived here, at `at` in the buffer; then, after the reduction, what arrived
   // everywhere goes to `apply(id, agreed, local)` and leaves the arrived set.
-  agree_buffer_.assign(4 * K, 0);
   auto fill = [&](const std::vector<NodeId>& ids, const auto& arrived, std::size_t at) {
     for (std::size_t i = 0; i < ids.size(); ++i) {
       if (auto it = arrived.find(ids[i]); it != arrived.end()) agree_buffer_[at + i] = it->second;
@@ -1065,29 +1093,39 @@ void HiRadixCache::agree_and_apply() {
     }
   };
   fill(writes, arrived_->writes, 0);
-  fill(loads, arrived_->loads, K);
-  fill(backups, arrived_->backups, 2 * K);
-  for (std::size_t i = 0; i < prefetches.size(); ++i) {
-    const auto& p = pending_->prefetches.at(prefetches[i]);
+  fill(loads, arrived_->loads, at_loads);
+  fill(backups, arrived_->backups, at_backups);
+  for (std::size_t i = 0; i < P; ++i) {
+    const PrefetchOperation& op = *pending_->prefetches.at(prefetches[i]).op;
     if (arrived_->revoked.count(prefetches[i]) != 0) {
-      agree_buffer_[3 * K + i] = 1;
-    } else if (p.op->stage() == PrefetchStage::kFinished) {
-      agree_buffer_[3 * K + i] = 2;
+      agree_buffer_[at_state + i] = 1;
+    } else if (op.stage() == PrefetchStage::kFinished) {
+      agree_buffer_[at_state + i] = 2;
     }
+    agree_buffer_[at_ready + i] = storage_->can_terminate(op) ? 1 : 0;
+    agree_buffer_[at_pages + i] = op.completed_tokens() / page_size_;
   }
+  agree_buffer_[at_bps] = local_load_bps();
+  agree_buffer_[at_bps + 1] = local_prefetch_bps();
   if (!tp_->min_allreduce(agree_buffer_, "radix.events").ok) {
     ++events_.tp_failures;
     apply_events();  // the collective is failed for good: the local path from now on
     return;
   }
+  agreed_load_bps_ = agree_buffer_[at_bps];
+  agreed_prefetch_bps_ = agree_buffer_[at_bps + 1];
   apply(writes, arrived_->writes, 0, &HiRadixCache::apply_write_ack);
-  apply(loads, arrived_->loads, K, &HiRadixCache::apply_load_ack);
-  apply(backups, arrived_->backups, 2 * K, &HiRadixCache::apply_backup_ack);
-  for (std::size_t i = 0; i < prefetches.size(); ++i) {
-    const std::int64_t v = agree_buffer_[3 * K + i];
-    if (v == 0) continue;
-    if (v == 1) count_revoked(prefetches[i]);
-    finish_prefetch(prefetches[i], v == 2);
+  apply(loads, arrived_->loads, at_loads, &HiRadixCache::apply_load_ack);
+  apply(backups, arrived_->backups, at_backups, &HiRadixCache::apply_backup_ack);
+  for (std::size_t i = 0; i < P; ++i) {
+    const std::int64_t pages = agree_buffer_[at_pages + i];
+    if (agree_buffer_[at_state + i] != 0) {
+      finish_prefetch(prefetches[i], false, pages);  // revoked or finished everywhere
+      continue;
+    }
+    Pending::Prefetch& p = pending_->prefetches.at(prefetches[i]);
+    p.agreed_ready = agree_buffer_[at_ready + i] == 1;
+    p.agreed_pages = pages;
   }
   // Revokes of prefetches that already ended (check_prefetch_progress got there first).
   std::erase_if(arrived_->revoked,
@@ -1115,9 +1153,9 @@ void HiRadixCache::backup_node(Node* node) {
       node->stored_pages * page_size_ == static_cast<std::int64_t>(node->key.size())) {
     return;
   }
-  // Every rank gets here for the node (the tree is the same on all); they agree that the
-  // backup queue has room, so that none queues a backup the others do not.
-  if (!all_ranks(storage_->can_queue_backup(), "radix.backup_room")) return;
+  // Room in the queue by the backups in flight (the queue holds at most those), the same count
+  // on every rank, so that none queues a backup the others do not.
+  if (pending_->backups.size() >= storage_->backup_queue_capacity()) return;
   std::vector<std::string> keys;
   keys.reserve(node->digests.size());
   for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
@@ -1137,9 +1175,8 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   if (usable == 0) return false;
   if (node != root_.get() && node->digests.empty()) return false;  // no chain to continue
   if (config_.recompute_seconds_per_token > 0 &&
-      !moving_pays(static_cast<std::int64_t>(usable), static_cast<double>(storage_->read_bytes()),
-                   storage_->read_seconds(), &counters_.measured_prefetch_gbps,
-                   &counters_.last_prefetch_estimate_s, "radix.prefetch_pays")) {
+      !moving_pays(static_cast<std::int64_t>(usable), prefetch_bps(),
+                   &counters_.measured_prefetch_gbps, &counters_.last_prefetch_estimate_s)) {
     // Reading it from L3 would take longer than recomputing it.
     ++events_.prefetches_refused_by_cost;
     events_.miss_prefetch_refused_tokens += usable;
@@ -1151,29 +1188,32 @@ bool HiRadixCache::prefetch_from_storage(const std::string& request_id, Node* no
   } else if (!identity.empty()) {
     prior = keyer_->identity_seed(identity);
   }
+  // Room in the queue and in the prefetch budget, by the prefetches in flight (the queue holds
+  // at most those) and the host tokens they reserved: the same counts on every TP rank.
+  const auto want = static_cast<std::int64_t>(usable);
+  if (pending_->prefetches.size() >= storage_->prefetch_queue_capacity() ||
+      prefetch_reserved_tokens_ + want > storage_->config().prefetch_budget_tokens) {
+    return false;
+  }
   lock(node);  // before making room: the prefix it continues must stay
-  // Room on the host for what it fetches, as SGLang makes it: without it a full host pool
-  // revokes every prefetch. The free count may differ between TP ranks (their prefetch threads
-  // reserve concurrently), so they evict by the smallest.
-  // In the same reduction: whether the prefetch queue has room on every rank (a queue full on
-  // one rank only would start the prefetch on the others alone).
-  std::int64_t room[2] = {host_pool_.free_tokens(), storage_->can_queue_prefetch() ? 1 : 0};
-  min_over_ranks(room, "radix.prefetch_room");
-  if (room[1] == 0) {
+  // Host pages for what it may fetch, reserved here as SGLang does (the pages past the hit are
+  // freed when it ends): host memory changes hands only on this thread, at calls every rank
+  // makes, so host_room() stays the same on every rank. Without room, host-only pages make it.
+  if (const std::int64_t room = host_room(); room < want) evict_host(want - room);
+  std::optional<std::vector<std::int64_t>> slots;
+  if (host_room() >= want) slots = host_pool_.alloc(want);
+  std::shared_ptr<PrefetchOperation> op;
+  if (slots) op = storage_->prefetch_into(request_id, tokens.first(usable), prior, *slots);
+  if (!op) {  // the host is short, or the controller stopped
+    if (slots) host_pool_.free(*slots);
     unlock(node);
     return false;
   }
-  const std::int64_t free = room[0];
-  if (free < static_cast<std::int64_t>(usable)) evict_host(static_cast<std::int64_t>(usable) - free);
-  auto op = storage_->prefetch(request_id, tokens.first(usable), prior);
-  if (!op) {
-    unlock(node);
-    return false;
-  }
+  prefetch_reserved_tokens_ += want;
   pending_->prefetches[request_id] = Pending::Prefetch{
       std::move(op), node,
       std::vector<std::int32_t>(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
-      node == root_.get() ? std::string(identity) : std::string()};
+      node == root_.get() ? std::string(identity) : std::string(), want};
   return true;
 }
 
@@ -1187,33 +1227,43 @@ bool HiRadixCache::check_prefetch_progress(const std::string& request_id,
     }
     return true;
   }
-  const PrefetchStage stage = it->second.op->stage();
-  // Whether to terminate now depends on local timing: the ranks agree, or one rank would
-  // enter the terminate collective alone (a deadlock of the reference).
-  const bool ready = all_ranks(
-      stage == PrefetchStage::kRevoked || storage_->can_terminate(*it->second.op),
-      "radix.prefetch_ready");
-  if (!ready) return false;
-  finish_prefetch(request_id, stage != PrefetchStage::kRevoked);
+  // Whether to terminate now depends on local timing: TP ranks go by what the last
+  // check_events agreed (or one rank would terminate alone, a deadlock of the reference), and
+  // keep the pages every rank had completed then.
+  const Pending::Prefetch& p = it->second;
+  std::optional<std::int64_t> pages;
+  if (agreeing()) {
+    if (!p.agreed_ready) return false;
+    pages = p.agreed_pages;
+  } else if (!storage_->can_terminate(*p.op)) {
+    return false;
+  }
+  finish_prefetch(request_id, false, pages ? *pages : p.op->completed_tokens() / page_size_);
   if (inserted_tokens != nullptr) *inserted_tokens = pending_->inserted[request_id];
   pending_->inserted.erase(request_id);
   return true;
 }
 
 void HiRadixCache::release_aborted_request(const std::string& request_id) {
-  if (pending_->prefetches.count(request_id) != 0) finish_prefetch(request_id, false);
+  if (pending_->prefetches.count(request_id) != 0) finish_prefetch(request_id, true, 0);
   pending_->inserted.erase(request_id);
 }
 
 std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefetches.size(); }
 
-void HiRadixCache::finish_prefetch(const std::string& request_id, bool insert) {
+void HiRadixCache::finish_prefetch(const std::string& request_id, bool aborted,
+                                   std::optional<std::int64_t> agreed_pages) {
   arrived_->revoked.erase(request_id);
   auto node_handle = pending_->prefetches.extract(request_id);
   Pending::Prefetch& p = node_handle.mapped();
-  const PrefetchResult r = storage_->terminate_prefetch(*p.op);
+  const PrefetchResult r = storage_->terminate_prefetch(*p.op, agreed_pages);
+  prefetch_reserved_tokens_ -= p.reserved;
+  if (r.revoked && !aborted) {
+    ++events_.revoked_prefetches;
+    events_.miss_revoked_tokens += p.tokens.size();
+  }
   std::int64_t inserted = 0;
-  if (insert && r.tokens > 0) {
+  if (!aborted && r.tokens > 0) {
     inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
                            r.host_slots, p.identity);
     events_.prefetched_tokens += r.tokens;
@@ -1272,9 +1322,11 @@ void HiRadixCache::detach_storage() {
   for (const auto& [id, p] : pending_->prefetches) prefetches.push_back(id);
   std::sort(prefetches.begin(), prefetches.end());
   for (const std::string& id : prefetches) {
-    const bool revoked = pending_->prefetches.at(id).op->stage() == PrefetchStage::kRevoked;
-    if (revoked) count_revoked(id);
-    finish_prefetch(id, !revoked);
+    // The ranks agree on each one's completed pages here (the pages may differ by rank now
+    // that every op ended, and no step's reduction saw the last of them).
+    std::optional<std::int64_t> pages;
+    if (!agreeing()) pages = pending_->prefetches.at(id).op->completed_tokens() / page_size_;
+    finish_prefetch(id, false, pages);
   }
   arrived_->revoked.clear();
   storage_ = nullptr;

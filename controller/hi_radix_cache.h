@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -178,20 +179,29 @@ class HiRadixCache {
   // many. Such nodes leave the tree.
   std::int64_t evict_host(std::int64_t tokens);
   // evict_host until `target` host tokens are free (as far as host-only leaves allow); returns
-  // the tokens freed. With TP ranks every rank evicts what the one with the least free needs
-  // (one min-reduction): their free counts differ while a prefetch thread's reservation lands
-  // on one rank before another, and evicting by the local count would split the trees.
+  // the tokens freed. With TP ranks "free" is host_room(), the same on every rank.
   std::int64_t evict_host_to_free(std::int64_t target);
+  // Host tokens the tree may still take. One rank: the host pool's free count. TP ranks: the
+  // pool's capacity less the host pages of the tree's nodes and of its prefetches in flight, a
+  // count only agreed events change, so it is the same on every rank (the pool's own count
+  // runs ahead of it on a rank whose write failed: the controller's thread frees the pages
+  // before the ranks agree on the failure). Under TP the radix cache must be the only user of
+  // the host pool and of the controllers' queues.
+  std::int64_t host_room() const;
   // `local` with no TP ranks; with them, true only when it is true on every rank (one
   // min-reduction under `tag`), for the engine's own decisions that must not differ by rank.
   bool on_every_rank(bool local, const char* tag) { return all_ranks(local, tag); }
 
   // Drains the controllers' acks and applies them: writes done (and backups started), loads
   // done, backups done, revoked prefetches, finished prefetches inserted. Call once per step.
-  // With a TP collective (`tp`, the main loop's own), every rank calls it every step, and only
-  // what arrived on every rank is applied, with the worst rank's outcome (one fused
-  // min-reduction per step), so the trees of all ranks stay identical; check_prefetch_progress
-  // agrees in the same way on whether to terminate.
+  // With a TP collective (`tp`, the main loop's own), every rank calls it every step, and it
+  // makes the cache's only collective call: one min-reduction that carries everything the
+  // ranks must agree on (what arrived, of the oldest kAgreeSlots ops of each kind; whether each
+  // of those prefetches may terminate and the pages it completed; the bandwidths the cost rule
+  // weighs), none when nothing is in flight. Only what arrived on every rank is applied, with
+  // the worst rank's outcome, so the trees of all ranks stay identical. Every other decision
+  // (a write's host room, a queue's room, host eviction, a prefetch's termination) is taken on
+  // state that only agreed events change, so no other call of the cache makes a collective.
   void check_events();
   // Controller events (acks queued, prefetches changing stage) happened so far: read it before
   // check_events(), and when the step then finds nothing it can do, wait_for_events() with it.
@@ -211,7 +221,9 @@ class HiRadixCache {
   bool prefetch_from_storage(const std::string& request_id, Node* node,
                              std::span<const std::int32_t> tokens, std::string_view identity = {});
   // True once the request's prefetch is over (its pages are in the tree, or it was revoked);
-  // terminates it first when the policy allows. False while it still loads. With
+  // terminates it first when the policy allows (TP: when the last check_events agreed that every
+  // rank's policy allows, with the pages all of them had completed then; a prefetch started in
+  // this step is never terminated before the next check_events). False while it still loads. With
   // `inserted_tokens`, the first true also says how many tokens the prefetch added to the tree:
   // what it read from L3 less what another request had cached meanwhile (0 when revoked).
   bool check_prefetch_progress(const std::string& request_id,
@@ -284,9 +296,11 @@ class HiRadixCache {
   std::size_t common_tokens(const Node* child, std::span<const std::int32_t> tokens) const;
   void set_digests(Node* node);
   void backup_node(Node* node);
-  void finish_prefetch(const std::string& request_id, bool insert);
-  // Counts a revoked prefetch (an op, and its tokens as misses).
-  void count_revoked(const std::string& request_id);
+  // Terminates the request's prefetch (storage's terminate_prefetch, with `agreed_pages` when
+  // the ranks agreed on the completed pages already) and inserts what it fetched, or frees it
+  // all when `aborted`; a revoked one is counted.
+  void finish_prefetch(const std::string& request_id, bool aborted,
+                       std::optional<std::int64_t> agreed_pages);
   // Apply an ack given the agreed (worst over the ranks) and this rank's values, encoded as in
   // Arrived (hi_radix_cache.cc).
   void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
@@ -295,19 +309,24 @@ class HiRadixCache {
   void agree_and_apply();
   void apply_events();
   void demote();
-  // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token), agreed over TP.
+  // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token).
   bool load_back_pays(std::int64_t tokens);
   // `local` when there is no TP collective (or it failed for good), else true only when it is
   // true on every rank (one min-reduction under `tag`).
   bool all_ranks(bool local, const char* tag);
-  // `local`, or its minimum over the TP ranks (one reduction under `tag`); the span form
-  // reduces several values in place in one call.
-  std::int64_t min_over_ranks(std::int64_t local, const char* tag);
-  void min_over_ranks(std::span<std::int64_t> values, const char* tag);
-  // True when moving `tokens` at the bandwidth bytes_moved / seconds (unmeasured: true) takes no
-  // longer than recomputing them; records the inputs; agreed over TP under `tag`.
-  bool moving_pays(std::int64_t tokens, double bytes_moved, double seconds, double* gbps,
-                   double* estimate_s, const char* tag);
+  // The ranks agree through check_events: a TP collective that has not failed.
+  bool agreeing() const;
+  // True when moving `tokens` at `bytes_per_second` (kUnmeasured: true) takes no longer than
+  // recomputing them; records the inputs.
+  bool moving_pays(std::int64_t tokens, std::int64_t bytes_per_second, double* gbps,
+                   double* estimate_s);
+  // The bandwidths the cost rule weighs, in bytes per second (kUnmeasured until a first
+  // transfer): this rank's own; TP ranks go by the slowest rank's, as of the last reduction.
+  std::int64_t local_load_bps() const;
+  std::int64_t local_prefetch_bps() const;
+  std::int64_t load_bps() const;
+  std::int64_t prefetch_bps() const;
+  static constexpr std::int64_t kUnmeasured = std::numeric_limits<std::int64_t>::max();
   static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
   // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
   // copies are freed. Returns the tokens added.
@@ -353,6 +372,8 @@ class HiRadixCache {
   std::vector<std::string> revoked_;    // reused
   Collective* tp_;
   std::vector<std::int64_t> agree_buffer_;  // reused
+  std::int64_t agreed_load_bps_ = kUnmeasured, agreed_prefetch_bps_ = kUnmeasured;
+  std::int64_t prefetch_reserved_tokens_ = 0;  // host tokens held by prefetches in flight
 };
 
 }  // namespace hicache

@@ -91,9 +91,9 @@ class HiCacheController {
                                                  std::int64_t priority,
                                                  std::optional<NodeId> ack_node,
                                                  const Event* ready_after = nullptr);
-  // write() in two steps, for callers that must agree on the outcome before acting on it (TP
-  // ranks: a host pool that a prefetch thread has just drawn from on one rank only must not
-  // make that rank skip a write the others do). reserve_write takes `tokens` host slots when the
+  // write() in two steps, for callers that decide on the room before they queue the copy (TP
+  // ranks judge it on state that is the same on every rank, HiRadixCache::host_room(), and
+  // must not let the pool's own count decide). reserve_write takes `tokens` host slots when the
   // pool has them and the write queue has room (nothing otherwise); the room then holds until
   // write_reserved, since only the main loop queues writes. write_reserved queues the copy into
   // the reserved slots and consumes the reservation whatever happens: false (slots freed) only

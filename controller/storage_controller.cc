@@ -385,7 +385,11 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     op.set_error(str_cat("prefetch reservation failed: ", e.what()));
   }
   std::int64_t agreed_got[1] = {got};
-  if (!prefetch_collective_.min_allreduce(agreed_got, "prefetch.reserve").ok) ++failed_ops_;
+  // The caller's slots hold the hit on every rank (each rank queued the same op the same way):
+  // nothing to agree on, and no call on any rank.
+  if (!op.caller_slots_ && !prefetch_collective_.min_allreduce(agreed_got, "prefetch.reserve").ok) {
+    ++failed_ops_;
+  }
   if (agreed_got[0] < agreed_hit[0]) {  // some rank is short: abort everywhere
     if (!op.caller_slots_) {
       if (!op.slots_.empty()) host_.free(op.slots_);
@@ -542,7 +546,8 @@ bool StorageController::can_terminate(const PrefetchOperation& op) const {
   return true;
 }
 
-PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
+PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
+                                                     std::optional<std::int64_t> agreed_pages) {
   {
     MutexLock lock(op.mu_);
     if (op.stage_ == PrefetchStage::kTerminated) {
@@ -561,13 +566,18 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op) {
   // agreed by every rank); any other op's completed prefix is agreed by every rank, since all
   // terminate the same ops in the same order.
   PrefetchResult result;
-  if (op.stage() == PrefetchStage::kRevoked && op.caller_slots_ && !op.slots_.empty()) {
+  result.revoked = op.stage() == PrefetchStage::kRevoked;
+  if (result.revoked && op.caller_slots_ && !op.slots_.empty()) {
     host_.free(op.slots_);  // the caller's reservation, untouched
     op.slots_.clear();
   }
   if (op.stage() != PrefetchStage::kRevoked) {
     std::int64_t completed[1] = {op.completed_pages_.load()};
-    if (!main_collective_.min_allreduce(completed, "prefetch.terminate").ok) ++failed_ops_;
+    if (agreed_pages) {
+      completed[0] = *agreed_pages;
+    } else if (!main_collective_.min_allreduce(completed, "prefetch.terminate").ok) {
+      ++failed_ops_;
+    }
     const auto agreed = static_cast<std::size_t>(
         std::clamp<std::int64_t>(completed[0], 0, op.completed_pages_.load()));
     const std::span<const std::int64_t> slots(op.slots_);

@@ -158,6 +158,7 @@ class PrefetchOperation {
 };
 
 struct PrefetchResult {
+  bool revoked = false;                   // the op was revoked (nothing fetched, all freed)
   std::int64_t tokens = 0;                // agreed completed prefix
   std::vector<std::int64_t> host_slots;   // its host slots (pages in state backup)
   std::vector<std::string> keys;          // one per page
@@ -190,11 +191,14 @@ class StorageController {
                                             std::vector<std::string> keys);
 
   // Whether write_storage() / prefetch() would find room in their queue now. Only the caller's
-  // thread pushes, and the threads only take, so the answer holds until the caller's next push:
-  // TP ranks agree on it first, so that a queue full on one rank only cannot make the ranks
-  // queue different ops (and then call different collectives).
+  // thread pushes, and the threads only take, so the answer holds until the caller's next push.
+  // It differs between TP ranks (their threads take at their own pace): a caller that must
+  // decide alike on every rank counts its own ops in flight against the capacities instead.
   bool can_queue_backup() const { return backup_queue_.size() < backup_queue_.capacity(); }
   bool can_queue_prefetch() const { return prefetch_queue_.size() < prefetch_queue_.capacity(); }
+  std::size_t backup_queue_capacity() const { return backup_queue_.capacity(); }
+  std::size_t prefetch_queue_capacity() const { return prefetch_queue_.capacity(); }
+  const StorageControllerConfig& config() const { return config_; }
 
   // Moves finished backups' acks into `out` (appends); never blocks.
   std::size_t drain_backup_acks(std::vector<BackupAck>& out);
@@ -212,7 +216,8 @@ class StorageController {
   // revoked) and returns the prefix. Nothing is freed on the controller's threads: the host
   // pool's free count changes only on the caller's thread, at calls every TP rank makes in the
   // same order, so an allocation there finds the same room on every rank. Takes no prefetch
-  // budget (the caller limits what it reserves). Returns nothing, the slots still the caller's,
+  // budget (the caller limits what it reserves). The ranks agree on the hit only: the caller's
+  // slots hold it on every rank. Returns nothing, the slots still the caller's,
   // when the queue is full or stopped. Throws InvalidArgument (malformed or too few slots, empty
   // request id) or StateError (a page not reserved); nothing changes then.
   std::shared_ptr<PrefetchOperation> prefetch_into(std::string request_id,
@@ -233,8 +238,12 @@ class StorageController {
   void set_event_signal(std::shared_ptr<EventSignal> signal);
   // Stops `op` (waiting at most for the batch in flight and for the hit agreement), agrees on the
   // completed prefix with the other ranks (main_collective), frees the host pages past it, and
-  // returns the prefix. Throws StateError when called twice for one op.
-  PrefetchResult terminate_prefetch(PrefetchOperation& op);
+  // returns the prefix. With `agreed_pages` the caller has agreed on the prefix already (a
+  // step's fused reduction over completed_tokens(), which only grows): no collective call, and
+  // the prefix is the smaller of it and what completed here. Throws StateError when called
+  // twice for one op.
+  PrefetchResult terminate_prefetch(PrefetchOperation& op,
+                                    std::optional<std::int64_t> agreed_pages = std::nullopt);
   // Host tokens held by prefetches now.
   std::int64_t prefetch_tokens_held() const { return budget_used_->load(); }
 

@@ -1,7 +1,8 @@
-// FaultyDevice (tests): the host backend with loads that fail on demand. It forwards everything
+// FaultyDevice (tests): the host backend with copies that fail on demand. It forwards everything
 // to a HostDevice; while `fail_loads` is above zero, each copy enqueued into device memory (a
 // host -> device load) throws DeviceError instead and takes one off the count, as a CUDA copy
-// that cannot be issued would. Copies out of device memory (writes) are never failed. Any copy
+// that cannot be issued would; `fail_writes` does the same for copies into host memory (device
+// -> host writes), counted in `failed` too. Any copy
 // into device memory counts: the controller's loads, and the simulated engine's staged page
 // fills (stage_page_data); `copies_to_device` counts the copy calls that reached it.
 #pragma once
@@ -22,6 +23,7 @@ namespace hicache::testing {
 class FaultyDevice final : public Device {
  public:
   std::atomic<int> fail_loads{0};
+  std::atomic<int> fail_writes{0};
   std::atomic<int> failed{0};  // copies failed so far
   std::atomic<int> copies_to_device{0};  // copy calls into device memory (failed ones too)
 
@@ -84,13 +86,21 @@ class FaultyDevice final : public Device {
       std::lock_guard lock(mu_);
       bool into_device = false;
       for (const auto& [lo, hi] : device_ranges_) into_device = into_device || (at >= lo && at < hi);
-      if (!into_device) return;
+      if (!into_device) {
+        take_one(fail_writes, "injected write failure (FaultyDevice)");
+        return;
+      }
     }
     ++copies_to_device;
-    for (int n = fail_loads.load(); n > 0;) {
-      if (fail_loads.compare_exchange_weak(n, n - 1)) {
+    take_one(fail_loads, "injected load failure (FaultyDevice)");
+  }
+
+  // Throws (counted) when `count` is above zero, taking one off it.
+  void take_one(std::atomic<int>& count, const char* what) {
+    for (int n = count.load(); n > 0;) {
+      if (count.compare_exchange_weak(n, n - 1)) {
         ++failed;
-        throw DeviceError("injected load failure (FaultyDevice)");
+        throw DeviceError(what);
       }
     }
   }

@@ -17,6 +17,7 @@
 #include "storage/file_storage.h"
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
+#include "tests/controller/faulty_device.h"
 
 namespace hicache {
 namespace {
@@ -57,7 +58,7 @@ struct L3 {
 
 // A small engine around the cache: what a scheduler does for one request.
 struct Engine {
-  HostDevice device;
+  testing::FaultyDevice device;  // fails nothing unless a test asks
   DeviceKVPool device_pool;
   HostKVPool host_pool;
   HiCacheController controller;
@@ -83,7 +84,7 @@ struct Engine {
   // Runs one request: match, load back, "compute" the rest, insert, release. Every page it reads
   // from the cache is checked byte for byte against the data its prefix derives.
   void run(std::span<const std::int32_t> tokens, std::string_view identity = {}) {
-    cache.check_events();
+    check();
     auto m = cache.match_prefix(tokens, identity);
     const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
     if (storage && tokens.size() / kPage * kPage > known) {
@@ -91,7 +92,7 @@ struct Engine {
       // meanwhile), and match again.
       const std::string id = str_cat("req-", ++requests);
       if (cache.prefetch_from_storage(id, m.last_host_node, tokens.subspan(known), identity)) {
-        while (!cache.check_prefetch_progress(id)) cache.check_events();
+        while (!cache.check_prefetch_progress(id)) check();
         m = cache.match_prefix(tokens, identity);
       }
     }
@@ -161,11 +162,23 @@ struct Engine {
     cache.unlock(held);
   }
 
+  // The step's check_events, counted when an op was in flight (under TP the only call that
+  // reduces, and only then).
+  void check() {
+    const auto s = cache.stats();
+    if (s.writes_in_flight + s.loads_in_flight + s.backups_in_flight > 0 ||
+        cache.prefetches_in_flight() > 0) {
+      ++busy_checks;
+    }
+    cache.check_events();
+  }
+  std::int64_t busy_checks = 0;
+
   // Lets every write and load finish and applies the acks.
   void settle() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     do {
-      cache.check_events();
+      check();
       const auto s = cache.stats();
       if (s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0 &&
           cache.prefetches_in_flight() == 0) {
@@ -1137,24 +1150,24 @@ TEST(HiRadixCacheTp, AStepWithNothingPendingMakesNoCollective) {
   EXPECT_EQ(busy_calls[1], 1u);
 }
 
-// TP=2 where rank 0's host pool holds 6 pages fewer free than rank 1's, as a prefetch thread's
-// reservation (or a failed write's release) leaves it for a while on one rank only. A write the
-// host cannot take on rank 0 must not be made on rank 1 alone (its tree would show a host copy
-// rank 0's has not, and every later agreement would name different ops); nor may host eviction
-// by each rank's own free count differ.
-TEST(HiRadixCacheTp, AHostPoolFullerOnOneRankDoesNotSplitTheTrees) {
+// TP=2 where rank 0's writes fail now and then: its controller's thread frees a failed write's
+// host pages at once, so for a while rank 0's pool has more free than rank 1's. Host room for
+// a write or a prefetch, and host eviction, must not go by the pools' own counts (one rank
+// would write a node the other keeps device-only, and every later agreement would name
+// different ops): host_room() is the same on both ranks at every step, and so are the trees.
+TEST(HiRadixCacheTp, AWriteFailingOnOneRankOnlyDoesNotSplitTheTrees) {
   std::shared_ptr<InProcessGroup> group;
   auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
   std::vector<std::vector<std::string>> trees(2);
-  std::vector<std::int64_t> device_only(2);
+  std::vector<std::vector<std::int64_t>> rooms(2);
+  std::vector<std::int64_t> device_only(2), failures(2), pool_ahead(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
       Engine e(WritePolicy::kWriteThrough, 24, 30, {}, nullptr, {}, tp[r].get());
-      std::optional<std::vector<std::int64_t>> held;
-      if (r == 0) held = e.host_pool.alloc(6 * kPage);
       std::mt19937 rng(17);
       for (int step = 0; step < 200; ++step) {
+        if (r == 0 && step % 7 == 3) e.device.fail_writes = 1;
         e.run(family_prompt(rng, 5, 7));
         if (step % 11 == 0) e.cache.evict_host_to_free(static_cast<std::int64_t>(rng() % 12) * kPage);
         const std::string tree = e.cache.describe();
@@ -1164,11 +1177,15 @@ TEST(HiRadixCacheTp, AHostPoolFullerOnOneRankDoesNotSplitTheTrees) {
           ++device_only[r];
         }
         trees[r].push_back(tree);
+        rooms[r].push_back(e.cache.host_room());
+        if (e.host_pool.free_tokens() > e.cache.host_room()) ++pool_ahead[r];
       }
       e.settle();
       trees[r].push_back(e.cache.describe());
       EXPECT_EQ(e.cache.stats().tp_failures, 0);
-      if (held) e.host_pool.free(*held);
+      EXPECT_EQ(e.cache.host_room(), e.host_pool.free_tokens()) << "rank " << r << " settled";
+      failures[r] = e.cache.stats().write_failures;
+      e.expect_accounting();
     });
   }
   for (auto& t : ranks) t.join();
@@ -1177,7 +1194,11 @@ TEST(HiRadixCacheTp, AHostPoolFullerOnOneRankDoesNotSplitTheTrees) {
   for (std::size_t i = 0; i < trees[0].size(); ++i) {
     ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
   }
+  EXPECT_EQ(rooms[0], rooms[1]);
   EXPECT_GT(device_only[0], 0) << "the host was never full: the test shows nothing";
+  EXPECT_GT(failures[0], 0) << "no write failed: the test shows nothing";
+  EXPECT_EQ(failures[0], failures[1]) << "a failed write counts on every rank";
+  EXPECT_GT(pool_ahead[0], 0) << "rank 0's pool never ran ahead of the agreed room";
 }
 
 // Reset under TP: both ranks reset at the same step (every 37 requests) with ops in flight;
@@ -1264,10 +1285,11 @@ TEST(HiRadixCacheTp, DetachAndAttachL3KeepTheRanksInStep) {
   run_tp_resets(true, TpEvent::kDetach);
 }
 
-// TP=2 with L3, where rank 0's storage queues hold one op and rank 1's a thousand: a backup
-// queue full on rank 0 only must not make rank 1 back up alone (its tree would show a backup
-// rank 0 has not, and the acks would never agree). The ranks agree on room first.
-TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
+// TP=2 with L3 and storage queues of one op: each rank's storage threads take ops at their own
+// pace, so a queue is full on one rank while the other's has room. A backup or a prefetch made
+// on one rank only would split the trees (and the storage threads' collectives): the cache
+// counts its own ops in flight against the capacity, the same count on every rank.
+TEST(HiRadixCacheTp, StorageQueuesFullOnOneRankOnlyDoNotSplitTheTrees) {
   // Every collective is a two-rank group (the storage threads' too: with local ones the ranks'
   // prefetches would agree on nothing and the trees split for that reason).
   TpGroups groups;
@@ -1280,7 +1302,7 @@ TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
       groups.wire(l3, r);
       StorageControllerConfig sc;
       sc.policy = PrefetchPolicy::kWaitComplete;
-      sc.queue_capacity = r == 0 ? 1 : 1000;
+      sc.queue_capacity = 1;
       Engine e(WritePolicy::kWriteThrough, 24, 40, {}, &l3, sc, groups.tp[r].get());
       std::mt19937 rng(5);
       for (int step = 0; step < 150; ++step) {
@@ -1292,6 +1314,10 @@ TEST(HiRadixCacheTp, AQueueFullOnOneRankOnlyDoesNotSplitTheTrees) {
       trees[r].push_back(e.cache.describe());
       stored[r] = e.cache.stats().stored_tokens;
       EXPECT_EQ(e.cache.stats().tp_failures, 0);
+      // Writes, loads, backups, prefetches and their terminations: none made a collective call
+      // of its own; check_events made exactly one when an op was in flight.
+      EXPECT_EQ(groups.tp[r]->calls(), static_cast<std::uint64_t>(e.busy_checks));
+      EXPECT_GT(e.cache.stats().prefetched_tokens, 0) << "no prefetch: the count shows little";
     });
   }
   for (auto& t : ranks) t.join();
