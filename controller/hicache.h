@@ -94,6 +94,9 @@ class HiCache {
   // Null without L3.
   StorageBackend* storage() { return storage_.get(); }
   StorageController* storage_controller() { return storage_controller_.get(); }
+  // This rank's collectives (for tp_size 1 one LocalCollective serves every role); an attach
+  // may renew the prefetch and backup groups.
+  const HiCacheCollectives& collectives() const { return collectives_; }
   // The namespace every page key of this cache carries (also without L3).
   const KeyNamespace& key_namespace() const { return ns_; }
   // Every component's counters, gauges and histograms (hicache_*), with tp_rank as a label.

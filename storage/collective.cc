@@ -1,5 +1,7 @@
 #include "storage/collective.h"
 
+#include <chrono>
+
 #include <algorithm>
 #include <condition_variable>
 #include <filesystem>
@@ -20,6 +22,10 @@ std::int64_t call_check(std::string_view tag, std::uint64_t call) {
 }
 
 }  // namespace
+
+double Collective::seconds() const {
+  return static_cast<double>(nanos_.load(std::memory_order_relaxed)) * 1e-9;
+}
 
 std::uint64_t Collective::calls() const {
   std::lock_guard lock(mu_);
@@ -59,7 +65,11 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
   buffer_.assign(values.begin(), values.end());
   buffer_.push_back(check);
   buffer_.push_back(-check);
+  const auto started = std::chrono::steady_clock::now();
   std::string error = reduce_min(buffer_);
+  nanos_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - started)
+                .count();
   std::string interrupted;
   {
     MutexLock cancel_lock(cancel_mu_);

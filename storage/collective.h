@@ -22,6 +22,7 @@
 // fresh directory).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -60,6 +61,9 @@ class Collective {
   std::string failure() const;
   // Calls made on this rank so far (what each costs under TP is a round trip between ranks).
   std::uint64_t calls() const;
+  // Wall time this rank spent inside its calls' reductions (waiting for the peers included).
+  // Readable from any thread, while a call runs too.
+  double seconds() const;
   // A call is in progress on this rank now (what a cancel() would interrupt).
   bool in_call() const;
 
@@ -95,6 +99,7 @@ class Collective {
  private:
   mutable std::mutex mu_;  // held through a call
   std::uint64_t calls_ = 0;
+  std::atomic<std::int64_t> nanos_{0};
   std::string failure_;
   std::vector<std::int64_t> buffer_;
 

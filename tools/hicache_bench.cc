@@ -12,7 +12,10 @@
 // configurations (device only, + host, + host + file, + host + redis with --redis) and prints
 // them side by side. --metrics-port P serves the cache's Prometheus metrics at
 // http://127.0.0.1:P/metrics while the workload runs (instance i of --instances on P + i; 0: a
-// free port, printed). --instances N runs N engine processes (fork, before any thread exists),
+// free port, printed). --tp N runs each instance as N rank processes (fork), each with its own
+// slice of the KV (page data salted by rank) and its own pools, agreeing over Gloo groups that
+// meet in a fresh temporary directory; the report adds the scheduler's collective calls per
+// step and the time in them. --instances N runs N engine processes (fork, before any thread exists),
 // each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
 // a conversation moves between instances and finds its earlier rounds only in L3. The rounds
 // are then run with a barrier: every instance finishes round r and lands its backups in L3
@@ -80,6 +83,7 @@ struct Settings {
   std::string storage_dir, redis;
   bool keep_storage = false;
   std::int64_t instances = 1;
+  std::int64_t tp = 1;
   double instance_timeout_s = 600;
   // output
   std::string report, plot;
@@ -181,6 +185,8 @@ const std::vector<Option>& options() {
       BOOL_OPT(keep_storage, "keep the file store and a stable key namespace (warm restarts)"),
       STR_OPT(redis, "Redis for the redis tier: HOST:PORT, or HOST:PORT,HOST:PORT,... (cluster)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
+      INT_OPT(tp, 1, "tensor-parallel ranks per instance, each a process with its own slice of "
+                     "the KV and its own pools, agreeing over Gloo (1)"),
       INT_OPT(l3_detach_every, 0, "detach L3 every N engine steps and attach it again N steps "
                                   "later (the store reopened from the config); 0: never (0)"),
       DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
@@ -429,7 +435,7 @@ wl::StackConfig stack_config(const Settings& s, const std::string& tier,
   if (!h.contains("model_name")) h["model_name"] = "hicache-bench";
   if (!h.contains("model_fingerprint")) h["model_fingerprint"] = fingerprint;
   if (tier == "file") {
-    h["storage"] = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances > 1}};
+    h["storage"] = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances * s.tp > 1}};
   } else if (tier == "redis") {
     if (s.redis.empty()) throw InvalidArgument("tier redis: --redis HOST:PORT is required");
     h["storage"] = redis_json(s.redis);
@@ -526,15 +532,19 @@ bool write_all(int fd, const std::string& text) {
   try {
     // Each instance serves its own /metrics: instance i on metrics_port + i.
     wl::StackConfig own = config;
-    if (own.cache.metrics_port > 0) own.cache.metrics_port += instance;
+    const int rank = own.cache.tp.rank, tp = own.cache.tp.size;
+    if (own.cache.metrics_port > 0) own.cache.metrics_port += instance * tp + rank;
+    const std::string name = tp > 1 ? str_cat(label, " #", instance, " rank ", rank)
+                                    : str_cat(label, " #", instance);
     wl::EngineStack stack(own);
-    announce_metrics(stack, str_cat(label, " #", instance));
+    announce_metrics(stack, name);
     std::vector<int> mine;
     for (std::size_t i = 0; i < plan.size(); ++i) {
       if ((plan[i].client + plan[i].round) % instances == instance) mine.push_back(static_cast<int>(i));
     }
-    wl::Runner runner(stack, plan, mine, run_options(s, str_cat(label, " #", instance), instances),
-                      instance);
+    wl::RunOptions options = run_options(s, name, instances);
+    options.progress = options.progress && rank == 0;  // the ranks serve the same requests
+    wl::Runner runner(stack, plan, mine, options, instance);
     double busy = 0;
     for (std::string line; read_line(in_fd, line) == Read::kLine;) {
       if (line.rfind("R ", 0) == 0) {
@@ -552,7 +562,8 @@ bool write_all(int fd, const std::string& text) {
       }
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "hicache-bench: instance %d: %s\n", instance, e.what());
+    std::fprintf(stderr, "hicache-bench: instance %d rank %d: %s\n", instance,
+                 config.cache.tp.rank, e.what());
     code = 1;
   }
   std::fflush(stdout);
@@ -560,16 +571,40 @@ bool write_all(int fd, const std::string& text) {
   std::_Exit(code);
 }
 
-// N instance processes for one configuration; the parent holds no threads when it forks.
+// N instance processes for one configuration, each `tp` rank processes (instance i's rank r is
+// child i * tp + r); the parent holds no threads when it forks. Returns one result per
+// instance: its rank 0's, with the pages every rank verified added up.
 std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::StackConfig& config,
                                               const std::vector<wl::PlannedRequest>& plan,
-                                              const std::string& label, int n) {
+                                              const std::string& label, int n, int tp) {
   struct Child {
     pid_t pid = -1;
     int to = -1, from = -1;
   };
+  // TP: each instance's Gloo groups meet in a directory of their own, fresh for this run.
+  std::string rendezvous;
+  if (tp > 1) {
+    char tmpl[] = "/tmp/hicache-bench-tp-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error(str_cat("mkdtemp: ", std::strerror(errno)));
+    rendezvous = tmpl;
+  }
+  struct RemoveDir {
+    const std::string& dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) fs::remove_all(dir, ec);
+    }
+  } remove_rendezvous{rendezvous};
   std::vector<Child> children;
-  for (int i = 0; i < n; ++i) {
+  for (int child = 0; child < n * tp; ++child) {
+    const int i = child / tp;
+    wl::StackConfig own = config;
+    if (tp > 1) {
+      own.cache.tp.rank = child % tp;
+      own.cache.tp.size = tp;
+      own.cache.tp.store_dir = str_cat(rendezvous, "/instance-", i);
+      own.engine.data_salt = static_cast<std::uint64_t>(own.cache.tp.rank);
+    }
     int down[2], up[2];
     if (::pipe2(down, O_CLOEXEC) != 0 || ::pipe2(up, O_CLOEXEC) != 0) {
       throw std::runtime_error(str_cat("pipe: ", std::strerror(errno)));
@@ -585,7 +620,7 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
       }
       ::close(down[1]);
       ::close(up[0]);
-      instance_main(s, config, plan, i, n, down[0], up[1], label);
+      instance_main(s, own, plan, i, n, down[0], up[1], label);
     }
     ::close(down[0]);
     ::close(up[1]);
@@ -609,7 +644,10 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
                                 ? str_cat("gave no answer within ", s.instance_timeout_s, " s to")
                             : got == Read::kClosed ? std::string("ended (see its error above) during")
                                                    : str_cat("answered '", line, "' to");
-    std::fprintf(stderr, "hicache-bench: %s: instance %zu %s %s\n", label.c_str(), i,
+    const std::string who =
+        tp > 1 ? str_cat(i / static_cast<std::size_t>(tp), " rank ", i % static_cast<std::size_t>(tp))
+               : std::to_string(i);
+    std::fprintf(stderr, "hicache-bench: %s: instance %s %s %s\n", label.c_str(), who.c_str(),
                  why.c_str(), what.c_str());
     return false;
   };
@@ -649,7 +687,23 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
     failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
   }
   if (failed) throw std::runtime_error(str_cat(label, ": an instance failed (see above)"));
-  return results;
+  // Each instance's ranks ran the same requests: rank 0 reports them, and every rank's page
+  // checks count.
+  std::vector<wl::InstanceResult> merged;
+  for (int i = 0; i < n; ++i) {
+    wl::InstanceResult r = std::move(results[static_cast<std::size_t>(i * tp)]);
+    for (int rank = 1; rank < tp; ++rank) {
+      const wl::InstanceResult& other = results[static_cast<std::size_t>(i * tp + rank)];
+      for (const char* k : {"verified_pages", "mismatched_pages"}) {
+        r.counters[k] += other.counters.count(k) != 0 ? other.counters.at(k) : 0.0;
+      }
+      if (r.first_mismatch.empty() && !other.first_mismatch.empty()) {
+        r.first_mismatch = str_cat("rank ", rank, ": ", other.first_mismatch);
+      }
+    }
+    merged.push_back(std::move(r));
+  }
+  return merged;
 }
 
 std::string default_fingerprint(const Settings& s) {
@@ -683,6 +737,10 @@ int run(const Settings& s) {
       usage_error(e.what());
     }
   }
+  if (s.tp > 1 && s.request_rate > 0) {
+    usage_error("--tp > 1 needs --request-rate 0: arrivals by the clock would differ between "
+                "the rank processes, and TP ranks must serve the same requests at the same steps");
+  }
   if (s.instances > 1) {
     for (const std::string& t : tiers) {
       if (t == "device" || t == "host") {
@@ -691,9 +749,10 @@ int run(const Settings& s) {
       }
     }
   }
-  std::printf("[hicache-bench] workload %s: %zu requests, seed %lld; %lld instance(s); "
-              "configurations:", std::string(wl::to_string(wc.kind)).c_str(), plan.size(),
-              static_cast<long long>(s.seed), static_cast<long long>(s.instances));
+  std::printf("[hicache-bench] workload %s: %zu requests, seed %lld; %lld instance(s) of %lld "
+              "TP rank(s); configurations:", std::string(wl::to_string(wc.kind)).c_str(),
+              plan.size(), static_cast<long long>(s.seed), static_cast<long long>(s.instances),
+              static_cast<long long>(s.tp));
   for (const auto& t : tiers) std::printf(" %s", t.c_str());
   std::printf("\n");
   std::fflush(stdout);
@@ -715,8 +774,10 @@ int run(const Settings& s) {
     const auto config = stack_config(s, tier, root, fingerprint);
     wl::ConfigRun run{name, {}, config.cache.geometry.page_bytes(), config.cache.geometry.page_size};
     try {
-      if (s.instances > 1) {
-        run.instances = run_instances(s, config, plan, name, static_cast<int>(s.instances));
+      run.tp = static_cast<int>(s.tp);
+      if (s.instances > 1 || s.tp > 1) {
+        run.instances = run_instances(s, config, plan, name, static_cast<int>(s.instances),
+                                      static_cast<int>(s.tp));
       } else {
         run.instances.push_back(run_single(s, config, plan, name));
       }

@@ -141,6 +141,47 @@ TEST(HicacheBench, InstancesShareL3AcrossProcesses) {
   EXPECT_GT(c["verified_pages"].get<double>(), 0);
 }
 
+// --tp 2: each instance is two rank processes over Gloo, each with its own slice of the KV
+// (page data salted by rank: a page of the other rank's slice would fail its check) and its
+// own pools, sharing the file store; with --instances and under --compare. The ranks stay in
+// step (a divergence fails the run), every rank's pages are verified, and the scheduler made
+// fewer than one collective call per step on average (the cache's step reduction when an op is
+// in flight, the engine's agreement on its loads), none without a host tier.
+TEST(HicacheBench, TpRanksAsProcessesVerifyEveryPageWithOneCollectivePerStep) {
+  TempFile report("hicache-bench-tp.json"), single("hicache-bench-tp1.json");
+  const BenchRun one = run_bench(kTiny + "--clients 4 --rounds 3 --tiers file --report " +
+                                 single.path.string());
+  ASSERT_EQ(one.status, 0) << one.output;
+  const BenchRun r = run_bench(kTiny + "--clients 4 --rounds 3 --tp 2 --instances 2 --compare "
+                                       "--report " + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  ASSERT_EQ(j["configurations"].size(), 3u);
+  for (const json& c : j["configurations"]) {
+    check_adds_up(c, 12);
+    EXPECT_EQ(c["tp"]["ranks"], 2);
+    EXPECT_GT(c["verified_pages"].get<double>(), 0);
+    const double per_step = c["tp"]["collectives_per_step"].get<double>();
+    // Device only: nothing ever in flight, so no step reduces at all.
+    if (c["name"] == "device") {
+      EXPECT_EQ(per_step, 0);
+    } else {
+      EXPECT_GT(per_step, 0) << c["name"];
+    }
+    EXPECT_LT(per_step, 1) << c["name"];
+  }
+  const json& file = j["configurations"][2];
+  EXPECT_EQ(file["name"], "host+file");
+  EXPECT_GT(file["tokens"]["storage_hit"].get<double>(), 0);
+  EXPECT_GT(file["tp"]["storage_thread_collectives"].get<double>(), 0);
+  const json tp1 = read_json(single.path)["configurations"][0];
+  EXPECT_EQ(tp1["tp"]["ranks"], 1);
+  EXPECT_EQ(tp1["tp"]["collectives_per_step"].get<double>(), 0);
+  const BenchRun rate = run_bench("--tp 2 --request-rate 5");
+  EXPECT_EQ(rate.status, 2);
+  EXPECT_NE(rate.output.find("--tp > 1 needs --request-rate 0"), std::string::npos) << rate.output;
+}
+
 // Tenants asking about the same document: with one identity the later questions hit the
 // document's pages; with a tenant per question none hits another's, on any tier, and every
 // page served is still verified (page data derives from the identity).

@@ -153,6 +153,17 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
       {"verified_pages", counters["verified_pages"]},
       {"mismatched_pages", counters["mismatched_pages"]},
       {"first_mismatch", first_mismatch},
+      // The scheduler's collective calls per step() (those that ran nothing included) and the
+      // time they took, and step() itself (compute included).
+      {"tp",
+       {{"ranks", run.tp},
+        {"scheduler_steps", counters["step_calls"]},
+        {"forward_steps", counters["steps"]},
+        {"collectives_per_step", ratio(counters["tp_main_collectives"], counters["step_calls"])},
+        {"collective_ms_per_step",
+         ratio(counters["tp_main_collective_seconds"], counters["step_calls"]) * 1e3},
+        {"step_ms", ratio(counters["step_seconds"], counters["step_calls"]) * 1e3},
+        {"storage_thread_collectives", counters["tp_storage_collectives"]}}},
       {"page_bytes", run.page_bytes},
       {"page_size", run.page_size},
       {"counters", counters},
@@ -200,6 +211,13 @@ std::string format_table(const std::vector<json>& summaries) {
   add("tokens missed: prefetch revoked", num("%.0f", [](const json& s) {
         return s["missed_tokens_prefetch_revoked"].get<double>();
       }));
+  add("TP ranks", num("%.0f", [](const json& s) { return s["tp"]["ranks"].get<double>(); }));
+  add("step ms (collectives per step, ms in them)", [](const json& s) {
+    const json& t = s["tp"];
+    return fmt("%.3f", t["step_ms"].get<double>()) + " (" +
+           fmt("%.2f", t["collectives_per_step"].get<double>()) + ", " +
+           fmt("%.3f", t["collective_ms_per_step"].get<double>()) + ")";
+  });
   add("storage errors", num("%.0f", [](const json& s) { return s["storage_errors"].get<double>(); }));
   add("pages verified", num("%.0f", [](const json& s) { return s["verified_pages"].get<double>(); }));
   add("wrong pages", num("%.0f", [](const json& s) { return s["mismatched_pages"].get<double>(); }));

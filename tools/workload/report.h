@@ -17,6 +17,9 @@ struct ConfigRun {
   std::vector<InstanceResult> instances;
   std::int64_t page_bytes = 0;           // KV bytes of one page (all layers)
   std::int32_t page_size = 0;
+  // TP ranks per instance. Each instance's result is its rank 0's (the ranks serve the same
+  // requests), with every rank's pages verified added up.
+  int tp = 1;
 };
 
 // Nearest-rank percentile of `values` (q in (0, 1]); 0 when empty.

@@ -260,6 +260,16 @@ InstanceResult Runner::result() const {
   c["prefetches"] = static_cast<double>(e.prefetches);
   c["compute_seconds"] = e.compute_seconds;
   c["step_seconds"] = e.step_seconds;
+  c["step_calls"] = static_cast<double>(e.step_calls);
+  // TP: the scheduler thread's collective (the radix cache's step reduction, the engine's own
+  // agreements) and the storage threads' groups, as this rank counts them.
+  const HiCache& hc = stack_.hicache();
+  if (hc.config().tp.size > 1) {
+    const HiCacheCollectives& g = hc.collectives();
+    c["tp_main_collectives"] = static_cast<double>(g.main->calls());
+    c["tp_main_collective_seconds"] = g.main->seconds();
+    c["tp_storage_collectives"] = static_cast<double>(g.prefetch->calls() + g.backup->calls());
+  }
   // The tiers' totals come from the cache's metrics registry (what /metrics serves).
   const auto metric = [&](const char* name, MetricLabels labels) {
     return cache_metric(stack_, name, std::move(labels));

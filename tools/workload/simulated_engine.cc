@@ -178,7 +178,7 @@ void SimulatedEngine::verify(const Running& r) {
   for (std::size_t p = 0; p < pages; ++p) {
     const std::int64_t page = r.slots[p * page_size_] / page_size_;
     if (verify_device_page(page,
-                           page_data_seed(r.request.tokens, p, page_size_, r.request.identity))) {
+                           data_seed(r.request, p))) {
       ++stats_.verified_pages;
     } else {
       ++stats_.mismatched_pages;
@@ -227,8 +227,14 @@ void SimulatedEngine::retry_after_failed_loads(std::vector<Running>& batch) {
   }
 }
 
+std::uint64_t SimulatedEngine::data_seed(const SimulatedRequest& request, std::size_t page) const {
+  const std::uint64_t seed = page_data_seed(request.tokens, page, page_size_, request.identity);
+  return config_.data_salt == 0 ? seed : seed ^ (config_.data_salt * 0x9E3779B97F4A7C15ull);
+}
+
 bool SimulatedEngine::step() {
   const auto t0 = std::chrono::steady_clock::now();
+  ++stats_.step_calls;
   stalled_ = false;
   events_seen_ = cache_.event_seq();  // before the events are drained: none is missed
   cache_.check_events();
@@ -367,7 +373,7 @@ void SimulatedEngine::finish(Running& r) {
   const std::size_t cacheable = r.slots.size();
   for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
     fill_device_page(r.slots[p * page_size_] / page_size_,
-                     page_data_seed(r.request.tokens, p, page_size_, r.request.identity));
+                     data_seed(r.request, p));
   }
   const std::int64_t dup =
       cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots, r.request.identity);

@@ -89,10 +89,14 @@ struct SimulatedEngineConfig {
   // Write and verify page data through copies to a staging page even where the CPU could reach
   // device memory directly (always on where it cannot).
   bool stage_page_data = false;
+  // Mixed into every page's data seed: a TP rank's slice of the KV differs from another's (the
+  // rank's number), so a page served from another rank's slice fails its check. 0: none.
+  std::uint64_t data_salt = 0;
 };
 
 struct SimulatedEngineStats {
   std::int64_t steps = 0, finished = 0;
+  std::int64_t step_calls = 0;  // step() calls, those that could run nothing included
   std::int64_t prompt_tokens = 0;
   std::int64_t output_tokens = 0;
   std::int64_t device_hit_tokens = 0;   // served from the device prefix
@@ -154,6 +158,8 @@ class SimulatedEngine {
   const std::string& first_mismatch() const { return first_mismatch_; }
 
  private:
+  // The seed of page `page` of the request's tokens, salted with data_salt.
+  std::uint64_t data_seed(const SimulatedRequest& request, std::size_t page) const;
   struct Waiting {
     SimulatedRequest request;
     int storage_asks = 0;
