@@ -560,7 +560,20 @@ class FileStorage::Impl {
     // free space to come (the trash thread unlinks them): counting them as used would evict
     // far more than the disk needs whenever the thread lags.
     const std::uint64_t usable = total_bytes_ + free_bytes + trash_bytes_.load();
-    return usable > reserve ? usable - reserve : 1;
+    std::uint64_t capacity = usable > reserve ? usable - reserve : 1;
+    if (usage_) {
+      // Shared: at least an equal share of what the root's records and the free space give
+      // (less the reserve). Without it whoever filled the disk first would keep it: the others,
+      // held to their own records plus a free space that stays at the reserve, could never
+      // grow. One below its share writes into the reserve; those above it give that back by
+      // evicting their own on their next write, until the shares are even.
+      const std::uint64_t root_usable =
+          std::atomic_ref(usage_->count[0]).load() + free_bytes + trash_bytes_.load();
+      if (root_usable > reserve) {
+        capacity = std::max(capacity, (root_usable - reserve) / usage_->instances());
+      }
+    }
+    return capacity;
   }
 
   // Renames a written temporary into place and indexes it, then evicts over capacity.
@@ -598,7 +611,7 @@ class FileStorage::Impl {
       }
       return IoResult::error(errno_text("rename into", path, err));
     }
-    if (usage_ != nullptr) std::atomic_ref(*usage_->count).fetch_add(bytes);
+    if (usage_ != nullptr) std::atomic_ref(usage_->count[0]).fetch_add(bytes);
     pin_locked(insert_locked(key, bytes), pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
@@ -634,13 +647,15 @@ class FileStorage::Impl {
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
   void evict_locked(bool recheck_disk = true) {
-    if (capacity_ == 0 || used_locked() <= capacity_) return;
     // A capacity that follows the filesystem is asked again before anything is evicted: space
-    // another program freed (or took) since moves it.
-    if (recheck_disk && capacity_from_disk_) {
+    // another program freed (or took) since moves it. Shared, it is asked on every write (one
+    // statvfs): the other instances move it all the time, and one that kept the figure of its
+    // start would hold the disk while they shrink.
+    if (recheck_disk && capacity_from_disk_ && capacity_ != 0 &&
+        (usage_ != nullptr || used_locked() > capacity_)) {
       capacity_ = disk_capacity_locked();
-      if (capacity_ == 0 || used_locked() <= capacity_) return;
     }
+    if (capacity_ == 0 || used_locked() <= capacity_) return;
     auto victim = lru_.begin();
     while (used_locked() > capacity_ && victim != lru_.end()) {
       auto it = index_.find(**victim++);
@@ -667,11 +682,11 @@ class FileStorage::Impl {
     if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
       ++owner_.counters_.eviction_failures;
     }
-    if (moved && usage_) std::atomic_ref(*usage_->count).fetch_sub(bytes);
+    if (moved && usage_) std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
   }
 
   // Shared mode with capacity_bytes: the bytes of every record in the root, kept by all the
-  // processes together in <root>/.usage (8 bytes, mapped shared): each adds what it renames in
+  // processes together in <root>/.usage (its first 8 bytes, mapped shared): each adds what it renames in
   // and takes off what it renames out, and evicts while the sum is over the capacity. A start
   // (which scans the directory) sets it to what it found, mending a process that died between a
   // rename and its count.
@@ -679,28 +694,44 @@ class FileStorage::Impl {
   // exclusive try succeeds, taken before its scan) sets the count to what the scan found; one
   // that starts beside live instances leaves it to them (its scan would undo the renames they
   // count meanwhile).
+  // The second 8 bytes count the live instances (each adds itself once it holds its shared
+  // lock, the first one alone setting it to 1, and takes itself off at close; one that died
+  // leaves it high until a start finds no other alive).
   struct Usage {
     int fd = -1;
-    std::uint64_t* count = nullptr;
+    std::uint64_t* count = nullptr;  // [0]: bytes, [1]: live instances
     bool alone = false;
+    bool counted = false;
     ~Usage() {
-      if (count != nullptr) ::munmap(count, 8);
+      if (counted) std::atomic_ref(count[1]).fetch_sub(1);
+      if (count != nullptr) ::munmap(count, kUsageBytes);
       if (fd >= 0) ::close(fd);  // releases the lock
     }
     void settle(std::uint64_t scanned) {
-      if (alone) std::atomic_ref(*count).store(scanned);
+      if (alone) {
+        std::atomic_ref(count[0]).store(scanned);
+        std::atomic_ref(count[1]).store(1);
+      }
+      // Blocks while a lone starter holds its exclusive lock: it resets the count first.
       ::flock(fd, LOCK_SH);
+      if (!alone) std::atomic_ref(count[1]).fetch_add(1);
+      counted = true;
+    }
+    std::uint64_t instances() const {
+      return std::max<std::uint64_t>(1, std::atomic_ref(count[1]).load());
     }
   };
+  static constexpr std::size_t kUsageBytes = 16;
   void open_usage() {
     auto u = std::make_unique<Usage>();
     u->fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (u->fd < 0) throw IoError(errno_text("file storage: open", root_ / ".usage", errno));
     struct stat st {};
-    if (::fstat(u->fd, &st) != 0 || (st.st_size < 8 && ::ftruncate(u->fd, 8) != 0)) {
+    if (::fstat(u->fd, &st) != 0 ||
+        (st.st_size < static_cast<off_t>(kUsageBytes) && ::ftruncate(u->fd, kUsageBytes) != 0)) {
       throw IoError(errno_text("file storage: size", root_ / ".usage", errno));
     }
-    void* p = ::mmap(nullptr, 8, PROT_READ | PROT_WRITE, MAP_SHARED, u->fd, 0);
+    void* p = ::mmap(nullptr, kUsageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, u->fd, 0);
     if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", root_ / ".usage", errno));
     u->count = static_cast<std::uint64_t*>(p);
     u->alone = ::flock(u->fd, LOCK_EX | LOCK_NB) == 0;
@@ -709,7 +740,7 @@ class FileStorage::Impl {
   // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
   // (a capacity that follows the filesystem counts this index's records plus the free space).
   std::uint64_t used_locked() const {
-    return usage_ && !capacity_from_disk_ ? std::atomic_ref(*usage_->count).load() : total_bytes_;
+    return usage_ && !capacity_from_disk_ ? std::atomic_ref(usage_->count[0]).load() : total_bytes_;
   }
 
   // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from

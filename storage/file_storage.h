@@ -27,13 +27,18 @@
 // - shared: several processes (engine instances) use one root. Each keeps its own index; a key
 //   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
 //   stored is found. The processes stay within one capacity together: with capacity_bytes,
-//   the bytes of every record in the root are counted in <root>/.usage (8 bytes, mapped shared
+//   the bytes of every record in the root are counted in <root>/.usage (mapped shared
 //   by all of them; a record is renamed in only where no other process's is, so it is counted
 //   once), and a process evicts its own least recently used records (written or adopted) while
 //   that sum is over the capacity (one whose records are all pinned leaves it over until
 //   another writes); a start with no other instance alive (a flock on .usage tells) resets the
 //   count to what its scan found. With the
-//   capacity following the filesystem each keeps the reserve free, which bounds them together.
+//   capacity following the filesystem each keeps the reserve free, which bounds them together,
+//   and each may hold at least an equal share (the root's records plus the free space, less the
+//   reserve, over the live instances counted in .usage): one below its share writes on into the
+//   reserve and those above it evict their own on their next write, so the instance that filled
+//   the disk first does not keep it. An instance that died leaves the count high (smaller
+//   shares) until a start finds no other alive.
 //   An adoption evicts like a write does, but never a key of the same call. A key the index
 //   holds is confirmed on disk too (one fstatat) before exists or a put's deduplication trusts
 //   it: another process may have evicted it.

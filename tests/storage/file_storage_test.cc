@@ -761,21 +761,27 @@ TEST_F(FileStorageTest, DiskFullIsAPerKeyErrorAndTheStoreStaysUsable) {
 // capacity_bytes the store's capacity follows the filesystem, so it evicts instead of failing;
 // when another program then fills the disk, a write that meets ENOSPC shrinks the capacity,
 // evicts and succeeds on its retry. Every record reported stored reads back byte for byte.
+// A tmpfs of `mb` MiB at `dir` for one test (root only: mounted() false otherwise).
+struct TmpfsMount {
+  fs::path dir;
+  bool mounted = false;
+  TmpfsMount(fs::path at, int mb) : dir(std::move(at)) {
+    fs::create_directories(dir);
+    const std::string mount = str_cat("mount -t tmpfs -o size=", mb, "m tmpfs ", dir.string(), " 2>/dev/null");
+    mounted = ::geteuid() == 0 && std::system(mount.c_str()) == 0;
+  }
+  ~TmpfsMount() {
+    if (mounted) (void)std::system(("umount -l " + dir.string()).c_str());
+    fs::remove_all(dir);
+  }
+};
+
 TEST_F(FileStorageTest, ASmallFilesystemFillsGracefully) {
-  const fs::path mnt = root_.string() + "-tmpfs";
-  fs::create_directories(mnt);
-  const std::string mount = "mount -t tmpfs -o size=4m tmpfs " + mnt.string() + " 2>/dev/null";
-  if (::geteuid() != 0 || std::system(mount.c_str()) != 0) {
-    fs::remove_all(mnt);
+  const TmpfsMount tmpfs(root_.string() + "-tmpfs", 4);
+  if (!tmpfs.mounted) {
     GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the full-filesystem case is not run";
   }
-  struct Unmount {
-    fs::path dir;
-    ~Unmount() {
-      (void)std::system(("umount -l " + dir.string()).c_str());
-      fs::remove_all(dir);
-    }
-  } unmount{mnt};
+  const fs::path& mnt = tmpfs.dir;
   constexpr std::size_t kRecord = 128 << 10;
   std::vector<std::string> written;
   {
@@ -833,6 +839,38 @@ TEST_F(FileStorageTest, ASmallFilesystemFillsGracefully) {
   EXPECT_LT(st.capacity_bytes, 4u << 20);
   EXPECT_EQ(st.set_errors, 0u);
   for (const auto& r : get(s, last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
+// Two instances sharing a root on a small filesystem, the capacity following it: the one that
+// filled the disk first gives back room as the other writes, until each holds about half (an
+// equal share of the records plus the free space, less the reserve). Held to its own records
+// plus the free space alone, the second would stay at one record, evicting its own each write.
+TEST_F(FileStorageTest, SharedStoresOnAFullFilesystemEvenOutTheirShares) {
+  const TmpfsMount tmpfs(root_.string() + "-tmpfs", 8);
+  if (!tmpfs.mounted) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the shared full-filesystem case is not run";
+  }
+  constexpr std::size_t kRecord = 128 << 10;
+  const FileStorageConfig shared{.root = (tmpfs.dir / "store").string(), .io_threads = 1, .shared = true};
+  FileStorage a(shared);
+  FileStorage b(shared);
+  for (int i = 0; i < 64; ++i) put(a, make_keys(str_cat("a", i), 1), kRecord);  // 8 MiB into 8
+  const std::uint64_t a_full = a.stats().stored_bytes;
+  EXPECT_GT(a_full, 5u * kRecord * 8) << "the first instance fills the filesystem to its reserve";
+  std::vector<std::string> b_last;
+  for (int i = 0; i < 48; ++i) {
+    put(a, make_keys(str_cat("a-more", i), 1), kRecord);
+    b_last = make_keys(str_cat("b", i), 1);
+    put(b, b_last, kRecord);  // asserts ok: room is made, never refused
+  }
+  const StorageStats as = a.stats(), bs = b.stats();
+  EXPECT_EQ(as.set_errors + bs.set_errors, 0u);
+  // Within two records of half each (which one gives the last record back is timing), and
+  // together within what the first held alone.
+  EXPECT_GE(bs.stored_bytes, a_full / 2 - 2 * kRecord) << "b holds " << bs.stored_bytes << ", a " << as.stored_bytes;
+  EXPECT_GE(as.stored_bytes, a_full / 2 - 2 * kRecord) << "a holds " << as.stored_bytes << ", b " << bs.stored_bytes;
+  EXPECT_LE(as.stored_bytes + bs.stored_bytes, a_full + 2 * kRecord);
+  for (const auto& r : get(b, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
 }
 
 TEST(StorageFactory, BuildsFileStoreAndNamesBadConfig) {
