@@ -18,6 +18,18 @@
 //   host_exhaust   every free host page taken for a window (another tenant of the pool)
 //   reset       HiRadixCache::reset through SimulatedEngine::reset in the middle of traffic
 //   l3_detach   L3 detached (HiCache::detach_storage) for a window, then attached again
+//   rank_delay  --tp: the last rank sleeps --rank-delay-ms before a step, at --rank-delay-rate
+//               per step, so the ranks reach their agreements at different times
+//
+// --tp N runs N rank processes over Gloo groups (one engine each, its own pools and its own
+// slice of the KV, page data salted by rank; one shared file store). Every rank injects its own
+// storage errors, delays and timeouts (its own seed); rank 0 alone corrupts, truncates and fills
+// the shared disk. Resets and detaches happen at the same step on every rank: rank 0 decides
+// them by its clock, and one reduction per step (the tool's own) carries its decisions, the end
+// of the run, and every 16 steps a hash of each rank's tree, which must agree. At the end the
+// parent also compares the ranks' final trees. Under TP the radix cache owns the host pool, so
+// host_exhaust (another tenant taking host pages on one rank) is left out; Redis is file-only
+// for now under --tp.
 //
 // The Redis run uses a cluster of 3 masters with a replica each (cluster-node-timeout 1 s).
 //
@@ -28,6 +40,7 @@
 // found again after a reset: the storage threads did not die). It prints the table and exits
 // 0 when nothing wrong was served and nothing leaked, 1 otherwise, 2 for bad flags.
 #include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -39,6 +52,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -68,7 +82,7 @@ using Clock = std::chrono::steady_clock;
 
 const std::vector<std::string> kFaults = {
     "error",        "exists", "slow",     "timeout",  "corrupt", "truncate", "disk_full",
-    "redis_restart", "redis_failover", "host_exhaust", "reset", "l3_detach"};
+    "redis_restart", "redis_failover", "host_exhaust", "reset", "l3_detach", "rank_delay"};
 constexpr int kRedisNodeTimeoutMs = 1000;
 
 struct Settings {
@@ -86,6 +100,9 @@ struct Settings {
          redis_failover_window_s = 4, host_exhaust_every_s = 4, host_exhaust_window_s = 0.5,
          reset_every_s = 6, l3_detach_every_s = 8, l3_detach_window_s = 1;
   std::int64_t tmpfs_mb = 64;
+  int tp = 1;
+  double rank_delay_rate = 0.05;
+  int rank_delay_ms = 20;
   std::string report;
   bool progress = true;
 };
@@ -99,7 +116,7 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
                           replica each) (file)
   --faults LIST|all|none  comma list of: error, exists, slow, timeout, corrupt, truncate,
                           disk_full, redis_restart, redis_failover, host_exhaust, reset,
-                          l3_detach (all)
+                          l3_detach, rank_delay (all)
   --error-rate P          per key of a get/set (0.02)     --exists-error-rate P  (0.01)
   --slow-rate P           per batch (0.05)                --slow-ms N            (20)
   --timeout-rate P        per batch (0.005)               --timeout-ms N         (50)
@@ -110,6 +127,8 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --l3-detach-every-s S   (8)                             --l3-detach-window-s S (1)
   --host-exhaust-every-s S (4)                            --host-exhaust-window-s S (0.5)
   --reset-every-s S       (6)
+  --tp N                  TP ranks, each a process over Gloo (1)
+  --rank-delay-rate P     per step of the last rank (0.05)  --rank-delay-ms N   (20)
   --tmpfs-mb N            size of the file store's tmpfs (64)
   --report FILE           also write the table as JSON
   --no-progress           no progress lines on stderr
@@ -171,7 +190,8 @@ Settings parse(int argc, char** argv) {
       {"--l3-detach-window-s", &s.l3_detach_window_s},
       {"--host-exhaust-every-s", &s.host_exhaust_every_s},
       {"--host-exhaust-window-s", &s.host_exhaust_window_s},
-      {"--reset-every-s", &s.reset_every_s}};
+      {"--reset-every-s", &s.reset_every_s},
+      {"--rank-delay-rate", &s.rank_delay_rate}};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -205,6 +225,10 @@ Settings parse(int argc, char** argv) {
       s.slow_ms = static_cast<int>(number(flag, v, 0));
     } else if (flag == "--timeout-ms") {
       s.timeout_ms = static_cast<int>(number(flag, v, 0));
+    } else if (flag == "--rank-delay-ms") {
+      s.rank_delay_ms = static_cast<int>(number(flag, v, 0));
+    } else if (flag == "--tp") {
+      s.tp = static_cast<int>(number(flag, v, 1));
     } else if (flag == "--tmpfs-mb") {
       s.tmpfs_mb = static_cast<std::int64_t>(number(flag, v, 8));
     } else if (flag == "--report") {
@@ -232,7 +256,12 @@ Settings parse(int argc, char** argv) {
       usage_error(str_cat("unknown flag: ", flag));
     }
   }
-  for (const char* rate : {"--error-rate", "--exists-error-rate", "--slow-rate", "--timeout-rate"}) {
+  if (s.tp > 1 && s.storage == "redis") {
+    usage_error("--tp > 1 runs on the file store only (--storage file)");
+  }
+  if (s.tp > 1) s.faults.erase("host_exhaust");  // the radix cache owns the host pool under TP
+  for (const char* rate : {"--error-rate", "--exists-error-rate", "--slow-rate", "--timeout-rate",
+                           "--rank-delay-rate"}) {
     if (*doubles[rate] > 1) usage_error(str_cat(rate, ": ", *doubles[rate], " is not a probability"));
   }
   if (s.seconds <= 0 && s.steps == 0) usage_error("--seconds must be > 0 (or give --steps)");
@@ -334,20 +363,29 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-int run(const Settings& s) {
-  using namespace hicache;
-  auto on = [&](const std::string& f) { return s.faults.count(f) != 0; };
+// The L3 store of a run, set up once (by the parent, under --tp, before any rank forks).
+struct Store {
   std::unique_ptr<Tmpfs> tmpfs;
-  std::unique_ptr<bench::RedisDeployment> redis;
-  std::string storage_json;
-  fs::path store_root;
+  std::unique_ptr<hicache::bench::RedisDeployment> redis;
+  std::string json;
+  fs::path root;
+};
+
+// False (said on stderr) when the store cannot be started.
+bool setup_store(const Settings& s, Store& store) {
+  using namespace hicache;
+  std::unique_ptr<Tmpfs>& tmpfs = store.tmpfs;
+  std::unique_ptr<bench::RedisDeployment>& redis = store.redis;
+  std::string& storage_json = store.json;
+  fs::path& store_root = store.root;
   if (s.storage == "file") {
     tmpfs = std::make_unique<Tmpfs>(s.tmpfs_mb);
     store_root = tmpfs->store();
     // On the tmpfs the store's capacity follows the filesystem (its free space less the
     // reserve), and the ballast makes the disk fill under it: real ENOSPC, evictions and
     // shrinks. Without a tmpfs the store sits on the machine's disk: a fixed capacity then.
-    nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}};
+    // Under --tp every rank's process opens the root: shared, as FileStorage asks of that.
+    nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}, {"shared", s.tp > 1}};
     if (!tmpfs->mounted()) file["capacity_bytes"] = s.tmpfs_mb * 3 / 4 << 20;
     storage_json = file.dump();
     std::printf("[hicache-stress] file store on %s (%s)\n", store_root.c_str(),
@@ -360,7 +398,7 @@ int run(const Settings& s) {
     if (!redis->start(3, /*cluster=*/true, &error, /*replicas=*/1, kRedisNodeTimeoutMs,
                       {"--maxmemory", "96mb", "--maxmemory-policy", "allkeys-lru"})) {
       std::fprintf(stderr, "hicache-stress: cannot start the redis cluster: %s\n", error.c_str());
-      return 1;
+      return false;
     }
     nlohmann::json nodes = nlohmann::json::array();
     std::string listed;
@@ -376,7 +414,29 @@ int run(const Settings& s) {
                 "ports%s\n",
                 listed.c_str());
   }
-  auto faulty = std::make_shared<stress::FaultInjectingStorage>(make_storage(storage_json), s.seed);
+  std::fflush(stdout);
+  return true;
+}
+
+// This process's place in the TP group.
+struct Rank {
+  int rank = 0, size = 1;
+  std::string rendezvous;   // where the Gloo groups meet (size > 1)
+  std::string result_file;  // size > 1: the rank's table and final tree, for the parent
+};
+
+// One rank's run (the whole run without --tp): the table on stdout, or into me.result_file.
+int run_rank(const Settings& s, Store& store, const Rank& me) {
+  using namespace hicache;
+  const bool tp = me.size > 1;
+  auto on = [&](const std::string& f) { return s.faults.count(f) != 0; };
+  Tmpfs* tmpfs = store.tmpfs.get();
+  bench::RedisDeployment* redis = store.redis.get();
+  const std::string& storage_json = store.json;
+  const fs::path& store_root = store.root;
+  // Each rank injects its own storage faults.
+  auto faulty = std::make_shared<stress::FaultInjectingStorage>(
+      make_storage(storage_json), s.seed + static_cast<std::uint64_t>(me.rank) * 7919);
   stress::FaultInjectingStorage* inject = faulty.get();
   const stress::FaultRates rates{.error = on("error") ? s.error_rate : 0,
                                  .exists_error = on("exists") ? s.exists_error_rate : 0,
@@ -393,6 +453,12 @@ int run(const Settings& s) {
   nlohmann::json cache = s.cache;
   if (!cache.contains("model_fingerprint")) cache["model_fingerprint"] = str_cat("seed", s.seed);
   config.cache = HiCacheConfig::from_json_text(cache.dump());
+  if (tp) {
+    config.cache.tp.rank = me.rank;
+    config.cache.tp.size = me.size;
+    config.cache.tp.store_dir = me.rendezvous;
+    config.engine.data_salt = static_cast<std::uint64_t>(me.rank);
+  }
   config.engine.max_batch = 8;
   config.engine.max_prefetches = 4;
   workload::EngineStack stack(config, faulty);
@@ -400,24 +466,33 @@ int run(const Settings& s) {
   const std::int32_t page = config.cache.geometry.page_size;
   RequestSource source(s.seed, page);
 
-  std::vector<Periodic> periodic;
+  // Faults on their own clock: each rank's (rank 0's alone for the shared disk). Faults every
+  // rank takes at the same step (`agreed`): rank 0's clock, its decisions carried to the others
+  // by the step's control reduction (TP).
+  std::vector<Periodic> periodic, agreed;
   auto add = [&](const char* name, double every, double window) {
     if (on(name) && every > 0) periodic.push_back({name, every, window, every * 0.5});
   };
-  add("corrupt", s.corrupt_every_s, 0);
-  add("truncate", s.truncate_every_s, 0);
-  add("disk_full", s.disk_full_every_s, s.disk_full_window_s);
+  if (me.rank == 0) {
+    add("corrupt", s.corrupt_every_s, 0);
+    add("truncate", s.truncate_every_s, 0);
+    add("disk_full", s.disk_full_every_s, s.disk_full_window_s);
+  }
   if (s.storage == "redis") {
     add("redis_restart", s.redis_restart_every_s, 0);
     add("redis_failover", s.redis_failover_every_s, s.redis_failover_window_s);
   }
-  add("l3_detach", s.l3_detach_every_s, s.l3_detach_window_s);
   add("host_exhaust", s.host_exhaust_every_s, s.host_exhaust_window_s);
+  const std::size_t local_faults = periodic.size();
+  add("l3_detach", s.l3_detach_every_s, s.l3_detach_window_s);
   add("reset", s.reset_every_s, 0);
+  agreed.assign(periodic.begin() + static_cast<std::ptrdiff_t>(local_faults), periodic.end());
+  periodic.resize(local_faults);
 
   std::int64_t submitted = 0, finished = 0, aborted = 0, corrupt_injected = 0, restart_failures = 0;
   std::vector<std::int64_t> held_host;
-  std::mt19937_64& rng = source.rng();
+  // The faults' own draws: the requests' generator must draw the same on every rank.
+  std::mt19937_64 rng(s.seed * 31 + 7 + static_cast<std::uint64_t>(me.rank));
   int failed_master = 0;  // the port of the master redis_failover killed, while down
   // What the storage controllers of earlier attaches counted (l3_detach ends each one).
   std::int64_t retired_written = 0, retired_read = 0, retired_failed = 0;
@@ -511,26 +586,77 @@ int run(const Settings& s) {
     }
   };
   auto keep_going = [&] { return s.steps > 0 ? steps < s.steps : since(t0) < s.seconds; };
-  while (keep_going()) {
+  // TP: the step's control reduction. Rank 0's decisions (stop; per agreed fault: fire or close
+  // its window) and every rank's tree hash every 16 steps; the others send the largest value
+  // where rank 0 decides, so the minimum is rank 0's.
+  Collective* main_group = tp ? stack.hicache().collectives().main : nullptr;
+  std::int64_t tree_checks = 0, tree_divergences = 0, rank_delays = 0;
+  std::string control_failure;
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
+  std::vector<std::int64_t> control;
+  auto step_fault = [&](Periodic& p, double now, bool fire_it) {
+    if (!fire_it) {
+      close_window(p);
+      return;
+    }
+    fire(p);
+    if (p.window > 0) p.ends = now + p.window;
+    p.next = now + p.every * std::uniform_real_distribution<double>(0.5, 1.5)(rng);
+  };
+  auto run_local = [&](std::vector<Periodic>& faults, double now) {
+    for (Periodic& p : faults) {
+      if (p.ends >= 0 && now >= p.ends) close_window(p);
+      if (p.ends < 0 && now >= p.next) step_fault(p, now, true);
+    }
+  };
+  bool stop = false;
+  while (tp ? !stop : keep_going()) {
     // Outstanding: not finished, aborted or rejected (the engine drops a request larger than
     // its device pool with no report; none of these can be, and the pass condition says so).
     while (submitted - finished - aborted - engine.stats().rejected < 32) {
       engine.submit(source.next());
       ++submitted;
     }
+    if (tp && on("rank_delay") && me.rank == me.size - 1 &&
+        std::uniform_real_distribution<double>(0, 1)(rng) < s.rank_delay_rate) {
+      ++rank_delays;
+      std::this_thread::sleep_for(std::chrono::milliseconds(s.rank_delay_ms));
+    }
     engine.step();
     ++steps;
     drain();
     const double now = since(t0);
-    for (Periodic& p : periodic) {
-      if (p.ends >= 0 && now >= p.ends) close_window(p);
-      if (p.ends < 0 && now >= p.next) {
-        fire(p);
-        if (p.window > 0) p.ends = now + p.window;
-        p.next = now + p.every * std::uniform_real_distribution<double>(0.5, 1.5)(rng);
+    run_local(periodic, now);
+    if (!tp) {
+      run_local(agreed, now);
+    } else {
+      control.assign(1 + agreed.size() + 2, kNone);
+      if (me.rank == 0) {
+        control[0] = keep_going() ? 0 : 1;
+        for (std::size_t i = 0; i < agreed.size(); ++i) {
+          const Periodic& p = agreed[i];
+          control[1 + i] = p.ends >= 0 && now >= p.ends ? 2 : p.ends < 0 && now >= p.next ? 1 : 0;
+        }
       }
+      const std::size_t at_hash = 1 + agreed.size();
+      control[at_hash] = control[at_hash + 1] = 0;
+      if (steps % 16 == 0) {
+        const auto h = static_cast<std::int64_t>(std::hash<std::string>{}(stack.cache().describe()) >> 1);
+        control[at_hash] = h;
+        control[at_hash + 1] = -h;
+        ++tree_checks;
+      }
+      if (const auto r = main_group->min_allreduce(control, "stress.control"); !r.ok) {
+        control_failure = r.error;
+        break;
+      }
+      if (control[at_hash] != -control[at_hash + 1]) ++tree_divergences;
+      for (std::size_t i = 0; i < agreed.size(); ++i) {
+        if (control[1 + i] != 0) step_fault(agreed[i], now, control[1 + i] == 1);
+      }
+      stop = control[0] == 1;
     }
-    if (s.progress && now - last_progress >= 5) {
+    if (s.progress && me.rank == 0 && now - last_progress >= 5) {
       last_progress = now;
       std::fprintf(stderr, "[hicache-stress] %.0f s: %lld steps, %lld requests done, %lld aborted, %lld wrong pages\n",
                    now, static_cast<long long>(steps), static_cast<long long>(finished),
@@ -541,8 +667,10 @@ int run(const Settings& s) {
   const double run_seconds = since(t0);
 
   // Quiesce: faults off, what is queued finishes, every write and backup lands.
-  for (Periodic& p : periodic) {
-    if (p.ends >= 0) close_window(p);
+  for (auto* faults : {&periodic, &agreed}) {
+    for (Periodic& p : *faults) {
+      if (p.ends >= 0) close_window(p);
+    }
   }
   inject->set_rates({});
   inject->set_disk_full(false);
@@ -572,6 +700,7 @@ int run(const Settings& s) {
       stack.cache().evict_host(stack.host_pool().capacity_tokens());
     }
   };
+  const std::string final_tree = stack.cache().describe();
   evict_everything();
   const std::int64_t device_leak =
       stack.device_pool().capacity_tokens() - stack.device_pool().allocator().free_tokens();
@@ -595,7 +724,9 @@ int run(const Settings& s) {
   // Up to 10 attempts, 250 ms apart: a Redis connection may sit in its reconnect backoff after
   // the last restart (this is the end-of-run check, not the engine's loop).
   SimulatedRequest probe;
-  for (int i = 0; i < 8 * page; ++i) probe.tokens.push_back(static_cast<std::int32_t>(rng() >> 33));
+  for (int i = 0; i < 8 * page; ++i) {
+    probe.tokens.push_back(static_cast<std::int32_t>(source.rng()() >> 33));
+  }
   std::vector<std::string> probe_keys;
   PageKeyer(stack.key_namespace()).keys(probe.tokens, nullptr, probe_keys);
   probe.tokens.push_back(1);
@@ -617,7 +748,19 @@ int run(const Settings& s) {
     engine.run_until_idle();
     std::int64_t from_l3 = 0;
     for (const FinishedRequest& f : engine.drain_finished()) from_l3 += f.storage_hit_tokens;
-    l3_alive = probe_stored == probe_keys.size() && from_l3 > 0;
+    // TP: every rank's probe must have worked, and all of them try again alike.
+    const bool mine = probe_stored == probe_keys.size() && from_l3 > 0;
+    if (!mine) {
+      const auto st = inject->inner().stats();
+      std::fprintf(stderr, "hicache-stress: rank %d: probe %d found %zu of %zu pages stored, %lld "
+                           "tokens read from L3 (store capacity %llu bytes, %llu used, %lld set "
+                           "errors; storage controller failed ops %lld)\n",
+                   me.rank, probe_attempts, probe_stored, probe_keys.size(),
+                   static_cast<long long>(from_l3), static_cast<unsigned long long>(st.capacity_bytes),
+                   static_cast<unsigned long long>(st.stored_bytes), static_cast<long long>(st.set_errors),
+                   static_cast<long long>(stack.storage_controller() ? stack.storage_controller()->failed_ops() : -1));
+    }
+    l3_alive = stack.cache().on_every_rank(mine, "stress.probe");
     engine.flush();
   }
   evict_everything();
@@ -633,7 +776,10 @@ int run(const Settings& s) {
   const auto inj = inject->injected();
   const double page_bytes = static_cast<double>(config.cache.geometry.page_bytes());
   std::map<std::string, std::int64_t> faults_fired;
-  for (const Periodic& p : periodic) faults_fired[p.name] = p.fired;
+  for (const auto* faults : {&periodic, &agreed}) {
+    for (const Periodic& p : *faults) faults_fired[p.name] = p.fired;
+  }
+  if (tp) faults_fired["rank_delay"] = rank_delays;
   faults_fired["error"] = static_cast<std::int64_t>(inj.errors);
   faults_fired["exists"] = static_cast<std::int64_t>(inj.exists_errors);
   faults_fired["slow"] = static_cast<std::int64_t>(inj.slow);
@@ -641,9 +787,12 @@ int run(const Settings& s) {
   faults_fired["disk_full_sets_refused"] = static_cast<std::int64_t>(inj.disk_full_sets);
   const std::int64_t detected = static_cast<std::int64_t>(inner.bad_records);
   const std::int64_t wrong = es.mismatched_pages;
+  const std::string tp_failure =
+      !control_failure.empty() ? control_failure : tp ? main_group->failure() : std::string();
   const bool pass = wrong == 0 && device_leak == 0 && host_leak == 0 && invariants.empty() &&
                     l3_alive && drained && restart_failures == 0 && es.rejected == 0 &&
-                    clean_after_probe;
+                    clean_after_probe && tree_divergences == 0 && tp_failure.empty() &&
+                    cs.tp_failures == 0;
 
   nlohmann::json table = {
       {"seconds", run_seconds},
@@ -682,6 +831,18 @@ int run(const Settings& s) {
       {"requests_rejected", es.rejected},
       {"resets", cs.resets},
       {"pass", pass}};
+  if (tp) {
+    table["tp_rank"] = me.rank;
+    table["tp_size"] = me.size;
+    table["tree_checks"] = tree_checks;
+    table["tree_divergences"] = tree_divergences;
+    table["tp_failure"] = tp_failure;
+    table["tp_main_collectives"] = main_group->calls();
+    std::ofstream out(me.result_file);
+    out << nlohmann::json{{"table", table}, {"final_tree", final_tree}}.dump() << "\n";
+    std::fflush(stdout);
+    return pass && out ? 0 : 1;
+  }
   std::printf("\nhicache-stress, %s store, %s, %s I/O, seed %llu, faults:", s.storage.c_str(),
               stack.device().name().c_str(),
               std::string(to_string(config.cache.controller.io_backend)).c_str(),
@@ -699,6 +860,99 @@ int run(const Settings& s) {
   if (wrong > 0) std::printf("  first wrong page: %s\n", engine.first_mismatch().c_str());
   if (!s.report.empty()) {
     std::ofstream(s.report) << table.dump(2) << "\n";
+  }
+  std::printf("[hicache-stress] %s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
+// The run: the store, then one rank here, or (--tp) a process per rank, forked before any
+// thread exists, whose tables and final trees are compared here.
+int run(const Settings& s) {
+  Store store;
+  if (!setup_store(s, store)) return 1;
+  if (s.tp <= 1) return run_rank(s, store, Rank{});
+  char tmpl[] = "/tmp/hicache-stress-tp-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error(str_cat("mkdtemp: ", std::strerror(errno)));
+  const std::string dir = tmpl;
+  struct RemoveDir {
+    const std::string& dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } remove_dir{dir};
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < s.tp; ++r) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error(str_cat("fork: ", std::strerror(errno)));
+    if (pid == 0) {
+      int code = 1;
+      try {
+        code = run_rank(s, store, Rank{r, s.tp, dir + "/gloo", str_cat(dir, "/rank-", r, ".json")});
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "hicache-stress: rank %d: %s\n", r, e.what());
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);  // the parent's store and directory are the parent's to remove
+    }
+    ranks.push_back(pid);
+  }
+  bool pass = true;
+  for (pid_t pid : ranks) {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    pass = pass && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  std::vector<nlohmann::json> results;
+  for (int r = 0; r < s.tp; ++r) {
+    std::ifstream in(str_cat(dir, "/rank-", r, ".json"));
+    nlohmann::json j;
+    try {
+      in >> j;
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "hicache-stress: rank %d left no result\n", r);
+      pass = false;
+      continue;
+    }
+    results.push_back(std::move(j));
+  }
+  bool trees_identical = results.size() == static_cast<std::size_t>(s.tp);
+  for (const auto& j : results) trees_identical = trees_identical && j["final_tree"] == results[0]["final_tree"];
+  pass = pass && trees_identical;
+  std::printf("\nhicache-stress, %s store, %d TP ranks over Gloo, seed %llu, faults:",
+              s.storage.c_str(), s.tp, static_cast<unsigned long long>(s.seed));
+  for (const auto& f : s.faults) std::printf(" %s", f.c_str());
+  std::printf("\n");
+  if (!results.empty()) {
+    // One row per figure, one column per rank.
+    for (const auto& [k, v] : results[0]["table"].items()) {
+      if (k == "faults") {
+        for (const auto& [fk, fv] : v.items()) {
+          std::printf("  fault %-30s", fk.c_str());
+          for (const auto& j : results) std::printf(" %12s", j["table"]["faults"].value(fk, nlohmann::json(0)).dump().c_str());
+          std::printf("\n");
+        }
+        continue;
+      }
+      std::printf("  %-36s", k.c_str());
+      for (const auto& j : results) std::printf(" %12s", j["table"][k].dump().c_str());
+      std::printf("\n");
+    }
+  }
+  std::printf("  %-36s %s\n", "final_trees_identical", trees_identical ? "true" : "false");
+  if (!trees_identical && results.size() > 1) {
+    std::printf("  rank 0's tree:\n%s\n  rank 1's tree:\n%s\n",
+                results[0]["final_tree"].get<std::string>().c_str(),
+                results[1]["final_tree"].get<std::string>().c_str());
+  }
+  if (!s.report.empty()) {
+    nlohmann::json all = nlohmann::json::array();
+    for (const auto& j : results) all.push_back(j["table"]);
+    std::ofstream(s.report) << nlohmann::json{{"ranks", all}, {"final_trees_identical", trees_identical}, {"pass", pass}}.dump(2) << "\n";
   }
   std::printf("[hicache-stress] %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
