@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <boost/unordered/unordered_flat_map.hpp>
 #include <xxhash.h>
 
 #include "transfer/errors.h"
@@ -20,16 +21,101 @@ namespace hicache {
 using EvictKey = std::tuple<std::int64_t, std::uint64_t, NodeId>;
 using EvictIndex = std::map<EvictKey, HiRadixCache::Node*>;
 
-struct HiRadixCache::Node {
-  NodeId id = 0;
-  Node* parent = nullptr;
+struct alignas(64) HiRadixCache::Node {
+  // A node's children by their edge: the first page of the child's key and, under the root, its
+  // cache identity. An open-addressing map (Boost's unordered_flat_map) from the edge's 64-bit
+  // hash holds the child itself, so a lookup touches one group of the slot array and then the
+  // child, whose key the caller compares anyway (a map of the page's bytes cost two more cache
+  // misses a level in a large tree, and at page 64 a heap string per lookup). Edges whose hashes
+  // collide share a slot, the later ones in its overflow list: still correct, only slower.
+  class Children {
+   public:
+    // The child under `hash` for which `same_edge(child)` holds, or nullptr.
+    template <typename SameEdge>
+    Node* find(std::uint64_t hash, SameEdge&& same_edge) const {
+      const auto it = map_.find(hash);
+      if (it == map_.end()) return nullptr;
+      if (same_edge(*it->second.first)) return it->second.first.get();
+      if (it->second.more) {
+        for (const auto& c : *it->second.more) {
+          if (same_edge(*c)) return c.get();
+        }
+      }
+      return nullptr;
+    }
+    void add(std::uint64_t hash, std::unique_ptr<Node> child) {
+      auto [it, inserted] = map_.try_emplace(hash);
+      if (inserted) {
+        it->second.first = std::move(child);
+      } else {
+        if (!it->second.more) it->second.more = std::make_unique<std::vector<std::unique_ptr<Node>>>();
+        it->second.more->push_back(std::move(child));
+      }
+      ++size_;
+    }
+    // Takes `child` (held under `hash`) out and hands it back; `replacement`, when given, takes
+    // its place. Throws StateError when `child` is not there.
+    std::unique_ptr<Node> take(std::uint64_t hash, const Node* child,
+                               std::unique_ptr<Node> replacement = nullptr) {
+      const auto it = map_.find(hash);
+      if (it == map_.end()) throw StateError(str_cat("radix cache: node ", child->id, " is not its parent's child"));
+      Slot& slot = it->second;
+      std::unique_ptr<Node>* at = slot.first.get() == child ? &slot.first : nullptr;
+      if (at == nullptr && slot.more) {
+        for (auto& c : *slot.more) {
+          if (c.get() == child) at = &c;
+        }
+      }
+      if (at == nullptr) throw StateError(str_cat("radix cache: node ", child->id, " is not its parent's child"));
+      std::unique_ptr<Node> out = std::move(*at);
+      if (replacement) {
+        *at = std::move(replacement);
+        return out;
+      }
+      --size_;
+      if (slot.more && !slot.more->empty()) {  // the slot's last overflow child fills the hole
+        *at = std::move(slot.more->back());
+        slot.more->pop_back();
+      } else {
+        map_.erase(it);
+      }
+      return out;
+    }
+    bool empty() const { return size_ == 0; }
+    template <typename Fn>
+    void for_each(Fn&& fn) const {
+      for (const auto& [hash, slot] : map_) {
+        fn(slot.first.get());
+        if (slot.more) {
+          for (const auto& c : *slot.more) fn(c.get());
+        }
+      }
+    }
+
+   private:
+    struct Slot {
+      std::unique_ptr<Node> first;
+      std::unique_ptr<std::vector<std::unique_ptr<Node>>> more;  // colliding edges, rarely any
+    };
+    struct Identity {  // the key is a hash already
+      using is_avalanching = void;
+      std::size_t operator()(std::uint64_t h) const { return static_cast<std::size_t>(h); }
+    };
+    boost::unordered_flat_map<std::uint64_t, Slot, Identity> map_;
+    std::size_t size_ = 0;
+  };
+
+  // What match_prefix reads and writes of a child it passes, first: one cache line (the node is
+  // aligned to one) in a tree too large for the caches.
   std::vector<std::int32_t> key;     // whole pages
   std::vector<std::int64_t> device;  // empty: not on the device
-  std::vector<std::int64_t> host;    // empty: not on the host
-  std::unordered_map<std::string, std::unique_ptr<Node>> children;  // by first page's bytes
-  std::int64_t lock = 0;
-  std::uint64_t last_access = 0;
   std::int64_t hits = 0;
+  std::uint64_t last_access = 0;
+  std::vector<std::int64_t> host;    // empty: not on the host
+  NodeId id = 0;
+  Node* parent = nullptr;
+  Children children;
+  std::int64_t lock = 0;
   NodeId write_op = 0;  // in flight, 0: none
   NodeId load_op = 0;
   std::int64_t backup_op = 0;
@@ -225,8 +311,17 @@ std::string page_key(std::span<const std::int32_t> page) {
   return std::string(reinterpret_cast<const char*>(page.data()), page.size_bytes());
 }
 
-// The key of an edge in its parent's map: its first page, and under the root the cache
-// identity too (length first, so an identity and a page can never pose as another pair).
+// The hash of an edge in its parent's map: its first page, and under the root the cache
+// identity too (the page hashed with the identity's hash as the seed).
+std::uint64_t edge_hash(bool at_root, std::string_view identity, std::span<const std::int32_t> page) {
+  const XXH64_hash_t seed =
+      at_root && !identity.empty() ? XXH3_64bits(identity.data(), identity.size()) : 0;
+  return XXH3_64bits_withSeed(page.data(), page.size_bytes(), seed);
+}
+
+// The order of an edge among its siblings in describe(): its first page's bytes, and under the
+// root its cache identity before them (length first, so an identity and a page never pose as
+// another pair).
 std::string edge_key(bool at_root, std::string_view identity, std::span<const std::int32_t> page) {
   if (!at_root || identity.empty()) return page_key(page);
   const auto n = static_cast<std::uint32_t>(identity.size());
@@ -306,6 +401,9 @@ void RadixCacheConfig::validate() const {
     throw InvalidArgument(str_cat("radix cache: recompute_seconds_per_token ",
                                   recompute_seconds_per_token, " is not a finite number >= 0"));
   }
+  if (edge_hash_bits < 1 || edge_hash_bits > 64) {
+    throw InvalidArgument(str_cat("radix cache: edge_hash_bits ", edge_hash_bits, " is not in 1..64"));
+  }
 }
 
 HiRadixCache::~HiRadixCache() = default;
@@ -331,10 +429,19 @@ void HiRadixCache::reset() {
   ++events_.resets;
 }
 
+std::uint64_t HiRadixCache::edge_of(const Node* parent, std::string_view identity,
+                                    std::span<const std::int32_t> page) const {
+  const std::uint64_t h = edge_hash(parent == root_.get(), identity, page);
+  return config_.edge_hash_bits >= 64 ? h : h & ((std::uint64_t{1} << config_.edge_hash_bits) - 1);
+}
+
 HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int32_t> page,
                                            std::string_view identity) const {
-  auto it = node->children.find(edge_key(node == root_.get(), identity, page));
-  return it == node->children.end() ? nullptr : it->second.get();
+  const bool at_root = node == root_.get();
+  return node->children.find(edge_of(node, identity, page), [&](const Node& c) {
+    return (!at_root || c.identity == identity) &&
+           std::equal(page.begin(), page.end(), c.key.begin());
+  });
 }
 
 // Lazy: the node's entry in an eviction index keeps its older key (keys only grow: hits and
@@ -423,8 +530,7 @@ HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::in
   l->key.assign(key.begin(), key.end());
   if (parent == root_.get()) l->identity = identity;
   set_digests(l);
-  parent->children.emplace(edge_key(parent == root_.get(), l->identity, key.first(page_size_)),
-                           std::move(leaf));
+  parent->children.add(edge_of(parent, l->identity, key.first(page_size_)), std::move(leaf));
   touch(l);
   refresh(l);
   refresh(parent);  // no longer a leaf
@@ -479,12 +585,12 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   if (node->write_op != 0) pending_->writes[node->write_op].nodes.push_back(m);
   if (node->load_op != 0) pending_->loads[node->load_op].nodes.push_back(m);
   Node* parent = node->parent;
-  const std::string upper =
-      edge_key(parent == root_.get(), m->identity, std::span(m->key).first(page_size_));
-  std::unique_ptr<Node> lower = std::move(parent->children[upper]);
+  // The upper half takes the node's place (the same first page), the node goes under it.
+  std::unique_ptr<Node> lower = parent->children.take(
+      edge_of(parent, m->identity, std::span(m->key).first(page_size_)), node,
+      std::move(mid));
   node->parent = m;
-  m->children.emplace(page_key(std::span(node->key).first(page_size_)), std::move(lower));
-  parent->children[upper] = std::move(mid);
+  m->children.add(edge_of(m, {}, std::span(node->key).first(page_size_)), std::move(lower));
   refresh(m);
   refresh(node);
   return m;
@@ -813,8 +919,8 @@ void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
   forget(node);
   ghost_->remember(ghost_parent(parent, node->identity), node->id, node->key, page_size_);
-  parent->children.erase(
-      edge_key(parent == root_.get(), node->identity, std::span(node->key).first(page_size_)));
+  parent->children.take(
+      edge_of(parent, node->identity, std::span(node->key).first(page_size_)), node);  // freed here
   refresh(parent);  // may be a leaf now
 }
 
@@ -1358,7 +1464,7 @@ void HiRadixCache::for_each_node(Fn&& fn) {
     Node* n = todo.back();
     todo.pop_back();
     if (n != root_.get()) fn(n);
-    for (auto& [k, c] : n->children) todo.push_back(c.get());
+    n->children.for_each([&](Node* c) { todo.push_back(c); });
   }
 }
 
@@ -1382,10 +1488,13 @@ std::string HiRadixCache::describe() const {
                      n->backup_op != 0 ? " backing-up" : "", " lock ", n->lock, " stored ",
                      n->stored_pages, "\n");
     }
-    std::vector<const std::string*> keys;
-    for (const auto& [k, c] : n->children) keys.push_back(&k);
-    std::sort(keys.begin(), keys.end(), [](const auto* a, const auto* b) { return *a < *b; });
-    for (const std::string* k : keys) walk(n->children.at(*k).get(), depth + 1);
+    std::vector<std::pair<std::string, const Node*>> children;
+    n->children.for_each([&](const Node* c) {
+      children.emplace_back(
+          edge_key(n == root_.get(), c->identity, std::span(c->key).first(page_size_)), c);
+    });
+    std::sort(children.begin(), children.end());
+    for (const auto& [k, c] : children) walk(c, depth + 1);
   };
   walk(root_.get(), -1);
   return out;
@@ -1432,13 +1541,13 @@ std::string HiRadixCache::check_invariants() const {
         problem = str_cat("node ", n->id, ": ", n->host.size(), " host slots for ", len);
       else if (n->lock < 0) problem = str_cat("node ", n->id, ": lock ", n->lock);
       std::int64_t child_locks = 0;
-      for (const auto& [k, c] : n->children) child_locks += c->lock;
+      n->children.for_each([&](const Node* c) { child_locks += c->lock; });
       if (problem.empty() && n->lock < child_locks) {
         problem = str_cat("node ", n->id, ": lock ", n->lock, " below its children's ", child_locks);
       }
       // The indexes and totals, recomputed from the node as it is now.
       std::int64_t on_device_children = 0;
-      for (const auto& [k, c] : n->children) on_device_children += c->device.empty() ? 0 : 1;
+      n->children.for_each([&](const Node* c) { on_device_children += c->device.empty() ? 0 : 1; });
       const bool free_to_go = n->lock == 0 && n->write_op == 0 && n->load_op == 0;
       const bool device_candidate = free_to_go && !n->device.empty() && on_device_children == 0;
       const bool host_candidate =
@@ -1467,10 +1576,15 @@ std::string HiRadixCache::check_invariants() const {
                           " the host eviction index");
       }
     }
-    for (const auto& [k, c] : n->children) {
+    n->children.for_each([&](const Node* c) {
       if (c->parent != n) problem = str_cat("node ", c->id, ": wrong parent");
-      walk(c.get());
-    }
+      // Found under its own edge: a child filed under another hash would never be matched.
+      if (n->children.find(edge_of(n, c->identity, std::span(c->key).first(page_size_)),
+                           [&](const Node& x) { return &x == c; }) != c) {
+        problem = str_cat("node ", c->id, ": not under its first page in its parent's map");
+      }
+      walk(c);
+    });
   };
   walk(root_.get());
   if (!problem.empty()) return problem;

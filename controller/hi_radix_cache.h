@@ -82,6 +82,9 @@ struct RadixCacheConfig {
   // low = 0: off.
   double demote_low_watermark = 0;
   double demote_high_watermark = 0;
+  // Bits of an edge's 64-bit hash the tree keys children by (1..64). Only tests lower it: edges
+  // then collide, which the tree handles (slower, never wrong).
+  std::int32_t edge_hash_bits = 64;
 
   // Throws InvalidArgument naming the field and value that are out of range (the cross-field
   // rules between the cache, its pools and its storage are the constructor's).
@@ -290,6 +293,9 @@ class HiRadixCache {
   void remove_leaf(Node* node);
   // `identity` counts only under the root.
   Node* child_of(Node* node, std::span<const std::int32_t> page, std::string_view identity) const;
+  // The key of the edge to a child of `parent` that starts with `page` in `parent`'s map.
+  std::uint64_t edge_of(const Node* parent, std::string_view identity,
+                        std::span<const std::int32_t> page) const;
   // The ghost's name for `parent` as the parent of an edge (the root: per identity).
   std::uint64_t ghost_parent(const Node* parent, std::string_view identity) const;
   // Tokens (whole pages) that `child`'s key shares with the start of `tokens`.

@@ -421,6 +421,20 @@ TEST(HiRadixCache, WriteBackDemotesBetweenWatermarksWithoutBlocking) {
                InvalidArgument);
 }
 
+TEST(HiRadixCache, EdgeHashBitsOutsideOneTo64AreNamed) {
+  for (int bits : {0, 65}) {
+    try {
+      RadixCacheConfig{.edge_hash_bits = bits}.validate();
+      FAIL() << "accepted edge_hash_bits " << bits;
+    } catch (const InvalidArgument& err) {
+      EXPECT_NE(std::string(err.what()).find(str_cat("edge_hash_bits ", bits, " is not in 1..64")),
+                std::string::npos)
+          << err.what();
+    }
+  }
+  RadixCacheConfig{.edge_hash_bits = 1}.validate();
+}
+
 // LRU evicts the least recently used node; LFU the least often hit one, whatever its age.
 TEST(HiRadixCache, LfuKeepsTheOftenHitNodeLruTheRecentOne) {
   for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kLfu}) {
@@ -885,11 +899,13 @@ TEST(HiRadixCacheStorage, RandomWorkloadThroughAllThreeTiers) {
 // candidate page (on the tier, nothing below it there) that goes first under LRU or LFU is the
 // last page of the node the tree must take. The real tree's answers and tier sizes must equal
 // the model's after every operation, with the invariants (the eviction indexes and running
-// totals included) and the slot accounting holding.
-class RadixModel : public ::testing::TestWithParam<EvictionPolicy> {};
+// totals included) and the slot accounting holding. Also with children keyed by 2 bits of
+// their edge's hash: nearly every edge then collides with a sibling's.
+class RadixModel : public ::testing::TestWithParam<std::tuple<EvictionPolicy, int>> {};
 
 TEST_P(RadixModel, AgreesWithASimpleModelOnRandomOperations) {
-  const bool lfu = GetParam() == EvictionPolicy::kLfu;
+  const auto [policy, edge_bits] = GetParam();
+  const bool lfu = policy == EvictionPolicy::kLfu;
   struct Tiers {
     bool device = false, host = false;
     std::uint64_t last = 0;  // the model's clock at the page's last touch
@@ -942,7 +958,8 @@ TEST_P(RadixModel, AgreesWithASimpleModelOnRandomOperations) {
   };
   std::uint64_t clock = 0;
 
-  Engine e(WritePolicy::kWriteThrough, 2048, 4096, {.eviction_policy = GetParam()});
+  Engine e(WritePolicy::kWriteThrough, 2048, 4096,
+           {.eviction_policy = policy, .edge_hash_bits = edge_bits});
   std::mt19937 rng(4242);
   for (int step = 0; step < 1500; ++step) {
     const unsigned op = rng() % 14;
@@ -1040,8 +1057,12 @@ TEST_P(RadixModel, AgreesWithASimpleModelOnRandomOperations) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HiRadixCacheModel, RadixModel,
-                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kLfu),
-                         [](const auto& p) { return std::string(to_string(p.param)); });
+                         ::testing::Combine(::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kLfu),
+                                            ::testing::Values(64, 2)),
+                         [](const auto& p) {
+                           return str_cat(to_string(std::get<0>(p.param)), "_edge_bits_",
+                                          std::get<1>(p.param));
+                         });
 
 // The three two-rank groups of a TP engine with L3: the main loop's (the radix cache and the
 // storage controller's terminate), the prefetch thread's and the backup thread's.
