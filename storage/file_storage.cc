@@ -316,7 +316,7 @@ class FileStorage::Impl {
   std::uint64_t capacity_for(std::uint64_t bytes) {
     std::lock_guard lock(mu_);
     if (capacity_from_disk_ && capacity_ != 0 && bytes > capacity_) {
-      capacity_ = disk_capacity_locked();
+      if (const std::uint64_t asked = disk_capacity_locked(); asked != 0) capacity_ = asked;
     }
     return capacity_;
   }
@@ -562,15 +562,18 @@ class FileStorage::Impl {
     const std::uint64_t usable = total_bytes_ + free_bytes + trash_bytes_.load();
     std::uint64_t capacity = usable > reserve ? usable - reserve : 1;
     if (usage_) {
-      // Shared: at least an equal share of what the root's records and the free space give
-      // (less the reserve). Without it whoever filled the disk first would keep it: the others,
-      // held to their own records plus a free space that stays at the reserve, could never
-      // grow. One below its share writes into the reserve; those above it give that back by
-      // evicting their own on their next write, until the shares are even.
+      // Shared: up to an equal share of what the root's records and the free space give (less
+      // the reserve). Without it whoever filled the disk first would keep it: the others, held
+      // to their own records plus a free space that stays at the reserve, could never grow. One
+      // below its share writes on into half the reserve at most (never the whole disk: an
+      // instance above its share may sit idle, and the share trusts counts a crash can leave
+      // high); those above it give that back by evicting their own on their next write, until
+      // the shares are even.
       const std::uint64_t root_usable =
           std::atomic_ref(usage_->count[0]).load() + free_bytes + trash_bytes_.load();
-      if (root_usable > reserve) {
-        capacity = std::max(capacity, (root_usable - reserve) / usage_->instances());
+      if (root_usable > reserve && usable > reserve / 2) {
+        const std::uint64_t share = (root_usable - reserve) / usage_->instances();
+        capacity = std::max(capacity, std::min(share, usable - reserve / 2));
       }
     }
     return capacity;
@@ -653,7 +656,9 @@ class FileStorage::Impl {
     // start would hold the disk while they shrink.
     if (recheck_disk && capacity_from_disk_ && capacity_ != 0 &&
         (usage_ != nullptr || used_locked() > capacity_)) {
-      capacity_ = disk_capacity_locked();
+      // A filesystem that cannot be asked this time (0) leaves the capacity as it was: 0 would
+      // mean no bound, and no later write would ask again.
+      if (const std::uint64_t asked = disk_capacity_locked(); asked != 0) capacity_ = asked;
     }
     if (capacity_ == 0 || used_locked() <= capacity_) return;
     auto victim = lru_.begin();

@@ -34,11 +34,13 @@
 //   another writes); a start with no other instance alive (a flock on .usage tells) resets the
 //   count to what its scan found. With the
 //   capacity following the filesystem each keeps the reserve free, which bounds them together,
-//   and each may hold at least an equal share (the root's records plus the free space, less the
-//   reserve, over the live instances counted in .usage): one below its share writes on into the
-//   reserve and those above it evict their own on their next write, so the instance that filled
-//   the disk first does not keep it. An instance that died leaves the count high (smaller
-//   shares) until a start finds no other alive.
+//   and each may grow to an equal share (the root's records plus the free space, less the
+//   reserve, over the live instances counted in .usage): one below its share writes on into
+//   half the reserve at most and those above it evict their own on their next write, so the
+//   instance that filled the disk first does not keep it (while it sits idle, half the reserve
+//   stays free). The filesystem is asked on every write then (one statvfs, under the store's
+//   lock). An instance that died leaves the count high (smaller shares) until a start finds no
+//   other alive: a group whose crashed members are restarted while the others run keeps it high.
 //   An adoption evicts like a write does, but never a key of the same call. A key the index
 //   holds is confirmed on disk too (one fstatat) before exists or a put's deduplication trusts
 //   it: another process may have evicted it.

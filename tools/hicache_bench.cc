@@ -603,7 +603,10 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
       own.cache.tp.rank = child % tp;
       own.cache.tp.size = tp;
       own.cache.tp.store_dir = str_cat(rendezvous, "/instance-", i);
-      own.engine.data_salt = static_cast<std::uint64_t>(own.cache.tp.rank);
+      // MHA: each rank holds its own heads (salted data, its own keys); MLA: every rank the same.
+      if (own.cache.geometry.attention == hicache::AttentionKind::kMHA) {
+        own.engine.data_salt = static_cast<std::uint64_t>(own.cache.tp.rank);
+      }
     }
     int down[2], up[2];
     if (::pipe2(down, O_CLOEXEC) != 0 || ::pipe2(up, O_CLOEXEC) != 0) {

@@ -72,6 +72,8 @@
 
 // After the headers above: it defines BLOCK_SIZE, a name moodycamel's queue uses.
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <csignal>
 
 namespace {
 
@@ -457,7 +459,10 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
     config.cache.tp.rank = me.rank;
     config.cache.tp.size = me.size;
     config.cache.tp.store_dir = me.rendezvous;
-    config.engine.data_salt = static_cast<std::uint64_t>(me.rank);
+    // MHA: each rank holds its own heads (salted data, its own keys); MLA: every rank the same.
+    if (config.cache.geometry.attention == AttentionKind::kMHA) {
+      config.engine.data_salt = static_cast<std::uint64_t>(me.rank);
+    }
   }
   config.engine.max_batch = 8;
   config.engine.max_prefetches = 4;
@@ -882,12 +887,29 @@ int run(const Settings& s) {
     }
   } remove_dir{dir};
   std::vector<pid_t> ranks;
+  // A rank never outlives the run: one that failed to start takes the started ones down (they
+  // would wait for it at the rendezvous), and a rank dies with the parent.
+  struct Reap {
+    std::vector<pid_t>& ranks;
+    bool armed = true;
+    ~Reap() {
+      if (!armed) return;
+      for (pid_t pid : ranks) ::kill(pid, SIGKILL);
+      for (pid_t pid : ranks) {
+        while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+        }
+      }
+    }
+  } reap{ranks};
+  const pid_t parent = ::getpid();
   for (int r = 0; r < s.tp; ++r) {
     std::fflush(stdout);
     std::fflush(stderr);
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error(str_cat("fork: ", std::strerror(errno)));
     if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) std::_Exit(1);  // the parent died before the line above
       int code = 1;
       try {
         code = run_rank(s, store, Rank{r, s.tp, dir + "/gloo", str_cat(dir, "/rank-", r, ".json")});
@@ -903,10 +925,12 @@ int run(const Settings& s) {
   bool pass = true;
   for (pid_t pid : ranks) {
     int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    pid_t got = -1;
+    while ((got = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
     }
-    pass = pass && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    pass = pass && got == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
+  reap.armed = false;
   std::vector<nlohmann::json> results;
   for (int r = 0; r < s.tp; ++r) {
     std::ifstream in(str_cat(dir, "/rank-", r, ".json"));
@@ -945,9 +969,10 @@ int run(const Settings& s) {
   }
   std::printf("  %-36s %s\n", "final_trees_identical", trees_identical ? "true" : "false");
   if (!trees_identical && results.size() > 1) {
-    std::printf("  rank 0's tree:\n%s\n  rank 1's tree:\n%s\n",
-                results[0]["final_tree"].get<std::string>().c_str(),
-                results[1]["final_tree"].get<std::string>().c_str());
+    for (std::size_t i = 0; i < 2; ++i) {
+      std::printf("  rank %s's tree:\n%s\n", results[i]["table"]["tp_rank"].dump().c_str(),
+                  results[i]["final_tree"].get<std::string>().c_str());
+    }
   }
   if (!s.report.empty()) {
     nlohmann::json all = nlohmann::json::array();

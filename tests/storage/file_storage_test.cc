@@ -858,10 +858,14 @@ TEST_F(FileStorageTest, SharedStoresOnAFullFilesystemEvenOutTheirShares) {
   const std::uint64_t a_full = a.stats().stored_bytes;
   EXPECT_GT(a_full, 5u * kRecord * 8) << "the first instance fills the filesystem to its reserve";
   std::vector<std::string> b_last;
+  // Each one's evictions unlinked before the other writes (a trash thread that keeps up): the
+  // other sees the space they free, and the shares settle the same way every run.
   for (int i = 0; i < 48; ++i) {
     put(a, make_keys(str_cat("a-more", i), 1), kRecord);
+    a.flush_trash();
     b_last = make_keys(str_cat("b", i), 1);
     put(b, b_last, kRecord);  // asserts ok: room is made, never refused
+    b.flush_trash();
   }
   const StorageStats as = a.stats(), bs = b.stats();
   EXPECT_EQ(as.set_errors + bs.set_errors, 0u);
@@ -870,6 +874,40 @@ TEST_F(FileStorageTest, SharedStoresOnAFullFilesystemEvenOutTheirShares) {
   EXPECT_GE(bs.stored_bytes, a_full / 2 - 2 * kRecord) << "b holds " << bs.stored_bytes << ", a " << as.stored_bytes;
   EXPECT_GE(as.stored_bytes, a_full / 2 - 2 * kRecord) << "a holds " << as.stored_bytes << ", b " << bs.stored_bytes;
   EXPECT_LE(as.stored_bytes + bs.stored_bytes, a_full + 2 * kRecord);
+  for (const auto& r : get(b, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
+// The same two instances, the first one idle once it filled the filesystem: the second grows
+// into half the reserve only (the first gives nothing back while it does not write), so the
+// other half stays free for everything else, and no write of the second ever meets ENOSPC.
+TEST_F(FileStorageTest, SharedStoreBesideAnIdleOneLeavesHalfTheReserveFree) {
+  const TmpfsMount tmpfs(root_.string() + "-tmpfs", 8);
+  if (!tmpfs.mounted) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the shared full-filesystem case is not run";
+  }
+  constexpr std::size_t kRecord = 128 << 10;
+  const FileStorageConfig shared{.root = (tmpfs.dir / "store").string(), .io_threads = 1, .shared = true};
+  FileStorage a(shared);
+  FileStorage b(shared);
+  for (int i = 0; i < 64; ++i) put(a, make_keys(str_cat("a", i), 1), kRecord);
+  a.flush_trash();
+  const std::uint64_t a_full = a.stats().stored_bytes;
+  std::vector<std::string> b_last;
+  for (int i = 0; i < 32; ++i) {
+    b_last = make_keys(str_cat("b", i), 1);
+    put(b, b_last, kRecord);  // asserts ok
+    b.flush_trash();
+  }
+  const StorageStats bs = b.stats();
+  EXPECT_EQ(bs.set_errors, 0u);
+  EXPECT_EQ(bs.capacity_shrinks, 0u) << "no write met a full disk";
+  EXPECT_EQ(a.stats().stored_bytes, a_full) << "the idle one kept everything";
+  EXPECT_GE(bs.stored_bytes, kRecord) << "the second one got room";
+  struct statvfs v {};
+  ASSERT_EQ(::statvfs(tmpfs.dir.c_str(), &v), 0);
+  const std::uint64_t free_bytes = static_cast<std::uint64_t>(v.f_bavail) * v.f_frsize;
+  // The reserve is 1 MiB here (the minimum): half of it, less one record in flight, stays free.
+  EXPECT_GE(free_bytes, (std::uint64_t{1} << 19) - kRecord) << "free " << free_bytes;
   for (const auto& r : get(b, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
 }
 
