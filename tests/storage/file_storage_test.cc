@@ -841,22 +841,43 @@ TEST_F(FileStorageTest, ASmallFilesystemFillsGracefully) {
   for (const auto& r : get(s, last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
 }
 
+// Two instances sharing a root on an 8 MiB tmpfs, the capacity following it, the first one
+// filled to the reserve (root only, else skipped with the reason).
+class SharedFullFilesystem : public FileStorageTest {
+ protected:
+  static constexpr std::size_t kRecord = 128 << 10;
+  void SetUp() override {
+    FileStorageTest::SetUp();
+    tmpfs_ = std::make_unique<TmpfsMount>(root_.string() + "-tmpfs", 8);
+    if (!tmpfs_->mounted) {
+      GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the shared full-filesystem case is not run";
+    }
+    const FileStorageConfig shared{.root = (tmpfs_->dir / "store").string(), .io_threads = 1, .shared = true};
+    a_ = std::make_unique<FileStorage>(shared);
+    b_ = std::make_unique<FileStorage>(shared);
+    for (int i = 0; i < 64; ++i) put(*a_, make_keys(str_cat("a", i), 1), kRecord);  // 8 MiB into 8
+    a_->flush_trash();
+    a_full_ = a_->stats().stored_bytes;
+    ASSERT_GT(a_full_, 5u * kRecord * 8) << "the first instance fills the filesystem to its reserve";
+  }
+  void TearDown() override {
+    a_.reset();
+    b_.reset();
+    tmpfs_.reset();
+    FileStorageTest::TearDown();
+  }
+  std::unique_ptr<TmpfsMount> tmpfs_;
+  std::unique_ptr<FileStorage> a_, b_;
+  std::uint64_t a_full_ = 0;
+};
+
 // Two instances sharing a root on a small filesystem, the capacity following it: the one that
 // filled the disk first gives back room as the other writes, until each holds about half (an
 // equal share of the records plus the free space, less the reserve). Held to its own records
 // plus the free space alone, the second would stay at one record, evicting its own each write.
-TEST_F(FileStorageTest, SharedStoresOnAFullFilesystemEvenOutTheirShares) {
-  const TmpfsMount tmpfs(root_.string() + "-tmpfs", 8);
-  if (!tmpfs.mounted) {
-    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the shared full-filesystem case is not run";
-  }
-  constexpr std::size_t kRecord = 128 << 10;
-  const FileStorageConfig shared{.root = (tmpfs.dir / "store").string(), .io_threads = 1, .shared = true};
-  FileStorage a(shared);
-  FileStorage b(shared);
-  for (int i = 0; i < 64; ++i) put(a, make_keys(str_cat("a", i), 1), kRecord);  // 8 MiB into 8
-  const std::uint64_t a_full = a.stats().stored_bytes;
-  EXPECT_GT(a_full, 5u * kRecord * 8) << "the first instance fills the filesystem to its reserve";
+TEST_F(SharedFullFilesystem, TheSharesEvenOut) {
+  FileStorage& a = *a_;
+  FileStorage& b = *b_;
   std::vector<std::string> b_last;
   // Each one's evictions unlinked before the other writes (a trash thread that keeps up): the
   // other sees the space they free, and the shares settle the same way every run.
@@ -871,44 +892,33 @@ TEST_F(FileStorageTest, SharedStoresOnAFullFilesystemEvenOutTheirShares) {
   EXPECT_EQ(as.set_errors + bs.set_errors, 0u);
   // Within two records of half each (which one gives the last record back is timing), and
   // together within what the first held alone.
-  EXPECT_GE(bs.stored_bytes, a_full / 2 - 2 * kRecord) << "b holds " << bs.stored_bytes << ", a " << as.stored_bytes;
-  EXPECT_GE(as.stored_bytes, a_full / 2 - 2 * kRecord) << "a holds " << as.stored_bytes << ", b " << bs.stored_bytes;
-  EXPECT_LE(as.stored_bytes + bs.stored_bytes, a_full + 2 * kRecord);
+  EXPECT_GE(bs.stored_bytes, a_full_ / 2 - 2 * kRecord) << "b holds " << bs.stored_bytes << ", a " << as.stored_bytes;
+  EXPECT_GE(as.stored_bytes, a_full_ / 2 - 2 * kRecord) << "a holds " << as.stored_bytes << ", b " << bs.stored_bytes;
+  EXPECT_LE(as.stored_bytes + bs.stored_bytes, a_full_ + 2 * kRecord);
   for (const auto& r : get(b, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
 }
 
-// The same two instances, the first one idle once it filled the filesystem: the second grows
-// into half the reserve only (the first gives nothing back while it does not write), so the
-// other half stays free for everything else, and no write of the second ever meets ENOSPC.
-TEST_F(FileStorageTest, SharedStoreBesideAnIdleOneLeavesHalfTheReserveFree) {
-  const TmpfsMount tmpfs(root_.string() + "-tmpfs", 8);
-  if (!tmpfs.mounted) {
-    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): the shared full-filesystem case is not run";
-  }
-  constexpr std::size_t kRecord = 128 << 10;
-  const FileStorageConfig shared{.root = (tmpfs.dir / "store").string(), .io_threads = 1, .shared = true};
-  FileStorage a(shared);
-  FileStorage b(shared);
-  for (int i = 0; i < 64; ++i) put(a, make_keys(str_cat("a", i), 1), kRecord);
-  a.flush_trash();
-  const std::uint64_t a_full = a.stats().stored_bytes;
+// The first one idle once it filled the filesystem: the second grows into half the reserve
+// only (the first gives nothing back while it does not write), so the other half stays free for
+// everything else, and no write of the second ever meets ENOSPC.
+TEST_F(SharedFullFilesystem, BesideAnIdleOneHalfTheReserveStaysFree) {
   std::vector<std::string> b_last;
   for (int i = 0; i < 32; ++i) {
     b_last = make_keys(str_cat("b", i), 1);
-    put(b, b_last, kRecord);  // asserts ok
-    b.flush_trash();
+    put(*b_, b_last, kRecord);  // asserts ok
+    b_->flush_trash();
   }
-  const StorageStats bs = b.stats();
+  const StorageStats bs = b_->stats();
   EXPECT_EQ(bs.set_errors, 0u);
   EXPECT_EQ(bs.capacity_shrinks, 0u) << "no write met a full disk";
-  EXPECT_EQ(a.stats().stored_bytes, a_full) << "the idle one kept everything";
+  EXPECT_EQ(a_->stats().stored_bytes, a_full_) << "the idle one kept everything";
   EXPECT_GE(bs.stored_bytes, kRecord) << "the second one got room";
   struct statvfs v {};
-  ASSERT_EQ(::statvfs(tmpfs.dir.c_str(), &v), 0);
+  ASSERT_EQ(::statvfs(tmpfs_->dir.c_str(), &v), 0);
   const std::uint64_t free_bytes = static_cast<std::uint64_t>(v.f_bavail) * v.f_frsize;
   // The reserve is 1 MiB here (the minimum): half of it, less one record in flight, stays free.
   EXPECT_GE(free_bytes, (std::uint64_t{1} << 19) - kRecord) << "free " << free_bytes;
-  for (const auto& r : get(b, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  for (const auto& r : get(*b_, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
 }
 
 TEST(StorageFactory, BuildsFileStoreAndNamesBadConfig) {
