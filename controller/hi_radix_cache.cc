@@ -130,6 +130,7 @@ struct alignas(64) HiRadixCache::Node {
     bool counted = false;  // in the totals (every node but the root once refreshed)
     bool on_device = false;  // counted in the parent's device_children
     std::int64_t device_tokens = 0, host_tokens = 0, stored_tokens = 0;
+    std::int64_t evictable_device_tokens = 0;  // device_tokens when unlocked, no op in flight
     bool writing = false, loading = false, backing_up = false;
     std::optional<EvictIndex::iterator> device_at, host_at;  // its entries
   } indexed;
@@ -143,10 +144,12 @@ struct HiRadixCache::Index {
   EvictIndex device, host;
   std::int64_t nodes = 0, device_tokens = 0, host_tokens = 0, stored_tokens = 0;
   std::int64_t writing = 0, loading = 0, backing_up = 0;
+  std::int64_t evictable_device_tokens = 0;
 
   void add(const Node::Indexed& x, std::int64_t sign) {
     nodes += sign * (x.counted ? 1 : 0);
     device_tokens += sign * x.device_tokens;
+    evictable_device_tokens += sign * x.evictable_device_tokens;
     host_tokens += sign * x.host_tokens;
     stored_tokens += sign * x.stored_tokens;
     writing += sign * (x.writing ? 1 : 0);
@@ -481,6 +484,7 @@ void HiRadixCache::refresh(Node* node) {
   now.counted = true;
   now.on_device = !node->device.empty();
   now.device_tokens = static_cast<std::int64_t>(node->device.size());
+  now.evictable_device_tokens = free_to_go ? now.device_tokens : 0;
   now.host_tokens = static_cast<std::int64_t>(node->host.size());
   now.stored_tokens = node->stored_pages * page_size_;
   now.writing = node->write_op != 0;
@@ -1517,6 +1521,7 @@ RadixCacheStats HiRadixCache::stats() const {
   s.write_failures = v(events_.write_failures);
   s.nodes = index_->nodes;
   s.device_tokens = index_->device_tokens;
+  s.evictable_device_tokens = index_->evictable_device_tokens;
   s.host_tokens = index_->host_tokens;
   s.writes_in_flight = index_->writing;
   s.loads_in_flight = index_->loading;
@@ -1528,7 +1533,7 @@ RadixCacheStats HiRadixCache::stats() const {
 std::string HiRadixCache::check_invariants() const {
   std::string problem;
   std::int64_t nodes = 0, device_tokens = 0, host_tokens = 0, stored_tokens = 0;
-  std::int64_t device_candidates = 0, host_candidates = 0, ops = 0;
+  std::int64_t device_candidates = 0, host_candidates = 0, ops = 0, evictable = 0;
   std::function<void(const Node*)> walk = [&](const Node* n) {
     if (!problem.empty()) return;
     if (n != root_.get()) {
@@ -1549,6 +1554,7 @@ std::string HiRadixCache::check_invariants() const {
       std::int64_t on_device_children = 0;
       n->children.for_each([&](const Node* c) { on_device_children += c->device.empty() ? 0 : 1; });
       const bool free_to_go = n->lock == 0 && n->write_op == 0 && n->load_op == 0;
+      if (free_to_go) evictable += static_cast<std::int64_t>(n->device.size());
       const bool device_candidate = free_to_go && !n->device.empty() && on_device_children == 0;
       const bool host_candidate =
           free_to_go && n->device.empty() && !n->host.empty() && n->children.empty();
@@ -1596,11 +1602,13 @@ std::string HiRadixCache::check_invariants() const {
   }
   if (index_->nodes != nodes || index_->device_tokens != device_tokens ||
       index_->host_tokens != host_tokens || index_->stored_tokens != stored_tokens ||
-      index_->writing + index_->loading + index_->backing_up != ops) {
+      index_->writing + index_->loading + index_->backing_up != ops ||
+      index_->evictable_device_tokens != evictable) {
     return str_cat("running totals (nodes ", index_->nodes, ", device ", index_->device_tokens,
                    ", host ", index_->host_tokens, ", stored ", index_->stored_tokens,
-                   ") differ from the tree's (", nodes, ", ", device_tokens, ", ", host_tokens,
-                   ", ", stored_tokens, ")");
+                   ", evictable ", index_->evictable_device_tokens, ") differ from the tree's (",
+                   nodes, ", ", device_tokens, ", ", host_tokens, ", ", stored_tokens, ", ",
+                   evictable, ")");
   }
   return problem;
 }

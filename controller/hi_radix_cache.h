@@ -94,6 +94,10 @@ struct RadixCacheConfig {
 struct RadixCacheStats {
   std::int64_t nodes = 0;
   std::int64_t device_tokens = 0;       // tokens whose KV the tree holds on the device
+  // Of those, the ones in nodes no request holds and no copy is in flight for: what
+  // evict_device can free (at once, or on a write's ack; SGLang's evictable_size). A scheduler
+  // weighs free + evictable before it admits, so it never evicts for a request it then defers.
+  std::int64_t evictable_device_tokens = 0;
   std::int64_t host_tokens = 0;         // ... on the host
   std::int64_t writes_in_flight = 0;    // nodes
   std::int64_t loads_in_flight = 0;     // nodes

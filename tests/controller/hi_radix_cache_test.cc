@@ -435,6 +435,32 @@ TEST(HiRadixCache, EdgeHashBitsOutsideOneTo64AreNamed) {
   RadixCacheConfig{.edge_hash_bits = 1}.validate();
 }
 
+// What evict_device can free: device tokens of nodes no request holds and no copy is in flight
+// for. A held node leaves it (and so does its path), a write in flight too; eviction takes it
+// down by what it frees.
+TEST(HiRadixCache, EvictableDeviceTokensFollowLocksWritesAndEviction) {
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  const auto a = seq({1, 2}), b = seq({1, 2, 3});
+  e.run(a);
+  e.run(b);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().evictable_device_tokens, 3 * kPage);
+  auto m = e.cache.match_prefix(b);
+  e.cache.lock(m.last_device_node);  // a request holds the whole path
+  EXPECT_EQ(e.cache.stats().evictable_device_tokens, 0);
+  EXPECT_EQ(e.cache.evict_device(kPage), 0) << "nothing evictable, nothing evicted";
+  e.cache.unlock(m.last_device_node);
+  EXPECT_EQ(e.cache.stats().evictable_device_tokens, 3 * kPage);
+  EXPECT_EQ(e.cache.evict_device(kPage), kPage);  // the leaf {3}
+  EXPECT_EQ(e.cache.stats().evictable_device_tokens, 2 * kPage);
+  e.run(seq({4}));  // inserted and written through: out of it while the write is in flight
+  const auto s = e.cache.stats();
+  EXPECT_EQ(s.evictable_device_tokens, s.writes_in_flight > 0 ? 2 * kPage : 3 * kPage);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().evictable_device_tokens, 3 * kPage);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+}
+
 // LRU evicts the least recently used node; LFU the least often hit one, whatever its age.
 TEST(HiRadixCache, LfuKeepsTheOftenHitNodeLruTheRecentOne) {
   for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kLfu}) {

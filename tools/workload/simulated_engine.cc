@@ -114,12 +114,19 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   // Device slots for what is computed first (evicting while the prefix is locked), and only
   // then the load back: a request deferred for memory has loaded nothing (its loads would be
   // evicted again by the admissions that ran instead, and loaded again next time).
+  // Evicts only what is missing, and only when eviction can make the request fit (free plus
+  // evictable, as SGLang's scheduler weighs it): evicting for a request that is deferred anyway
+  // would empty the device of pages that later requests hit.
   auto alloc = [&](std::int64_t tokens) -> std::optional<std::vector<std::int64_t>> {
     if (tokens == 0) return std::vector<std::int64_t>{};
-    auto got = device_pool_.allocator().alloc(tokens);
+    auto& allocator = device_pool_.allocator();
+    auto got = allocator.alloc(tokens);
     if (!got) {
-      cache_.evict_device(tokens);
-      got = device_pool_.allocator().alloc(tokens);
+      const std::int64_t missing = tokens - allocator.free_tokens();
+      if (cache_.stats().evictable_device_tokens >= missing) {
+        cache_.evict_device(missing);
+        got = allocator.alloc(tokens);
+      }
     }
     return got;
   };
