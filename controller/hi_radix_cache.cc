@@ -22,12 +22,36 @@ using EvictKey = std::tuple<std::int64_t, std::uint64_t, NodeId>;
 using EvictIndex = std::map<EvictKey, HiRadixCache::Node*>;
 
 struct alignas(64) HiRadixCache::Node {
+  // A node and its key are one allocation, the key's tokens right after the node (make()): a
+  // lookup fetches both at once, from the node's address alone, instead of one after the other.
+  static std::unique_ptr<Node> make(std::span<const std::int32_t> key) {
+    void* at = ::operator new(sizeof(Node) + key.size_bytes(), std::align_val_t{alignof(Node)});
+    auto node = std::unique_ptr<Node>(::new (at) Node());
+    std::copy(key.begin(), key.end(), node->key_tokens());
+    node->key_size = key.size();
+    return node;
+  }
+  static void operator delete(void* at, std::align_val_t align) { ::operator delete(at, align); }
+
+  // Whole pages.
+  std::span<const std::int32_t> key() const { return {key_tokens(), key_size}; }
+  // Drops the key's first `tokens` (a split: the upper half took them).
+  void drop_key_front(std::size_t tokens) {
+    std::copy(key_tokens() + tokens, key_tokens() + key_size, key_tokens());
+    key_size -= tokens;
+  }
+  // Asks the memory for the node and its key's first tokens, ahead of reading them.
+  void prefetch() const {
+    __builtin_prefetch(this);
+    __builtin_prefetch(key_tokens());
+  }
+
   // A node's children by their edge: the first page of the child's key and, under the root, its
   // cache identity. An open-addressing map (Boost's unordered_flat_map) from the edge's 64-bit
-  // hash holds the child itself, so a lookup touches one group of the slot array and then the
-  // child, whose key the caller compares anyway (a map of the page's bytes cost two more cache
-  // misses a level in a large tree, and at page 64 a heap string per lookup). Edges whose hashes
-  // collide share a slot, the later ones in its overflow list: still correct, only slower.
+  // hash holds the child itself (16 bytes a slot: the map of a node with thousands of children
+  // stays in the caches), so a lookup touches one group of the slot array and then the child
+  // and its key. Edges whose hashes collide share a slot, chained through the children's
+  // `same_hash`: still correct, only slower.
   class Children {
    public:
     // The child under `hash` for which `same_edge(child)` holds, or nullptr.
@@ -35,22 +59,16 @@ struct alignas(64) HiRadixCache::Node {
     Node* find(std::uint64_t hash, SameEdge&& same_edge) const {
       const auto it = map_.find(hash);
       if (it == map_.end()) return nullptr;
-      if (same_edge(*it->second.first)) return it->second.first.get();
-      if (it->second.more) {
-        for (const auto& c : *it->second.more) {
-          if (same_edge(*c)) return c.get();
-        }
+      for (Node* c = it->second.get(); c != nullptr; c = c->same_hash.get()) {
+        c->prefetch();
+        if (same_edge(*c)) return c;
       }
       return nullptr;
     }
     void add(std::uint64_t hash, std::unique_ptr<Node> child) {
-      auto [it, inserted] = map_.try_emplace(hash);
-      if (inserted) {
-        it->second.first = std::move(child);
-      } else {
-        if (!it->second.more) it->second.more = std::make_unique<std::vector<std::unique_ptr<Node>>>();
-        it->second.more->push_back(std::move(child));
-      }
+      std::unique_ptr<Node>& slot = map_[hash];
+      child->same_hash = std::move(slot);
+      slot = std::move(child);
       ++size_;
     }
     // Takes `child` (held under `hash`) out and hands it back; `replacement`, when given, takes
@@ -58,59 +76,46 @@ struct alignas(64) HiRadixCache::Node {
     std::unique_ptr<Node> take(std::uint64_t hash, const Node* child,
                                std::unique_ptr<Node> replacement = nullptr) {
       const auto it = map_.find(hash);
-      if (it == map_.end()) throw StateError(str_cat("radix cache: node ", child->id, " is not its parent's child"));
-      Slot& slot = it->second;
-      std::unique_ptr<Node>* at = slot.first.get() == child ? &slot.first : nullptr;
-      if (at == nullptr && slot.more) {
-        for (auto& c : *slot.more) {
-          if (c.get() == child) at = &c;
-        }
+      std::unique_ptr<Node>* at = it == map_.end() ? nullptr : &it->second;
+      while (at != nullptr && at->get() != child) at = *at ? &(*at)->same_hash : nullptr;
+      if (at == nullptr || !*at) {
+        throw StateError(str_cat("radix cache: node ", child->id, " is not its parent's child"));
       }
-      if (at == nullptr) throw StateError(str_cat("radix cache: node ", child->id, " is not its parent's child"));
       std::unique_ptr<Node> out = std::move(*at);
       if (replacement) {
+        replacement->same_hash = std::move(out->same_hash);
         *at = std::move(replacement);
         return out;
       }
+      *at = std::move(out->same_hash);
       --size_;
-      if (slot.more && !slot.more->empty()) {  // the slot's last overflow child fills the hole
-        *at = std::move(slot.more->back());
-        slot.more->pop_back();
-      } else {
-        map_.erase(it);
-      }
+      if (!it->second) map_.erase(it);
       return out;
     }
     bool empty() const { return size_ == 0; }
     template <typename Fn>
     void for_each(Fn&& fn) const {
-      for (const auto& [hash, slot] : map_) {
-        fn(slot.first.get());
-        if (slot.more) {
-          for (const auto& c : *slot.more) fn(c.get());
-        }
+      for (const auto& [hash, first] : map_) {
+        for (Node* c = first.get(); c != nullptr; c = c->same_hash.get()) fn(c);
       }
     }
 
    private:
-    struct Slot {
-      std::unique_ptr<Node> first;
-      std::unique_ptr<std::vector<std::unique_ptr<Node>>> more;  // colliding edges, rarely any
-    };
     struct Identity {  // the key is a hash already
       using is_avalanching = void;
       std::size_t operator()(std::uint64_t h) const { return static_cast<std::size_t>(h); }
     };
-    boost::unordered_flat_map<std::uint64_t, Slot, Identity> map_;
+    boost::unordered_flat_map<std::uint64_t, std::unique_ptr<Node>, Identity> map_;
     std::size_t size_ = 0;
   };
 
   // What match_prefix reads and writes of a child it passes, first: one cache line (the node is
   // aligned to one) in a tree too large for the caches.
-  std::vector<std::int32_t> key;     // whole pages
+  std::size_t key_size = 0;
   std::vector<std::int64_t> device;  // empty: not on the device
   std::int64_t hits = 0;
   std::uint64_t last_access = 0;
+  std::unique_ptr<Node> same_hash;   // the next child of the parent's map slot (a collision)
   std::vector<std::int64_t> host;    // empty: not on the host
   NodeId id = 0;
   Node* parent = nullptr;
@@ -134,6 +139,11 @@ struct alignas(64) HiRadixCache::Node {
     bool writing = false, loading = false, backing_up = false;
     std::optional<EvictIndex::iterator> device_at, host_at;  // its entries
   } indexed;
+
+ private:
+  Node() = default;
+  std::int32_t* key_tokens() { return reinterpret_cast<std::int32_t*>(this + 1); }
+  const std::int32_t* key_tokens() const { return reinterpret_cast<const std::int32_t*>(this + 1); }
 };
 
 // The eviction candidates of each tier in eviction order, and the totals stats() reports, kept
@@ -357,7 +367,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
                            Collective* tp)
     : controller_(controller), device_pool_(device_pool), host_pool_(host_pool), config_(config),
       page_size_(device_pool.geometry().page_size), policy_(controller.config().write_policy),
-      root_(std::make_unique<Node>()), pending_(std::make_unique<Pending>()),
+      root_(Node::make({})), pending_(std::make_unique<Pending>()),
       arrived_(std::make_unique<Arrived>()), ghost_(std::make_unique<Ghost>()),
       index_(std::make_unique<Index>()), storage_(storage), tp_(tp) {
   ghost_->capacity_pages =
@@ -425,7 +435,7 @@ void HiRadixCache::reset() {
   revoked_.clear();
   ghost_->clear();  // node ids start again below the new root
   index_ = std::make_unique<Index>();
-  root_ = std::make_unique<Node>();
+  root_ = Node::make({});
   root_->lock = 1;  // never evicted
   device_pool_.allocator().reset();
   host_pool_.reset();
@@ -443,7 +453,7 @@ HiRadixCache::Node* HiRadixCache::child_of(Node* node, std::span<const std::int3
   const bool at_root = node == root_.get();
   return node->children.find(edge_of(node, identity, page), [&](const Node& c) {
     return (!at_root || c.identity == identity) &&
-           std::equal(page.begin(), page.end(), c.key.begin());
+           std::equal(page.begin(), page.end(), c.key().begin());
   });
 }
 
@@ -527,11 +537,10 @@ void HiRadixCache::forget(Node* node) {
 
 HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key,
                                            std::string_view identity) {
-  auto leaf = std::make_unique<Node>();
+  auto leaf = Node::make(key);
   Node* l = leaf.get();
   l->id = next_id_++;
   l->parent = parent;
-  l->key.assign(key.begin(), key.end());
   if (parent == root_.get()) l->identity = identity;
   set_digests(l);
   parent->children.add(edge_of(parent, l->identity, key.first(page_size_)), std::move(leaf));
@@ -544,10 +553,11 @@ HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::in
 std::size_t HiRadixCache::common_tokens(const Node* child,
                                         std::span<const std::int32_t> tokens) const {
   std::size_t common = 0;
-  const std::size_t limit = std::min(child->key.size(), tokens.size() / page_size_ * page_size_);
+  const std::span<const std::int32_t> key = child->key();
+  const std::size_t limit = std::min(key.size(), tokens.size() / page_size_ * page_size_);
   while (common < limit &&
-         std::equal(child->key.begin() + static_cast<std::ptrdiff_t>(common),
-                    child->key.begin() + static_cast<std::ptrdiff_t>(common + page_size_),
+         std::equal(key.begin() + static_cast<std::ptrdiff_t>(common),
+                    key.begin() + static_cast<std::ptrdiff_t>(common + page_size_),
                     tokens.begin() + static_cast<std::ptrdiff_t>(common))) {
     common += page_size_;
   }
@@ -556,11 +566,10 @@ std::size_t HiRadixCache::common_tokens(const Node* child,
 
 HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   forget(node);  // both halves are refreshed once in place
-  auto mid = std::make_unique<Node>();
+  auto mid = Node::make(node->key().first(tokens));
   Node* m = mid.get();
   m->id = next_id_++;
   m->parent = node->parent;
-  m->key.assign(node->key.begin(), node->key.begin() + static_cast<std::ptrdiff_t>(tokens));
   if (!node->device.empty()) {
     m->device.assign(node->device.begin(), node->device.begin() + static_cast<std::ptrdiff_t>(tokens));
     node->device.erase(node->device.begin(), node->device.begin() + static_cast<std::ptrdiff_t>(tokens));
@@ -569,7 +578,7 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
     m->host.assign(node->host.begin(), node->host.begin() + static_cast<std::ptrdiff_t>(tokens));
     node->host.erase(node->host.begin(), node->host.begin() + static_cast<std::ptrdiff_t>(tokens));
   }
-  node->key.erase(node->key.begin(), node->key.begin() + static_cast<std::ptrdiff_t>(tokens));
+  node->drop_key_front(tokens);
   const auto upper_pages = static_cast<std::ptrdiff_t>(tokens / page_size_);
   if (!node->digests.empty()) {
     m->digests.assign(node->digests.begin(), node->digests.begin() + upper_pages);
@@ -591,10 +600,10 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   Node* parent = node->parent;
   // The upper half takes the node's place (the same first page), the node goes under it.
   std::unique_ptr<Node> lower = parent->children.take(
-      edge_of(parent, m->identity, std::span(m->key).first(page_size_)), node,
+      edge_of(parent, m->identity, m->key().first(page_size_)), node,
       std::move(mid));
   node->parent = m;
-  m->children.add(edge_of(m, {}, std::span(node->key).first(page_size_)), std::move(lower));
+  m->children.add(edge_of(m, {}, node->key().first(page_size_)), std::move(lower));
   refresh(m);
   refresh(node);
   return m;
@@ -613,7 +622,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     Node* child = child_of(node, tokens.subspan(pos, page_size_), identity);
     if (child == nullptr) break;
     const std::size_t common = common_tokens(child, tokens.subspan(pos, usable - pos));
-    if (common < child->key.size()) child = split(child, common);
+    if (common < child->key().size()) child = split(child, common);
     ++child->hits;
     touch(child);
     if (device_run && !child->device.empty()) {
@@ -621,7 +630,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
       r.last_device_node = child;
     } else {
       device_run = false;
-      r.host_hit_tokens += static_cast<std::int64_t>(child->key.size());
+      r.host_hit_tokens += static_cast<std::int64_t>(child->key().size());
     }
     r.last_host_node = child;
     if (policy_ == WritePolicy::kWriteThroughSelective &&
@@ -630,7 +639,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     }
     pos += common;
     node = child;
-    if (common < child->key.size()) break;
+    if (common < child->key().size()) break;
   }
   for (Node* n : to_write) {
     if (n->host.empty() && !n->device.empty() && n->write_op == 0) write_node(n);
@@ -708,7 +717,7 @@ std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> to
     if (child == nullptr) break;
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
     pos += common;
-    if (common < child->key.size()) break;
+    if (common < child->key().size()) break;
     node = child;
   }
   return static_cast<std::int64_t>(pos);
@@ -738,7 +747,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
       return duplicate;
     }
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
-    if (common < child->key.size()) child = split(child, common);
+    if (common < child->key().size()) child = split(child, common);
     touch(child);
     // Cached already, on the device or on the host: the caller's slots duplicate it. (Adopting
     // them as the device copy of a host-only node would need a backup -> synced transition the
@@ -891,8 +900,8 @@ std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
     std::size_t at = 0;
     for (Node* n : missing) {
       n->device.assign(device->begin() + static_cast<std::ptrdiff_t>(at),
-                       device->begin() + static_cast<std::ptrdiff_t>(at + n->key.size()));
-      at += n->key.size();
+                       device->begin() + static_cast<std::ptrdiff_t>(at + n->key().size()));
+      at += n->key().size();
       n->load_op = op;
       refresh(n);
     }
@@ -922,9 +931,9 @@ void HiRadixCache::drop_device(Node* node) {
 void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
   forget(node);
-  ghost_->remember(ghost_parent(parent, node->identity), node->id, node->key, page_size_);
+  ghost_->remember(ghost_parent(parent, node->identity), node->id, node->key(), page_size_);
   parent->children.take(
-      edge_of(parent, node->identity, std::span(node->key).first(page_size_)), node);  // freed here
+      edge_of(parent, node->identity, node->key().first(page_size_)), node);  // freed here
   refresh(parent);  // may be a leaf now
 }
 
@@ -1057,7 +1066,7 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t
   std::int64_t pages = completed_tokens / page_size_;
   for (Node* n : nodes) {
     n->backup_op = 0;
-    const auto own = static_cast<std::int64_t>(n->key.size()) / page_size_;
+    const auto own = static_cast<std::int64_t>(n->key().size()) / page_size_;
     n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
     pages = std::max<std::int64_t>(0, pages - own);
     refresh(n);
@@ -1254,13 +1263,13 @@ void HiRadixCache::set_digests(Node* node) {
                                                                  : &node->parent->digests.back());
   std::vector<std::string> keys;
   node->digests.clear();
-  keyer_->keys(node->key, prior, keys, &node->digests);
+  keyer_->keys(node->key(), prior, keys, &node->digests);
 }
 
 void HiRadixCache::backup_node(Node* node) {
   if (storage_ == nullptr || node->host.empty() || node->backup_op != 0 ||
-      node->digests.size() * page_size_ != node->key.size() ||
-      node->stored_pages * page_size_ == static_cast<std::int64_t>(node->key.size())) {
+      node->digests.size() * page_size_ != node->key().size() ||
+      node->stored_pages * page_size_ == static_cast<std::int64_t>(node->key().size())) {
     return;
   }
   // Room in the queue by the backups in flight (the queue holds at most those), the same count
@@ -1393,12 +1402,12 @@ std::int64_t HiRadixCache::insert_host(Node* node, std::span<const std::int32_t>
     if (child == nullptr) {
       Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
-      l->stored_pages = static_cast<std::int64_t>(l->key.size()) / page_size_;  // came from L3
+      l->stored_pages = static_cast<std::int64_t>(l->key().size()) / page_size_;  // came from L3
       refresh(l);
       return static_cast<std::int64_t>(tokens.size() - pos);
     }
     const std::size_t common = common_tokens(child, tokens.subspan(pos));
-    if (common < child->key.size()) child = split(child, common);
+    if (common < child->key().size()) child = split(child, common);
     // Cached already (another request got there first): the fetched copy is not needed.
     host_pool_.free(host_slots.subspan(pos, common));
     touch(child);
@@ -1486,8 +1495,8 @@ std::string HiRadixCache::describe() const {
   std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {
     if (n != root_.get()) {
       out += str_cat(std::string(static_cast<std::size_t>(depth), ' '),
-                     n->identity.empty() ? "" : str_cat("(", n->identity, ") "), "[", n->key.front(), "..+",
-                     n->key.size(), "] dev ", n->device.size(), " host ", n->host.size(),
+                     n->identity.empty() ? "" : str_cat("(", n->identity, ") "), "[", n->key().front(), "..+",
+                     n->key().size(), "] dev ", n->device.size(), " host ", n->host.size(),
                      n->write_op != 0 ? " writing" : "", n->load_op != 0 ? " loading" : "",
                      n->backup_op != 0 ? " backing-up" : "", " lock ", n->lock, " stored ",
                      n->stored_pages, "\n");
@@ -1495,7 +1504,7 @@ std::string HiRadixCache::describe() const {
     std::vector<std::pair<std::string, const Node*>> children;
     n->children.for_each([&](const Node* c) {
       children.emplace_back(
-          edge_key(n == root_.get(), c->identity, std::span(c->key).first(page_size_)), c);
+          edge_key(n == root_.get(), c->identity, c->key().first(page_size_)), c);
     });
     std::sort(children.begin(), children.end());
     for (const auto& [k, c] : children) walk(c, depth + 1);
@@ -1537,7 +1546,7 @@ std::string HiRadixCache::check_invariants() const {
   std::function<void(const Node*)> walk = [&](const Node* n) {
     if (!problem.empty()) return;
     if (n != root_.get()) {
-      const std::size_t len = n->key.size();
+      const std::size_t len = n->key().size();
       if (len == 0 || len % page_size_ != 0) problem = str_cat("node ", n->id, ": key of ", len);
       else if (n->device.empty() && n->host.empty()) problem = str_cat("node ", n->id, ": no KV");
       else if (!n->device.empty() && n->device.size() != len)
@@ -1585,7 +1594,7 @@ std::string HiRadixCache::check_invariants() const {
     n->children.for_each([&](const Node* c) {
       if (c->parent != n) problem = str_cat("node ", c->id, ": wrong parent");
       // Found under its own edge: a child filed under another hash would never be matched.
-      if (n->children.find(edge_of(n, c->identity, std::span(c->key).first(page_size_)),
+      if (n->children.find(edge_of(n, c->identity, c->key().first(page_size_)),
                            [&](const Node& x) { return &x == c; }) != c) {
         problem = str_cat("node ", c->id, ": not under its first page in its parent's map");
       }
