@@ -160,6 +160,27 @@ BENCHMARK(BM_RadixScale)
     ->Iterations(3000)
     ->Unit(benchmark::kMillisecond);
 
+
+// match_prefix alone over a large tree: a random cached request each call (its tail in no cache),
+// timed alone. For comparing changes to the lookup, without the sweep's other calls in between.
+void BM_MatchCold(benchmark::State& state) {
+  Tree tree(state.range(0), static_cast<std::int32_t>(state.range(1)), "lru");
+  HiRadixCache& cache = tree.hc->cache();
+  std::mt19937_64 rng(11);
+  for (auto _ : state) {
+    const auto r = tree.request(
+        tree.tails - 1 - static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(tree.live)));
+    const auto t0 = Clock::now();
+    benchmark::DoNotOptimize(cache.match_prefix(r).host_hit_tokens);
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+}
+BENCHMARK(BM_MatchCold)
+    ->ArgsProduct({{1000, 1'000'000}, {1, 64}})
+    ->Iterations(20000)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
 class SweepReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
