@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -25,19 +26,39 @@ struct alignas(64) HiRadixCache::Node {
   // A node and its key are one allocation, the key's tokens right after the node (make()): a
   // lookup fetches both at once, from the node's address alone, instead of one after the other.
   static std::unique_ptr<Node> make(std::span<const std::int32_t> key) {
-    void* at = ::operator new(sizeof(Node) + key.size_bytes(), std::align_val_t{alignof(Node)});
-    auto node = std::unique_ptr<Node>(::new (at) Node());
+    constexpr std::align_val_t kAlign{alignof(Node)};
+    void* at = ::operator new(sizeof(Node) + key.size_bytes(), kAlign);
+    Node* n = nullptr;
+    try {
+      n = ::new (at) Node();
+    } catch (...) {
+      ::operator delete(at, kAlign);
+      throw;
+    }
+    auto node = std::unique_ptr<Node>(n);
     std::copy(key.begin(), key.end(), node->key_tokens());
     node->key_size = key.size();
     return node;
   }
+  // The one deallocation function `delete` finds: unsized (the allocation is larger than the
+  // node), aligned like the allocation.
   static void operator delete(void* at, std::align_val_t align) { ::operator delete(at, align); }
+  // The key is not part of the object: a copy or move would lose it.
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+  // Frees a chain of colliding siblings in a loop (a recursion as deep as the chain otherwise,
+  // and chains are long with the tests' few hash bits).
+  ~Node() {
+    while (std::unique_ptr<Node> next = std::move(same_hash)) {
+      same_hash = std::move(next->same_hash);
+    }
+  }
 
   // Whole pages.
   std::span<const std::int32_t> key() const { return {key_tokens(), key_size}; }
-  // Drops the key's first `tokens` (a split: the upper half took them).
+  // Drops the key's first `tokens`, fewer than it has (a split: the upper half took them).
   void drop_key_front(std::size_t tokens) {
-    std::copy(key_tokens() + tokens, key_tokens() + key_size, key_tokens());
+    std::memmove(key_tokens(), key_tokens() + tokens, (key_size - tokens) * sizeof(std::int32_t));
     key_size -= tokens;
   }
   // Asks the memory for the node and its key's first tokens, ahead of reading them.
@@ -67,6 +88,9 @@ struct alignas(64) HiRadixCache::Node {
     }
     void add(std::uint64_t hash, std::unique_ptr<Node> child) {
       std::unique_ptr<Node>& slot = map_[hash];
+      if (child->same_hash) {
+        throw StateError(str_cat("radix cache: node ", child->id, " is in a chain already"));
+      }
       child->same_hash = std::move(slot);
       slot = std::move(child);
       ++size_;
@@ -142,8 +166,12 @@ struct alignas(64) HiRadixCache::Node {
 
  private:
   Node() = default;
-  std::int32_t* key_tokens() { return reinterpret_cast<std::int32_t*>(this + 1); }
-  const std::int32_t* key_tokens() const { return reinterpret_cast<const std::int32_t*>(this + 1); }
+  std::int32_t* key_tokens() {
+    // The tokens make() copied there (int32 arrays are created implicitly in the allocation);
+    // no std::launder, whose precondition an empty key (the root) would not meet.
+    return reinterpret_cast<std::int32_t*>(reinterpret_cast<std::byte*>(this) + sizeof(Node));
+  }
+  const std::int32_t* key_tokens() const { return const_cast<Node*>(this)->key_tokens(); }
 };
 
 // The eviction candidates of each tier in eviction order, and the totals stats() reports, kept
