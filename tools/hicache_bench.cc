@@ -523,8 +523,9 @@ bool write_all(int fd, const std::string& text) {
   return true;
 }
 
-// An instance process: builds its stack, then runs round R on "R <r>" (and lands its writes and
-// backups in L3 before answering "D"), and on "E" answers with its result as one JSON line.
+// An instance process: builds its stack, then runs rounds a..b on "R <a> <b>" (and lands its
+// writes and backups in L3 before answering "D"), and on "E" answers with its result as one JSON
+// line.
 [[noreturn]] void instance_main(const Settings& s, const wl::StackConfig& config,
                                 const std::vector<wl::PlannedRequest>& plan, int instance,
                                 int instances, int in_fd, int out_fd, const std::string& label) {
@@ -548,9 +549,12 @@ bool write_all(int fd, const std::string& text) {
     double busy = 0;
     for (std::string line; read_line(in_fd, line) == Read::kLine;) {
       if (line.rfind("R ", 0) == 0) {
-        const int round = std::stoi(line.substr(2));
+        int first = 0, last = 0;
+        if (std::sscanf(line.c_str(), "R %d %d", &first, &last) != 2) {
+          throw std::runtime_error(str_cat("bad command from the parent: '", line, "'"));
+        }
         const double t0 = wl::now_seconds();
-        runner.run_rounds(round, round);
+        runner.run_rounds(first, last);
         busy += wl::now_seconds() - t0;
         runner.flush();
         if (!write_all(out_fd, "D\n")) break;
@@ -573,10 +577,12 @@ bool write_all(int fd, const std::string& text) {
 
 // N instance processes for one configuration, each `tp` rank processes (instance i's rank r is
 // child i * tp + r); the parent holds no threads when it forks. Returns one result per
-// instance: its rank 0's, with the pages every rank verified added up.
+// instance: its rank 0's, with the pages every rank verified added up; `barriered` says whether
+// the rounds ran one at a time.
 std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::StackConfig& config,
                                               const std::vector<wl::PlannedRequest>& plan,
-                                              const std::string& label, int n, int tp) {
+                                              const std::string& label, int n, int tp,
+                                              bool* barriered) {
   struct Child {
     pid_t pid = -1;
     int to = -1, from = -1;
@@ -654,13 +660,21 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
                  why.c_str(), what.c_str());
     return false;
   };
+  // With a barrier the instances run round by round; without one (a single instance of TP
+  // ranks and no --barrier) all rounds at once, each client's next round sent as soon as its
+  // last one finished, as in one process: the same workload at every TP size.
+  const bool barrier = s.barrier || n > 1;
+  *barriered = barrier;
   const double t0 = wl::now_seconds();
   for (int r = 0; r <= last_round && !failed; ++r) {
-    for (const Child& c : children) failed |= !write_all(c.to, str_cat("R ", r, "\n"));
+    const int last = barrier ? r : last_round;
+    for (const Child& c : children) failed |= !write_all(c.to, str_cat("R ", r, " ", last, "\n"));
     const double by = deadline();
     for (std::size_t i = 0; i < children.size() && !failed; ++i) {
-      failed |= !answered(i, str_cat("round ", r), by, "D");
+      failed |= !answered(i, last == r ? str_cat("round ", r) : str_cat("rounds ", r, "-", last),
+                          by, "D");
     }
+    r = last;
   }
   const double wall = wl::now_seconds() - t0;
   std::vector<wl::InstanceResult> results;
@@ -780,8 +794,9 @@ int run(const Settings& s) {
       run.tp = static_cast<int>(s.tp);
       if (s.instances > 1 || s.tp > 1) {
         run.instances = run_instances(s, config, plan, name, static_cast<int>(s.instances),
-                                      static_cast<int>(s.tp));
+                                      static_cast<int>(s.tp), &run.barrier);
       } else {
+        run.barrier = run_options(s, name, 1).barrier;
         run.instances.push_back(run_single(s, config, plan, name));
       }
     } catch (...) {

@@ -177,6 +177,20 @@ TEST(HicacheBench, TpRanksAsProcessesVerifyEveryPageWithOneCollectivePerStep) {
   const json tp1 = read_json(single.path)["configurations"][0];
   EXPECT_EQ(tp1["tp"]["ranks"], 1);
   EXPECT_EQ(tp1["tp"]["collectives_per_step"].get<double>(), 0);
+  // The same workload at every TP size: a single instance of ranks runs all rounds at once, as
+  // one process does (it ran round by round, a different workload with a lower hit rate); with
+  // --instances, or --barrier, round by round.
+  EXPECT_FALSE(tp1["barrier"].get<bool>());
+  for (const json& c : j["configurations"]) EXPECT_TRUE(c["barrier"].get<bool>()) << c["name"];
+  TempFile ranks("hicache-bench-tp2.json");
+  const BenchRun two = run_bench(kTiny + "--clients 4 --rounds 3 --tiers file --tp 2 --report " +
+                                 ranks.path.string());
+  ASSERT_EQ(two.status, 0) << two.output;
+  const json tp2 = read_json(ranks.path)["configurations"][0];
+  EXPECT_EQ(tp2["tp"]["ranks"], 2);
+  EXPECT_FALSE(tp2["barrier"].get<bool>());
+  check_adds_up(tp2, 12);
+  EXPECT_GT(tp2["verified_pages"].get<double>(), 0);
   const BenchRun rate = run_bench("--tp 2 --request-rate 5");
   EXPECT_EQ(rate.status, 2);
   EXPECT_NE(rate.output.find("--tp > 1 needs --request-rate 0"), std::string::npos) << rate.output;

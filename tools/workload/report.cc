@@ -121,6 +121,7 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
   return json{
       {"name", run.name},
       {"instances", run.instances.size()},
+      {"barrier", run.barrier},
       {"requests", finished},
       {"rejected_requests", rejected},
       {"aborted_requests", aborted},

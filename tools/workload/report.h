@@ -20,6 +20,8 @@ struct ConfigRun {
   // TP ranks per instance. Each instance's result is its rank 0's (the ranks serve the same
   // requests), with every rank's pages verified added up.
   int tp = 1;
+  // Round r+1 of every client waited for the whole of round r (--barrier, --instances > 1).
+  bool barrier = false;
 };
 
 // Nearest-rank percentile of `values` (q in (0, 1]); 0 when empty.
