@@ -1541,6 +1541,10 @@ std::string HiRadixCache::describe() const {
   return out;
 }
 
+std::int64_t HiRadixCache::evictable_device_tokens() const {
+  return index_->evictable_device_tokens;
+}
+
 RadixCacheStats HiRadixCache::stats() const {
   RadixCacheStats s = counters_;
   const auto v = [](const Counter& c) { return static_cast<std::int64_t>(c.value()); };

@@ -263,6 +263,9 @@ class HiRadixCache {
   void forget_stored_pages();
 
   RadixCacheStats stats() const;
+  // stats().evictable_device_tokens without the rest: what evict_device can free, for a
+  // scheduler weighing each admission (O(1), a running total).
+  std::int64_t evictable_device_tokens() const;
   // Empty when the tree is consistent with itself and the pools: every lock count >= 0, no
   // node without KV, keys of whole pages, slot counts that match, parents locked at least as
   // much as their children; else the first problem found. For tests.

@@ -448,6 +448,7 @@ TEST(HiRadixCache, EvictableDeviceTokensFollowLocksWritesAndEviction) {
   auto m = e.cache.match_prefix(b);
   e.cache.lock(m.last_device_node);  // a request holds the whole path
   EXPECT_EQ(e.cache.stats().evictable_device_tokens, 0);
+  EXPECT_EQ(e.cache.evictable_device_tokens(), 0);
   EXPECT_EQ(e.cache.evict_device(kPage), 0) << "nothing evictable, nothing evicted";
   e.cache.unlock(m.last_device_node);
   EXPECT_EQ(e.cache.stats().evictable_device_tokens, 3 * kPage);
@@ -456,6 +457,7 @@ TEST(HiRadixCache, EvictableDeviceTokensFollowLocksWritesAndEviction) {
   e.run(seq({4}));  // inserted and written through: out of it while the write is in flight
   const auto s = e.cache.stats();
   EXPECT_EQ(s.evictable_device_tokens, s.writes_in_flight > 0 ? 2 * kPage : 3 * kPage);
+  EXPECT_EQ(e.cache.evictable_device_tokens(), s.evictable_device_tokens);
   e.settle();
   EXPECT_EQ(e.cache.stats().evictable_device_tokens, 3 * kPage);
   EXPECT_EQ(e.cache.check_invariants(), "");

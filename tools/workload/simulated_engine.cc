@@ -123,7 +123,7 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
     auto got = allocator.alloc(tokens);
     if (!got) {
       const std::int64_t missing = tokens - allocator.free_tokens();
-      if (cache_.stats().evictable_device_tokens >= missing) {
+      if (cache_.evictable_device_tokens() >= missing) {
         cache_.evict_device(missing);
         got = allocator.alloc(tokens);
       }
