@@ -69,10 +69,9 @@ struct alignas(64) HiRadixCache::Node {
 
   // A node's children by their edge: the first page of the child's key and, under the root, its
   // cache identity. An open-addressing map (Boost's unordered_flat_map) from the edge's 64-bit
-  // hash holds the child itself (16 bytes a slot: the map of a node with thousands of children
-  // stays in the caches), so a lookup touches one group of the slot array and then the child
-  // and its key. Edges whose hashes collide share a slot, chained through the children's
-  // `same_hash`: still correct, only slower.
+  // hash holds the child itself (16 bytes a slot), so a lookup touches one group of the slot
+  // array and then the child with its key, fetched together. Edges whose hashes collide share a
+  // slot, chained through the children's `same_hash`: still correct, only slower.
   class Children {
    public:
     // The child under `hash` for which `same_edge(child)` holds, or nullptr.
@@ -87,10 +86,10 @@ struct alignas(64) HiRadixCache::Node {
       return nullptr;
     }
     void add(std::uint64_t hash, std::unique_ptr<Node> child) {
-      std::unique_ptr<Node>& slot = map_[hash];
       if (child->same_hash) {
         throw StateError(str_cat("radix cache: node ", child->id, " is in a chain already"));
       }
+      std::unique_ptr<Node>& slot = map_[hash];
       child->same_hash = std::move(slot);
       slot = std::move(child);
       ++size_;
