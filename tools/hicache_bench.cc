@@ -663,18 +663,21 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
   // With a barrier the instances run round by round; without one (a single instance of TP
   // ranks and no --barrier) all rounds at once, each client's next round sent as soon as its
   // last one finished, as in one process: the same workload at every TP size.
-  const bool barrier = s.barrier || n > 1;
+  const bool barrier = run_options(s, label, n).barrier;
   *barriered = barrier;
   const double t0 = wl::now_seconds();
-  for (int r = 0; r <= last_round && !failed; ++r) {
-    const int last = barrier ? r : last_round;
-    for (const Child& c : children) failed |= !write_all(c.to, str_cat("R ", r, " ", last, "\n"));
-    const double by = deadline();
-    for (std::size_t i = 0; i < children.size() && !failed; ++i) {
-      failed |= !answered(i, last == r ? str_cat("round ", r) : str_cat("rounds ", r, "-", last),
-                          by, "D");
+  for (int first = 0; first <= last_round && !failed;) {
+    const int last = barrier ? first : last_round;
+    for (const Child& c : children) {
+      failed |= !write_all(c.to, str_cat("R ", first, " ", last, "\n"));
     }
-    r = last;
+    const double by = deadline();
+    const std::string what =
+        last == first ? str_cat("round ", first) : str_cat("rounds ", first, "-", last);
+    for (std::size_t i = 0; i < children.size() && !failed; ++i) {
+      failed |= !answered(i, what, by, "D");
+    }
+    first = last + 1;
   }
   const double wall = wl::now_seconds() - t0;
   std::vector<wl::InstanceResult> results;
