@@ -27,7 +27,7 @@ struct ConfigRun {
 // Nearest-rank percentile of `values` (q in (0, 1]); 0 when empty.
 double percentile(std::vector<double> values, double q);
 
-// Summary of one configuration over every instance. Keys: see the README's hicache-bench section.
+// Summary of one configuration over every instance. Keys: see docs/tools.md (hicache-bench, --report).
 // tokens.cross_instance_storage_hit counts the L3 hits of requests whose dependency (a
 // conversation's previous round, a tree node's parent) ran on another instance: an
 // approximation (it includes shared prefixes such as the system prompt, which either instance
