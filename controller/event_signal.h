@@ -11,8 +11,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <optional>
+
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -27,31 +28,35 @@ class EventSignal {
     if (waiters_.load() > 0) {
       // Under the lock: a waiter between its check and its wait holds it, so it is either past
       // the check (it saw the new number) or asleep on the condition variable (it is woken).
-      { std::lock_guard lock(mu_); }
+      { MutexLock lock(mu_); }
       cv_.notify_all();
     }
   }
 
   // Waits until seq() differs from `seen`, or `deadline` passes; true when it moved on.
   bool wait(std::uint64_t seen, std::optional<Clock::time_point> deadline = std::nullopt) {
-    std::unique_lock lock(mu_);
+    MutexLock lock(mu_);
     waiters_.fetch_add(1);
-    const auto moved = [&] { return seq_.load() != seen; };
-    bool result;
-    if (deadline) {
-      result = cv_.wait_until(lock, *deadline, moved);
-    } else {
-      cv_.wait(lock, moved);
-      result = true;
+    bool moved = seq_.load() != seen;
+    while (!moved) {
+      if (!deadline) {
+        mu_.wait(cv_);
+      } else if (mu_.wait_until(cv_, *deadline) == std::cv_status::timeout) {
+        moved = seq_.load() != seen;
+        break;
+      }
+      moved = seq_.load() != seen;
     }
     waiters_.fetch_sub(1);
-    return result;
+    return moved;
   }
 
  private:
   std::atomic<std::uint64_t> seq_{0};
   std::atomic<int> waiters_{0};
-  std::mutex mu_;
+  // Guards no member: notify() takes it so that a waiter between its check and its wait cannot
+  // miss the signal (seq_ and waiters_ are atomics).
+  Mutex mu_;
   std::condition_variable cv_;
 };
 

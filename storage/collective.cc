@@ -28,24 +28,25 @@ double Collective::seconds() const {
 }
 
 std::uint64_t Collective::calls() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return calls_;
 }
 
+void Collective::fail_for_good_locked(std::string why) {
+  if (!failure_.empty()) return;
+  failure_ = std::move(why);
+  close_transport(failure_);
+}
+
+CollectiveResult Collective::fail_locked(std::span<std::int64_t> values, std::string why) {
+  std::fill(values.begin(), values.end(), 0);
+  fail_for_good_locked(std::move(why));
+  return CollectiveResult{false, failure_};
+}
+
 CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::string_view tag) {
-  std::lock_guard lock(mu_);
-  // The first failure stays, and closes this rank's side of the group.
-  auto fail_for_good = [&](std::string why) {
-    if (!failure_.empty()) return;
-    failure_ = std::move(why);
-    close_transport(failure_);
-  };
-  auto fail = [&](std::string why) {
-    std::fill(values.begin(), values.end(), 0);
-    fail_for_good(std::move(why));
-    return CollectiveResult{false, failure_};
-  };
-  if (!failure_.empty()) return fail(failure_);
+  MutexLock lock(mu_);
+  if (!failure_.empty()) return fail_locked(values, failure_);
   const std::uint64_t call = calls_++;
   auto where = [&] {
     return str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call, " '",
@@ -77,18 +78,18 @@ CollectiveResult Collective::min_allreduce(std::span<std::int64_t> values, std::
     if (!interrupted_.empty()) interrupted = str_cat("cancelled during the call: ", interrupted_);
   }
   if (!error.empty()) {
-    return fail(str_cat(where(), interrupted.empty() ? error : interrupted));
+    return fail_locked(values, str_cat(where(), interrupted.empty() ? error : interrupted));
   }
   if (!interrupted.empty()) {
     // The reduction completed before the interrupt took effect, so its values are returned. The
     // peers normally got theirs too, but closing the transport now (a hard close, an NCCL abort)
     // may cut off data a peer on another host still needed: that peer then fails its call, and
     // its values are zeros, never a partial result. Later calls here fail.
-    fail_for_good(str_cat(where(), interrupted));
+    fail_for_good_locked(str_cat(where(), interrupted));
   }
   const std::size_t n = values.size();
   if (buffer_[n] != -buffer_[n + 1]) {
-    return fail(str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call,
+    return fail_locked(values, str_cat(name(), " collective, rank ", rank(), " of ", size(), ", call #", call,
                         " '", tag, "': ranks entered different collective calls (divergence)"));
   }
   std::copy_n(buffer_.begin(), n, values.begin());
@@ -143,7 +144,7 @@ std::string GroupFailureNote::read() const {
 }
 
 std::string Collective::failure() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return failure_;
 }
 
@@ -175,12 +176,19 @@ void Collective::resume() {
 struct InProcessGroup::State {
   int size;
   std::chrono::milliseconds timeout;
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  std::uint64_t generation = 0;
-  int arrived = 0;
-  std::vector<std::int64_t> acc, result;
-  std::string broken, divergence;
+  std::uint64_t generation HICACHE_GUARDED_BY(mu) = 0;
+  int arrived HICACHE_GUARDED_BY(mu) = 0;
+  std::vector<std::int64_t> acc HICACHE_GUARDED_BY(mu), result HICACHE_GUARDED_BY(mu);
+  std::string broken HICACHE_GUARDED_BY(mu), divergence HICACHE_GUARDED_BY(mu);
+
+  // Breaks the group for every rank (the first reason stays) and returns the reason.
+  std::string break_group(std::string why) HICACHE_REQUIRES(mu) {
+    if (broken.empty()) broken = std::move(why);
+    cv.notify_all();
+    return broken;
+  }
 };
 
 namespace {
@@ -227,37 +235,30 @@ std::vector<std::unique_ptr<Collective>> InProcessGroup::make_ranks(
 }
 
 std::string InProcessGroup::divergence() const {
-  std::lock_guard lock(state_->mu);
+  MutexLock lock(state_->mu);
   return state_->divergence;
 }
 
 int InProcessGroup::waiting() const {
-  std::lock_guard lock(state_->mu);
+  MutexLock lock(state_->mu);
   return state_->arrived;
 }
 
 void InProcessGroup::interrupt(int rank, const std::string& why) {
   State& s = *state_;
-  std::lock_guard lock(s.mu);
-  if (s.broken.empty()) s.broken = str_cat("rank ", rank, " cancelled its call: ", why);
-  s.cv.notify_all();
+  MutexLock lock(s.mu);
+  s.break_group(str_cat("rank ", rank, " cancelled its call: ", why));
 }
 
 void InProcessGroup::leave(int rank, const std::string& why) {
   State& s = *state_;
-  std::lock_guard lock(s.mu);
-  if (s.broken.empty()) s.broken = str_cat("rank ", rank, "'s collective failed: ", why);
-  s.cv.notify_all();
+  MutexLock lock(s.mu);
+  s.break_group(str_cat("rank ", rank, "'s collective failed: ", why));
 }
 
 std::string InProcessGroup::arrive(int rank, std::span<std::int64_t> buffer) {
   State& s = *state_;
-  std::unique_lock lock(s.mu);
-  auto breaks = [&](std::string why) {
-    if (s.broken.empty()) s.broken = std::move(why);
-    s.cv.notify_all();
-    return s.broken;
-  };
+  MutexLock lock(s.mu);
   if (!s.broken.empty()) return s.broken;
   const std::uint64_t generation = s.generation;
   if (s.arrived == 0) {
@@ -265,7 +266,7 @@ std::string InProcessGroup::arrive(int rank, std::span<std::int64_t> buffer) {
   } else if (s.acc.size() != buffer.size()) {
     s.divergence = str_cat("rank ", rank, " reduces ", buffer.size() - 2,
                            " values while an earlier rank reduces ", s.acc.size() - 2);
-    return breaks(s.divergence);
+    return s.break_group(s.divergence);
   } else {
     for (std::size_t i = 0; i < buffer.size(); ++i) s.acc[i] = std::min(s.acc[i], buffer[i]);
   }
@@ -281,15 +282,16 @@ std::string InProcessGroup::arrive(int rank, std::span<std::int64_t> buffer) {
     std::copy(s.result.begin(), s.result.end(), buffer.begin());
     return {};
   }
-  const bool woke = s.cv.wait_for(lock, s.timeout, [&] {
-    return s.generation != generation || !s.broken.empty();
-  });
+  const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+  while (s.generation == generation && s.broken.empty()) {
+    if (s.mu.wait_until(s.cv, deadline) == std::cv_status::timeout) break;
+  }
   if (s.generation != generation) {
     std::copy(s.result.begin(), s.result.end(), buffer.begin());
     return {};
   }
-  if (woke) return s.broken;
-  return breaks(str_cat("rank ", rank, " waited ", s.timeout.count(), " ms for ",
+  if (!s.broken.empty()) return s.broken;
+  return s.break_group(str_cat("rank ", rank, " waited ", s.timeout.count(), " ms for ",
                         s.size - s.arrived, " other rank(s)"));
 }
 

@@ -26,7 +26,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -97,11 +96,18 @@ class Collective {
   virtual void close_transport(const std::string& why) = 0;
 
  private:
-  mutable std::mutex mu_;  // held through a call
-  std::uint64_t calls_ = 0;
+  // Zeroes `values`, records `why` as the failure for good (the first one stays) and returns
+  // the result that says so.
+  CollectiveResult fail_locked(std::span<std::int64_t> values, std::string why)
+      HICACHE_REQUIRES(mu_);
+  // The first failure stays, and closes this rank's side of the group.
+  void fail_for_good_locked(std::string why) HICACHE_REQUIRES(mu_);
+
+  mutable Mutex mu_;  // held through a call
+  std::uint64_t calls_ HICACHE_GUARDED_BY(mu_) = 0;
   std::atomic<std::int64_t> nanos_{0};
-  std::string failure_;
-  std::vector<std::int64_t> buffer_;
+  std::string failure_ HICACHE_GUARDED_BY(mu_);
+  std::vector<std::int64_t> buffer_ HICACHE_GUARDED_BY(mu_);
 
   // cancel() state, apart from mu_ so that cancel() never waits for the call it ends.
   mutable Mutex cancel_mu_;

@@ -42,13 +42,13 @@ using boost::system::error_code;
 
 void Completion::finish_one() {
   // Notified under the lock: the waiter cannot return (and destroy *this) before we let go.
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (--remaining_ == 0) cv_.notify_all();
 }
 
 void Completion::wait() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return remaining_ == 0; });
+  MutexLock lock(mu_);
+  while (remaining_ != 0) mu_.wait(cv_);
 }
 
 std::size_t bulk_reply_bytes(std::size_t len) {

@@ -31,12 +31,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "storage/storage_backend.h"
+#include "transfer/mutex.h"
 
 namespace boost::asio::ssl {
 class context;
@@ -60,9 +60,9 @@ class Completion {
   void wait();
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::size_t remaining_;  // guarded by mu_
+  std::size_t remaining_ HICACHE_GUARDED_BY(mu_);
 };
 
 enum class Outcome : std::uint8_t {

@@ -4,10 +4,8 @@
 #include <boost/asio/ssl/context.hpp>
 #include <atomic>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <set>
-#include <shared_mutex>
 #include <thread>
 
 #include "storage/json_fields.h"
@@ -16,6 +14,7 @@
 #include "storage/redis_cluster.h"
 #include "storage/redis_connection.h"
 #include "transfer/errors.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -154,13 +153,13 @@ class RedisStorage::Impl {
       : owner_(owner), config_(config), tls_(make_tls_context(config.tls)), io_(config.io_threads) {
     slots_.assign(redis::kClusterSlots, -1);
     read_slots_.assign(redis::kClusterSlots, -1);
-    std::unique_lock lock(map_mu_);
+    WriterLock lock(map_mu_);
     for (const auto& n : config.nodes) node_index_locked(n.host, n.port, /*readonly=*/false);
   }
 
   ~Impl() {
     {
-      std::shared_lock lock(map_mu_);
+      ReaderLock lock(map_mu_);
       for (const auto& node : nodes_) {
         for (const auto& c : node->conns) c->shut_down();
       }
@@ -184,7 +183,7 @@ class RedisStorage::Impl {
   }
 
   std::uint64_t zero_copy_bytes() const {
-    std::shared_lock lock(map_mu_);
+    ReaderLock lock(map_mu_);
     std::uint64_t total = 0;
     for (const auto& node : nodes_) {
       for (const auto& c : node->conns) total += c->spliced_bytes();
@@ -373,7 +372,7 @@ class RedisStorage::Impl {
     std::set<std::size_t> targets;
     if (config_.cluster) {
       refresh_slots();
-      std::shared_lock lock(map_mu_);
+      ReaderLock lock(map_mu_);
       for (std::int32_t s : slots_) {
         if (s >= 0) targets.insert(static_cast<std::size_t>(s));
       }
@@ -449,7 +448,7 @@ class RedisStorage::Impl {
     for (int round = 0;; ++round) {
       bool no_replica = false;  // a read the map names no replica for went to the master
       if (config_.cluster) {
-        std::shared_lock lock(map_mu_);
+        ReaderLock lock(map_mu_);
         for (Request* r : todo) {
           if (!r->asking) r->node = route_locked(*r);
           no_replica = no_replica || (r->replica_ok && read_slots_[r->slot] < 0);
@@ -495,7 +494,7 @@ class RedisStorage::Impl {
           r->asking = false;
           r->replica_ok = false;
           moved = true;
-          std::unique_lock lock(map_mu_);
+          WriterLock lock(map_mu_);
           slots_[redirect->slot] = static_cast<std::int32_t>(target);
         }
         r->reset_outcome();
@@ -504,7 +503,7 @@ class RedisStorage::Impl {
       if (moved) refresh_slots(answered_at);
       if (!failed.empty() && round < kMaxRedirects) {
         if (!moved) refresh_slots(answered_at - kFailureRecheck);
-        std::shared_lock lock(map_mu_);
+        ReaderLock lock(map_mu_);
         for (Request* r : failed) {
           if (route_locked(*r) == r->node && !r->asking) continue;  // nowhere else to go
           r->asking = false;
@@ -523,13 +522,13 @@ class RedisStorage::Impl {
     const bool refused = r.outcome == Outcome::kServerError &&
                          (r.text.starts_with("LOADING") || r.text.starts_with("MASTERDOWN"));
     if (!refused && !connection_failed(r)) return false;
-    std::shared_lock lock(map_mu_);
+    ReaderLock lock(map_mu_);
     return nodes_[r.node]->readonly;
   }
 
   // The node a request goes to: a replica of its slot when it may and one is known, else the
-  // slot's master (the first seed while the map is unknown). REQUIRES: map_mu_ held.
-  std::size_t route_locked(const Request& r) const {
+  // slot's master (the first seed while the map is unknown).
+  std::size_t route_locked(const Request& r) const HICACHE_REQUIRES_SHARED(map_mu_) {
     if (r.replica_ok && read_slots_[r.slot] >= 0) {
       return static_cast<std::size_t>(read_slots_[r.slot]);
     }
@@ -560,7 +559,7 @@ class RedisStorage::Impl {
     std::vector<Part> parts;
     {
       // Nodes and their connections are never removed: the pointers outlive the lock.
-      std::shared_lock lock(map_mu_);
+      ReaderLock lock(map_mu_);
       for (std::size_t n = 0; n < per_node.size(); ++n) {
         if (!per_node[n].empty()) split_over_connections(*nodes_[n], per_node[n], parts);
       }
@@ -640,7 +639,7 @@ class RedisStorage::Impl {
   }
 
   std::size_t known_nodes() {
-    std::shared_lock lock(map_mu_);
+    ReaderLock lock(map_mu_);
     return nodes_.size();
   }
 
@@ -654,12 +653,12 @@ class RedisStorage::Impl {
   }
 
   redis::HostPort endpoint_of(std::size_t node) {
-    std::shared_lock lock(map_mu_);
+    ReaderLock lock(map_mu_);
     return nodes_[node]->address;
   }
 
   std::string host_of(std::size_t node) {
-    std::shared_lock lock(map_mu_);
+    ReaderLock lock(map_mu_);
     return nodes_[node]->address.host;
   }
 
@@ -667,16 +666,16 @@ class RedisStorage::Impl {
   // (their handshake sends READONLY), kept apart from a master's at the same address.
   std::size_t node_index(const std::string& host, std::uint16_t port, bool readonly = false) {
     {
-      std::shared_lock lock(map_mu_);
+      ReaderLock lock(map_mu_);
       if (const auto i = find_node_locked(host, port, readonly)) return *i;
     }
-    std::unique_lock lock(map_mu_);
+    WriterLock lock(map_mu_);
     return node_index_locked(host, port, readonly);
   }
 
-  // REQUIRES: map_mu_ held.
   std::optional<std::size_t> find_node_locked(const std::string& host, std::uint16_t port,
-                                              bool readonly) const {
+                                              bool readonly) const
+      HICACHE_REQUIRES_SHARED(map_mu_) {
     for (std::size_t i = 0; i < nodes_.size(); ++i) {
       const Node& n = *nodes_[i];
       if (n.address.host == host && n.address.port == port && n.readonly == readonly) return i;
@@ -684,8 +683,8 @@ class RedisStorage::Impl {
     return std::nullopt;
   }
 
-  // REQUIRES: map_mu_ held exclusively.
-  std::size_t node_index_locked(const std::string& host, std::uint16_t port, bool readonly) {
+  std::size_t node_index_locked(const std::string& host, std::uint16_t port, bool readonly)
+      HICACHE_REQUIRES(map_mu_) {
     if (const auto i = find_node_locked(host, port, readonly)) return *i;
     auto node = std::make_unique<Node>();
     node->address = {host, port};
@@ -716,7 +715,7 @@ class RedisStorage::Impl {
   // it ask, less how stale a map it accepts), that map stands and this call returns at once: a
   // failover's failed batches ask once, not once each.
   void refresh_slots(std::optional<Clock::time_point> not_before = std::nullopt) {
-    std::lock_guard refresh(refresh_mu_);
+    MutexLock refresh(refresh_mu_);
     if (not_before && last_refresh_ >= *not_before) return;
     ++owner_.counters_.topology_refreshes;
     last_refresh_ = Clock::now();
@@ -729,7 +728,7 @@ class RedisStorage::Impl {
       if (ranges.empty()) continue;
       const std::string asked = host_of(n);
       auto host = [&](const redis::HostPort& hp) { return hp.host.empty() ? asked : hp.host; };
-      std::unique_lock lock(map_mu_);
+      WriterLock lock(map_mu_);
       std::fill(slots_.begin(), slots_.end(), -1);
       std::fill(read_slots_.begin(), read_slots_.end(), -1);
       for (std::size_t i = 0; i < ranges.size(); ++i) {
@@ -782,16 +781,17 @@ class RedisStorage::Impl {
   const RedisConfig& config_;
   std::shared_ptr<boost::asio::ssl::context> tls_;
   redis::IoThreads io_;  // before the nodes: stopped explicitly, destroyed after them
-  std::mutex refresh_mu_;
-  mutable std::shared_mutex map_mu_;
+  Mutex refresh_mu_;  // one refresh at a time; taken before map_mu_
+  mutable SharedMutex map_mu_;
   // batch_set: the share of keys recent batches found already stored, in permille (see set()).
   // Concurrent batches may lose each other's updates; it is an estimate either way.
   static constexpr int kProbeAbovePermille = 62;  // about 1 key in 16
   std::atomic<int> stored_permille_{0};
-  std::vector<std::unique_ptr<Node>> nodes_;  // guarded by map_mu_; append-only, Nodes stable
-  std::vector<std::int32_t> slots_;           // guarded by map_mu_; slot -> node, -1 unknown
-  std::vector<std::int32_t> read_slots_;      // guarded by map_mu_; slot -> replica, -1 none
-  Clock::time_point last_refresh_{};  // guarded by refresh_mu_; when the last refresh started
+  // Append-only: a Node stays where it is for the store's life.
+  std::vector<std::unique_ptr<Node>> nodes_ HICACHE_GUARDED_BY(map_mu_);
+  std::vector<std::int32_t> slots_ HICACHE_GUARDED_BY(map_mu_);       // slot -> node, -1 unknown
+  std::vector<std::int32_t> read_slots_ HICACHE_GUARDED_BY(map_mu_);  // slot -> replica, -1 none
+  Clock::time_point last_refresh_ HICACHE_GUARDED_BY(refresh_mu_){};  // when the last refresh started
   // How stale a map is accepted: while reads find no replica listed, and while a node fails (an
   // outage's failed batches do not each cost a CLUSTER SLOTS; a promotion is still seen within
   // this long).

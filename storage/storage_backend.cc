@@ -4,11 +4,11 @@
 
 #include <condition_variable>
 #include <exception>
-#include <mutex>
 #include <unordered_map>
 
 #include "storage/page_key.h"
 #include "transfer/errors.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -37,15 +37,33 @@ std::string StorageStats::to_json() const {
 }
 
 // Keys some batch of this process is storing right now, with the outcome once known.
+// The keys batch_set is writing now, so that a second writer of a key waits for the first
+// instead of writing the same record again.
 class StorageBackend::Inflight {
  public:
+  // One key's write: set once by its writer, waited for by the others.
   struct Slot {
-    bool done = false;
-    IoResult result;
+    Mutex mu;
+    std::condition_variable cv;
+    bool done HICACHE_GUARDED_BY(mu) = false;
+    IoResult result HICACHE_GUARDED_BY(mu);
+
+    void finish(const IoResult& r) {
+      {
+        MutexLock lock(mu);
+        result = r;
+        done = true;
+      }
+      cv.notify_all();
+    }
+    IoResult wait() {
+      MutexLock lock(mu);
+      while (!done) mu.wait(cv);
+      return result;
+    }
   };
-  std::mutex mu;
-  std::condition_variable cv;
-  std::unordered_map<std::string, std::shared_ptr<Slot>> slots;
+  Mutex mu;
+  std::unordered_map<std::string, std::shared_ptr<Slot>> slots HICACHE_GUARDED_BY(mu);
 };
 
 StorageBackend::StorageBackend() : inflight_(std::make_unique<Inflight>()) {}
@@ -109,7 +127,7 @@ std::vector<IoResult> StorageBackend::batch_set(std::span<const std::string> key
   mine.reserve(n);
   std::vector<std::shared_ptr<Inflight::Slot>> my_slots;
   {
-    std::lock_guard lock(inflight_->mu);
+    MutexLock lock(inflight_->mu);
     std::unordered_map<std::string_view, std::size_t> first;
     for (std::size_t i = 0; i < n; ++i) {
       if (auto [it, fresh] = first.try_emplace(keys[i], i); !fresh) {
@@ -150,22 +168,18 @@ std::vector<IoResult> StorageBackend::batch_set(std::span<const std::string> key
                                                         written.size(), " results")));
   }
   {
-    std::lock_guard lock(inflight_->mu);
-    for (std::size_t m = 0; m < mine.size(); ++m) {
-      results[mine[m]] = written[m];
-      my_slots[m]->result = written[m];
-      my_slots[m]->done = true;
-      inflight_->slots.erase(keys[mine[m]]);
-    }
+    MutexLock lock(inflight_->mu);
+    for (std::size_t m = 0; m < mine.size(); ++m) inflight_->slots.erase(keys[mine[m]]);
   }
-  inflight_->cv.notify_all();
+  for (std::size_t m = 0; m < mine.size(); ++m) {
+    results[mine[m]] = written[m];
+    my_slots[m]->finish(written[m]);
+  }
 
   counters_.sets += n;
   for (std::size_t i = 0; i < n; ++i) {
     if (theirs[i]) {
-      std::unique_lock lock(inflight_->mu);
-      inflight_->cv.wait(lock, [&] { return theirs[i]->done; });
-      results[i] = theirs[i]->result;
+      results[i] = theirs[i]->wait();
       if (results[i].is_ok()) ++counters_.set_deduplicated;
     } else if (same_as[i] != n) {
       results[i] = results[same_as[i]];

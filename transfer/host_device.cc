@@ -262,7 +262,7 @@ std::unique_ptr<Stream> HostDevice::wrap_stream(void* native) {
 std::unique_ptr<Stream> HostDevice::create_stream() {
   auto state = std::make_shared<host_backend::StreamState>();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::erase_if(streams_, [](const auto& weak) { return weak.expired(); });
     streams_.push_back(state);
   }
@@ -276,7 +276,7 @@ std::unique_ptr<Event> HostDevice::create_event() {
 void HostDevice::synchronize() {
   std::vector<std::shared_ptr<host_backend::StreamState>> live;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     for (const auto& weak : streams_) {
       if (auto state = weak.lock()) live.push_back(std::move(state));
     }

@@ -4,10 +4,10 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "transfer/device.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -31,9 +31,9 @@ class HostDevice final : public Device {
   void synchronize() override;
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   // States of the streams created so far; expired entries are pruned on create_stream().
-  std::vector<std::weak_ptr<host_backend::StreamState>> streams_;
+  std::vector<std::weak_ptr<host_backend::StreamState>> streams_ HICACHE_GUARDED_BY(mu_);
 };
 
 }  // namespace hicache

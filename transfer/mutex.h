@@ -1,4 +1,5 @@
-// Mutex, MutexLock, UniqueLock: std::mutex with the thread-safety annotations of
+// Mutex, MutexLock, UniqueLock (and SharedMutex, ReaderLock, WriterLock over std::shared_mutex):
+// std::mutex with the thread-safety annotations of
 // transfer/thread_annotations.h, so that clang's -Wthread-safety checks every access to the
 // members a Mutex guards (libstdc++'s std::mutex and std::lock_guard carry no annotations).
 //
@@ -32,6 +33,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <shared_mutex>
 
 #include "transfer/thread_annotations.h"
 
@@ -110,6 +112,48 @@ class HICACHE_SCOPED_CAPABILITY UniqueLock {
  private:
   Mutex& mu_;
   bool held_ = true;
+};
+
+// A reader-writer lock: many readers (ReaderLock) or one writer (WriterLock). A member
+// HICACHE_GUARDED_BY a SharedMutex may be read under either lock and written only under the
+// writer's; a function that only reads names it in HICACHE_REQUIRES_SHARED.
+class HICACHE_CAPABILITY("shared mutex") SharedMutex {
+ public:
+  SharedMutex() = default;
+  SharedMutex(const SharedMutex&) = delete;
+  SharedMutex& operator=(const SharedMutex&) = delete;
+
+  void lock() HICACHE_ACQUIRE() { mu_.lock(); }
+  void unlock() HICACHE_RELEASE() { mu_.unlock(); }
+  void lock_shared() HICACHE_ACQUIRE_SHARED() { mu_.lock_shared(); }
+  void unlock_shared() HICACHE_RELEASE_SHARED() { mu_.unlock_shared(); }
+
+ private:
+  std::shared_mutex mu_;
+};
+
+// Holds a SharedMutex shared (as a reader) for its scope (std::shared_lock).
+class HICACHE_SCOPED_CAPABILITY ReaderLock {
+ public:
+  explicit ReaderLock(SharedMutex& mu) HICACHE_ACQUIRE_SHARED(mu) : mu_(mu) { mu_.lock_shared(); }
+  ~ReaderLock() HICACHE_RELEASE() { mu_.unlock_shared(); }
+  ReaderLock(const ReaderLock&) = delete;
+  ReaderLock& operator=(const ReaderLock&) = delete;
+
+ private:
+  SharedMutex& mu_;
+};
+
+// Holds a SharedMutex exclusively (as the writer) for its scope (std::unique_lock).
+class HICACHE_SCOPED_CAPABILITY WriterLock {
+ public:
+  explicit WriterLock(SharedMutex& mu) HICACHE_ACQUIRE(mu) : mu_(mu) { mu_.lock(); }
+  ~WriterLock() HICACHE_RELEASE() { mu_.unlock(); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  SharedMutex& mu_;
 };
 
 }  // namespace hicache

@@ -47,6 +47,9 @@
 
 // On a function: called only with these capabilities held; they are still held on return.
 #define HICACHE_REQUIRES(...) HICACHE_THREAD_ANNOTATION_(requires_capability(__VA_ARGS__))
+// As HICACHE_REQUIRES, for a capability held at least shared (a reader's lock).
+#define HICACHE_REQUIRES_SHARED(...) \
+  HICACHE_THREAD_ANNOTATION_(requires_shared_capability(__VA_ARGS__))
 // On a function: called only with these capabilities not held (it takes them itself).
 #define HICACHE_EXCLUDES(...) HICACHE_THREAD_ANNOTATION_(locks_excluded(__VA_ARGS__))
 // On a function: acquires these capabilities (none named: the object it is called on) and
@@ -54,6 +57,12 @@
 #define HICACHE_ACQUIRE(...) HICACHE_THREAD_ANNOTATION_(acquire_capability(__VA_ARGS__))
 // On a function: releases these capabilities (none named: the object it is called on).
 #define HICACHE_RELEASE(...) HICACHE_THREAD_ANNOTATION_(release_capability(__VA_ARGS__))
+// As HICACHE_ACQUIRE, shared (a reader's lock).
+#define HICACHE_ACQUIRE_SHARED(...) \
+  HICACHE_THREAD_ANNOTATION_(acquire_shared_capability(__VA_ARGS__))
+// As HICACHE_RELEASE, for a capability held shared.
+#define HICACHE_RELEASE_SHARED(...) \
+  HICACHE_THREAD_ANNOTATION_(release_shared_capability(__VA_ARGS__))
 // On a function returning bool: acquires the capabilities when it returns the first argument
 // (HICACHE_TRY_ACQUIRE(true): a try_lock).
 #define HICACHE_TRY_ACQUIRE(...) HICACHE_THREAD_ANNOTATION_(try_acquire_capability(__VA_ARGS__))
