@@ -5,8 +5,20 @@ set -euo pipefail
 build=${1:?build dir} work=${2:?work dir} src=${3:?consumer source}
 rm -rf "$work" && mkdir -p "$work"
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
+
+# The installed headers are exactly the public ones and what they include (internal headers are
+# not installed), and each public header compiles against the prefix alone.
+installed=$(cd "$work/prefix/include/hicache" && find . -name '*.h' -o -name '*.cuh' | sed 's|^\./||' | sort)
+expected=$(sort "$build/hicache_installed_headers.txt" | sed '/^$/d')
+if [ "$installed" != "$expected" ]; then
+  echo "installed headers differ from the public surface (< installed, > expected):" >&2
+  diff <(echo "$installed") <(echo "$expected") >&2 || true
+  exit 1
+fi
+sed '/^$/d; s|.*|#include "hicache/&"|' "$build/hicache_public_headers.txt" >"$work/public_headers.cc"
+
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
-  -DCMAKE_BUILD_RPATH="$work/prefix/lib" >/dev/null
+  -DCMAKE_BUILD_RPATH="$work/prefix/lib" -DHICACHE_PUBLIC_HEADERS_TU="$work/public_headers.cc" >/dev/null
 cmake --build "$work/build" >/dev/null
 cat >"$work/hicache.json" <<JSON
 {"device": "host", "page_size": 16, "device_tokens": 512,
