@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Fails when a file of a lower layer includes a header of a higher one (docs/architecture.md):
-#   kernels < transfer < pools < storage < controller < tools
+#   kernels < transfer < pools < storage < controller < tools < python
+# and, inside the Python package (python/hicache), when an import points up or across:
+#   the core (every module whose name does not start with an engine's) imports no engine
+#   adapter (sglang*, vllm*, lmcache*), and an engine's adapter imports no other engine's.
 set -euo pipefail
 root=${1:?usage: layering_check.sh PROJECT_ROOT}
-layers=(kernels transfer pools storage controller tools)
+layers=(kernels transfer pools storage controller tools python)
 status=0
 for i in "${!layers[@]}"; do
   layer=${layers[$i]}
@@ -18,5 +21,48 @@ for i in "${!layers[@]}"; do
     fi
   done
 done
-[ $status -eq 0 ] && echo "layering ok: ${layers[*]}"
+
+if [ -d "$root/python/hicache" ]; then
+  python3 - "$root/python/hicache" <<'PY' || status=1
+import ast, pathlib, sys
+pkg = pathlib.Path(sys.argv[1])
+engines = ("sglang", "vllm", "lmcache")
+def engine_of(rel):  # the engine a module belongs to, or None for the core
+    first = rel.parts[0]
+    return next((e for e in engines if first.startswith(e)), None)
+def imported(path, rel):
+    """Top-level names inside the package that the module imports (relative or absolute)."""
+    here = list(rel.parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "hicache" and len(parts) > 1:
+                    yield parts[1]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "hicache":
+                mod = node.module.split(".")[1:]
+            else:
+                continue
+            if mod:
+                yield mod[0]
+            else:  # from . import x, y
+                for a in node.names:
+                    yield a.name
+bad = 0
+for path in sorted(pkg.rglob("*.py")):
+    rel = path.relative_to(pkg)
+    mine = engine_of(rel)
+    for name in imported(path, rel):
+        theirs = next((e for e in engines if name.startswith(e)), None)
+        if theirs and theirs != mine:
+            print(f"layer violation: python/hicache/{rel} ({mine or 'core'}) imports {name} ({theirs})")
+            bad = 1
+sys.exit(bad)
+PY
+fi
+[ $status -eq 0 ] && echo "layering ok: ${layers[*]}; python package: core < engine adapters"
 exit $status
