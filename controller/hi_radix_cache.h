@@ -46,19 +46,26 @@
 #include <vector>
 
 #include "controller/hicache_controller.h"
+#include "controller/radix/events.h"
+#include "controller/radix/eviction_policy.h"
 #include "controller/storage_controller.h"
-#include "storage/page_key.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
+#include "storage/page_key.h"
 
 namespace hicache {
 
-// Which unlocked node eviction takes first: least recently used, or least frequently used
-// (fewest hits, then least recently used), as SGLang's --radix-eviction-policy.
-enum class EvictionPolicy { kLru, kLfu };
-// "lru" or "lfu"; anything else throws InvalidArgument naming it and the valid ones.
-EvictionPolicy parse_eviction_policy(std::string_view name);
-std::string_view to_string(EvictionPolicy policy);
+namespace radix {
+struct Node;
+class Tree;
+class EvictionIndex;
+class GhostSet;
+struct PendingOps;
+struct ArrivedAcks;
+class Agreement;
+class CostRule;
+class L3Paths;
+}  // namespace radix
 
 struct RadixCacheConfig {
   // false: a device-only prefix cache (no hierarchy; the baseline hicache-bench --compare
@@ -66,8 +73,8 @@ struct RadixCacheConfig {
   // absent then.
   bool host_tier = true;
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
-  std::int32_t write_through_threshold = 2;  // hits before a selective write
-  std::int64_t load_back_min_tokens = 0;     // smaller host hits are recomputed (0: one page)
+  std::int32_t write_through_threshold = 2;               // hits before a selective write
+  std::int64_t load_back_min_tokens = 0;  // smaller host hits are recomputed (0: one page)
   // Cost-aware tiers: the engine's cost of recomputing one token (prefill, all layers), in
   // seconds. When > 0, load_back refuses a host hit whose predicted copy time (its bytes over
   // the host -> device bandwidth the controller measured so far) exceeds recomputing it, and
@@ -93,19 +100,19 @@ struct RadixCacheConfig {
 
 struct RadixCacheStats {
   std::int64_t nodes = 0;
-  std::int64_t device_tokens = 0;       // tokens whose KV the tree holds on the device
+  std::int64_t device_tokens = 0;  // tokens whose KV the tree holds on the device
   // Of those, the ones in nodes no request holds and no copy is in flight for: what
   // evict_device can free (at once, or on a write's ack; SGLang's evictable_size). A scheduler
   // weighs free + evictable before it admits, so it never evicts for a request it then defers.
   std::int64_t evictable_device_tokens = 0;
-  std::int64_t host_tokens = 0;         // ... on the host
-  std::int64_t writes_in_flight = 0;    // nodes
-  std::int64_t loads_in_flight = 0;     // nodes
+  std::int64_t host_tokens = 0;       // ... on the host
+  std::int64_t writes_in_flight = 0;  // nodes
+  std::int64_t loads_in_flight = 0;   // nodes
   std::int64_t write_failures = 0, load_failures = 0;
   std::int64_t evicted_device_tokens = 0, evicted_host_tokens = 0;
   std::int64_t loaded_back_tokens = 0;
-  std::int64_t stored_tokens = 0;        // tokens of tree nodes known to be in L3
-  std::int64_t backups_in_flight = 0;    // nodes
+  std::int64_t stored_tokens = 0;      // tokens of tree nodes known to be in L3
+  std::int64_t backups_in_flight = 0;  // nodes
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
   // Cost-aware load back: refusals, and the inputs of the last decision.
@@ -118,7 +125,7 @@ struct RadixCacheStats {
 
 class HiRadixCache {
  public:
-  struct Node;  // opaque to callers
+  using Node = radix::Node;  // opaque to callers: pass back what the cache handed out
 
   struct MatchResult {
     std::vector<std::int64_t> device_slots;  // KV of the device-resident prefix
@@ -222,9 +229,9 @@ class HiRadixCache {
 
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
   // right after it). When the host pool has less free than that, host-only pages are evicted
-  // first (LRU/LFU) to make room. `node` stays locked until the prefetch ends. False when there is no storage,
-  // nothing to fetch, or the request id is in use. `identity` is the request's (it matters
-  // when `node` is the root: deeper nodes carry theirs).
+  // first (LRU/LFU) to make room. `node` stays locked until the prefetch ends. False when there is
+  // no storage, nothing to fetch, or the request id is in use. `identity` is the request's (it
+  // matters when `node` is the root: deeper nodes carry theirs).
   bool prefetch_from_storage(const std::string& request_id, Node* node,
                              std::span<const std::int32_t> tokens, std::string_view identity = {});
   // True once the request's prefetch is over (its pages are in the tree, or it was revoked);
@@ -275,47 +282,28 @@ class HiRadixCache {
   std::string describe() const;
 
  private:
+  // The rooms (controller/radix/): the tree's structure, the eviction order and index, the
+  // ghosts of evicted pages, the ops in flight and the acks that arrived, the TP agreement and
+  // the cost rule, the L3 paths. This class coordinates them: tier policy (write-through and
+  // write-back, load back, demotion), locks, acks, metrics.
+  class L3Hooks;  // what the L3 paths ask of the cache (radix::L3Paths::Cache)
+
+  // Tree::split with the tiers divided (slots, digests, stored pages, ops in flight) and both
+  // halves refreshed.
   Node* split(Node* node, std::size_t tokens);
-  // A new child of `parent` holding `key` (no KV yet), with its page digests.
+  // Tree::add_leaf with its digests set and the index refreshed (no KV yet).
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key, std::string_view identity);
-  // Sets the node's access time (its place in the eviction order, applied lazily).
-  void touch(Node* node);
-  // The node's place in the eviction order: (hits under LFU else 0, last access, id).
-  std::tuple<std::int64_t, std::uint64_t, NodeId> evict_key(const Node* node) const;
-  // The first node eviction takes from the tier's index (re-keying stale entries on the way);
-  // null when there is none.
-  Node* next_victim(bool device);
-  // Brings the eviction indexes and the running totals up to date with `node` (and its parent's
-  // count of children on the device). Every change to a node's tiers, lock, ops in flight,
-  // access time, hits or children is followed by it; check_invariants() checks that none was
-  // missed.
+  // The eviction index's refresh(): every change to a node's tiers, lock, ops in flight, hits
+  // or children is followed by it; check_invariants() checks that none was missed.
   void refresh(Node* node);
-  // Takes `node` out of the indexes and the totals, before it leaves the tree or is split.
-  void forget(Node* node);
-  // fn(node) for every node but the root, each parent before its children.
-  template <typename Fn>
-  void for_each_node(Fn&& fn);
+  // Writes a device-only node to the host (the controller's write queue); nothing when the
+  // host or the queue is full.
   void write_node(Node* node);
   void drop_device(Node* node);
+  // Takes a leaf without KV out of the tree, remembering its pages as evicted.
   void remove_leaf(Node* node);
-  // `identity` counts only under the root.
-  Node* child_of(Node* node, std::span<const std::int32_t> page, std::string_view identity) const;
-  // The key of the edge to a child of `parent` that starts with `page` in `parent`'s map.
-  std::uint64_t edge_of(const Node* parent, std::string_view identity,
-                        std::span<const std::int32_t> page) const;
-  // The ghost's name for `parent` as the parent of an edge (the root: per identity).
-  std::uint64_t ghost_parent(const Node* parent, std::string_view identity) const;
-  // Tokens (whole pages) that `child`'s key shares with the start of `tokens`.
-  std::size_t common_tokens(const Node* child, std::span<const std::int32_t> tokens) const;
-  void set_digests(Node* node);
-  void backup_node(Node* node);
-  // Terminates the request's prefetch (storage's terminate_prefetch, with `agreed_pages` when
-  // the ranks agreed on the completed pages already) and inserts what it fetched, or frees it
-  // all when `aborted`; a revoked one is counted.
-  void finish_prefetch(const std::string& request_id, bool aborted,
-                       std::optional<std::int64_t> agreed_pages);
   // Apply an ack given the agreed (worst over the ranks) and this rank's values, encoded as in
-  // Arrived (hi_radix_cache.cc).
+  // radix::ArrivedAcks.
   void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
   void apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local);
   void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local);
@@ -324,27 +312,11 @@ class HiRadixCache {
   void demote();
   // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token).
   bool load_back_pays(std::int64_t tokens);
-  // `local` when there is no TP collective (or it failed for good), else true only when it is
-  // true on every rank (one min-reduction under `tag`).
+  // `local` with no TP collective (or one failed for good), else true only when it is true on
+  // every rank (one min-reduction under `tag`).
   bool all_ranks(bool local, const char* tag);
-  // The ranks agree through check_events: a TP collective that has not failed.
-  bool agreeing() const;
-  // True when moving `tokens` at `bytes_per_second` (kUnmeasured: true) takes no longer than
-  // recomputing them; records the inputs.
-  bool moving_pays(std::int64_t tokens, std::int64_t bytes_per_second, double* gbps,
-                   double* estimate_s);
-  // The bandwidths the cost rule weighs, in bytes per second (kUnmeasured until a first
-  // transfer): this rank's own; TP ranks go by the slowest rank's, as of the last reduction.
+  // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
   std::int64_t local_load_bps() const;
-  std::int64_t local_prefetch_bps() const;
-  std::int64_t load_bps() const;
-  std::int64_t prefetch_bps() const;
-  static constexpr std::int64_t kUnmeasured = std::numeric_limits<std::int64_t>::max();
-  static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
-  // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
-  // copies are freed. Returns the tokens added.
-  std::int64_t insert_host(Node* node, std::span<const std::int32_t> tokens,
-                           std::span<const std::int64_t> host_slots, std::string_view identity);
 
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;
@@ -352,41 +324,20 @@ class HiRadixCache {
   RadixCacheConfig config_;
   std::int32_t page_size_;
   WritePolicy policy_;
-  std::unique_ptr<Node> root_;
-  std::int64_t next_id_ = 1;
-  std::uint64_t clock_ = 0;
-  struct Pending;
-  std::unique_ptr<Pending> pending_;
-  struct Arrived;
-  std::unique_ptr<Arrived> arrived_;
-  struct Ghost;  // pages that left the tree, for the "evicted" miss reason
-  std::unique_ptr<Ghost> ghost_;
-  struct Index;  // eviction candidates per tier in eviction order; running totals
-  std::unique_ptr<Index> index_;
-  RadixCacheStats counters_;  // the estimates; the event counts are in events_
-  // What happened, counted where it happens (the main loop) and read by a scrape on any
-  // thread.
-  struct Events {
-    Counter demotions, evicted_device_tokens, evicted_host_tokens, load_backs_refused_by_cost,
-        load_failures, loaded_back_tokens, prefetched_tokens, prefetches_refused_by_cost, resets,
-        revoked_prefetches, tp_failures, write_failures, matched_device_tokens,
-        matched_host_tokens, unmatched_tokens;
-    // hicache_misses_total, in tokens, by reason (the counts above are ops)
-    Counter miss_evicted_tokens, miss_load_refused_tokens, miss_prefetch_refused_tokens,
-        miss_revoked_tokens, miss_load_failed_tokens;
-  };
-  Events events_;
+  std::unique_ptr<radix::Tree> tree_;
+  std::unique_ptr<radix::EvictionIndex> index_;
+  std::unique_ptr<radix::GhostSet> ghost_;  // pages that left the tree: the "evicted" misses
+  std::unique_ptr<radix::PendingOps> pending_;
+  std::unique_ptr<radix::ArrivedAcks> arrived_;
+  std::unique_ptr<radix::Agreement> agreement_;
+  std::unique_ptr<radix::CostRule> cost_;
+  std::unique_ptr<L3Hooks> l3_hooks_;
+  std::unique_ptr<radix::L3Paths> l3_;
+  // What happened, counted where it happens (the main loop) and read by a scrape on any thread.
+  radix::CacheEvents events_;
   Gauge device_used_tokens_;
-  MetricsScope metrics_;  // after what it registers: it goes first
+  MetricsScope metrics_;   // after what it registers: it goes first
   std::vector<Ack> acks_;  // reused
-  StorageController* storage_;
-  std::unique_ptr<PageKeyer> keyer_;
-  std::vector<BackupAck> backup_acks_;  // reused
-  std::vector<std::string> revoked_;    // reused
-  Collective* tp_;
-  std::vector<std::int64_t> agree_buffer_;  // reused
-  std::int64_t agreed_load_bps_ = kUnmeasured, agreed_prefetch_bps_ = kUnmeasured;
-  std::int64_t prefetch_reserved_tokens_ = 0;  // host tokens held by prefetches in flight
 };
 
 }  // namespace hicache

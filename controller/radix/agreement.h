@@ -1,0 +1,159 @@
+// How HiRadixCache's TP ranks agree, and what they agree on: the ops in flight (PendingOps),
+// the acks that arrived on this rank (ArrivedAcks), the step's one collective (Agreement), and
+// the cost rule that weighs moving KV against recomputing it (CostRule).
+//
+// The rule (docs/architecture.md, "Tensor parallelism"): every change to the tree comes from
+// values all ranks agreed on, so the trees stay identical. The ranks run the same ops in the
+// same order, so their pending ops carry the same ids; once per step, for the oldest
+// kAgreeSlots ops of each kind, every rank says what arrived (0: not yet), and only what arrived
+// everywhere is applied, with the worst rank's outcome. The same min-reduction carries, per
+// prefetch, whether this rank's policy lets it terminate and the pages it completed, and the
+// bandwidths the cost rule weighs. Nothing pending: no reduction (every rank skips it alike).
+//
+// Not thread-safe: the engine's main loop owns them.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "controller/radix/node.h"
+#include "controller/storage_controller.h"
+#include "storage/collective.h"
+
+namespace hicache::radix {
+
+// Ops in flight: the node that holds the op's lock, and every node the op covers (a split adds
+// the new upper part).
+struct PendingOps {
+  struct Op {
+    Node* holder = nullptr;
+    std::vector<Node*> nodes;
+  };
+  std::unordered_map<NodeId, Op> writes, loads, backups;
+  // Backups in flight when the store was cleared: whatever they complete counts as nothing.
+  std::unordered_set<NodeId> forgotten_backups;
+  struct Prefetch {
+    std::shared_ptr<PrefetchOperation> op;
+    Node* node = nullptr;  // locked while the prefetch lasts
+    std::vector<std::int32_t> tokens;
+    std::string identity;
+    std::int64_t reserved = 0;  // host tokens reserved for it
+    // TP: what the last check_events agreed (whether every rank's policy lets it terminate, and
+    // the pages every rank had completed then).
+    bool agreed_ready = false;
+    std::int64_t agreed_pages = 0;
+  };
+  std::unordered_map<std::string, Prefetch> prefetches;
+  // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each
+  // added to the tree, until check_prefetch_progress or release_aborted_request takes them.
+  std::unordered_map<std::string, std::int64_t> inserted;
+
+  // Removes and returns the op an ack names (nothing for an op this cache did not start).
+  static std::optional<Op> take(std::unordered_map<NodeId, Op>& ops, NodeId id);
+  // No write, load, backup or prefetch in flight.
+  bool idle() const {
+    return writes.empty() && loads.empty() && backups.empty() && prefetches.empty();
+  }
+};
+
+// Acks that arrived on this rank and are not applied yet (TP: not yet agreed), each already
+// encoded as the value the ranks min-reduce (never 0, which means "not arrived"): writes and
+// loads kOk or kFailed, backups completed tokens + 1.
+struct ArrivedAcks {
+  static constexpr std::int64_t kFailed = 1, kOk = 2;
+  static std::int64_t outcome(bool ok) { return ok ? kOk : kFailed; }
+  std::unordered_map<NodeId, std::int64_t> writes, loads, backups;
+  std::unordered_set<std::string> revoked;  // prefetch request ids
+};
+
+// The cost rule (RadixCacheConfig::recompute_seconds_per_token): move KV only when moving it
+// takes no longer than recomputing it, at a bandwidth measured so far.
+class CostRule {
+ public:
+  static constexpr std::int64_t kUnmeasured = std::numeric_limits<std::int64_t>::max();
+  enum class Move { kLoad, kPrefetch };  // host -> device, L3 -> host
+  // The inputs of the last decision of each kind (RadixCacheStats reports them).
+  struct Inputs {
+    double measured_load_gbps = 0, last_load_estimate_s = 0;
+    double measured_prefetch_gbps = 0, last_prefetch_estimate_s = 0;
+    double last_recompute_estimate_s = 0;
+  };
+
+  // `token_bytes`: the KV of one token over all layers. Off when recompute_seconds_per_token
+  // is 0.
+  CostRule(double recompute_seconds_per_token, std::int64_t token_bytes)
+      : recompute_seconds_per_token_(recompute_seconds_per_token), token_bytes_(token_bytes) {}
+  bool on() const { return recompute_seconds_per_token_ > 0; }
+  // True when moving `tokens` at `bytes_per_second` takes no longer than recomputing them, and
+  // when the bandwidth is kUnmeasured (nothing recorded then); records the decision's inputs.
+  bool moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second);
+  const Inputs& inputs() const { return inputs_; }
+  // bytes / seconds as whole bytes per second (at least 1), or kUnmeasured before a transfer.
+  static std::int64_t rate(double bytes, double seconds);
+
+ private:
+  double recompute_seconds_per_token_;
+  std::int64_t token_bytes_;
+  Inputs inputs_;
+};
+
+class Agreement {
+ public:
+  static constexpr std::size_t kAgreeSlots = 64;  // ops of each kind agreed per step
+
+  // `tp`: the main loop's collective, or null (one rank). Not owned; outlives this.
+  explicit Agreement(Collective* tp) : tp_(tp) {}
+
+  // The ranks agree: a TP collective that has not failed.
+  bool agreeing() const { return tp_ != nullptr && tp_->failure().empty(); }
+  // More than one rank, and agreeing: each check_events() is a collective every rank joins.
+  bool lockstep() const { return tp_ != nullptr && tp_->size() > 1 && tp_->failure().empty(); }
+  // `local` when not agreeing, else true only when it is true on every rank (one min-reduction
+  // under `tag`). A failed reduction sets *failed and answers `local` (each rank goes alone).
+  bool on_every_rank(bool local, const char* tag, bool* failed);
+
+  // What the step's reduction decided, in the order to apply it (ids ascending per kind).
+  struct Step {
+    struct Ack {
+      NodeId id;
+      std::int64_t agreed, local;  // the worst rank's and this rank's value (ArrivedAcks)
+    };
+    std::vector<Ack> writes, loads, backups;  // arrived on every rank
+    struct Prefetch {
+      std::string id;
+      bool ended = false;      // revoked or finished on every rank: finish it with `pages`
+      bool ready = false;      // every rank's policy lets it terminate
+      std::int64_t pages = 0;  // completed on every rank
+    };
+    std::vector<Prefetch> prefetches;
+  };
+  // The step's one collective. REQUIRES: agreeing() and !pending.idle(). Returns what every
+  // rank agreed (valid until the next call) and takes those acks out of `arrived`; records the
+  // agreed bandwidths. Null when the collective failed (for good: agreeing() is false from now
+  // on); then nothing changed.
+  const Step* reduce(const PendingOps& pending, ArrivedAcks& arrived,
+                     const StorageController* storage, std::int32_t page_size,
+                     std::int64_t local_load_bps, std::int64_t local_prefetch_bps);
+
+  // The bandwidth to weigh: this rank's own, or under TP the slowest rank's as of the last
+  // reduction (kUnmeasured until one).
+  std::int64_t load_bps(std::int64_t local) const { return agreeing() ? agreed_load_bps_ : local; }
+  std::int64_t prefetch_bps(std::int64_t local) const {
+    return agreeing() ? agreed_prefetch_bps_ : local;
+  }
+
+ private:
+  Collective* tp_;
+  std::vector<std::int64_t> buffer_;  // reused
+  Step step_;                         // reused
+  std::int64_t agreed_load_bps_ = CostRule::kUnmeasured;
+  std::int64_t agreed_prefetch_bps_ = CostRule::kUnmeasured;
+};
+
+}  // namespace hicache::radix

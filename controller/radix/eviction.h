@@ -1,0 +1,90 @@
+// Eviction for HiRadixCache's tree: the order (an LRU/LFU policy behind a small interface), and
+// the index that keeps each tier's candidates in that order with the running totals stats()
+// reports, so that evicting k nodes costs O(k log n) and stats() reads counters.
+//
+//   Device candidates: unlocked nodes with device KV, no write or load in flight, no child on
+//                      the device, not passed over by the evict_device call under way.
+//   Host candidates:   unlocked leaves with host KV only, no write or load in flight.
+//
+// The contract with the rest of the cache: every change to a node's tiers, lock, ops in flight,
+// hits or children is followed by refresh(node); a node leaving the tree or being split is
+// forgotten first (forget(node)). An access (Tree::touch) needs no refresh: the index keeps the
+// node's older key and re-keys it when it reaches the front (next_victim), so a hit costs no
+// index update. check() recomputes everything from the tree and names what was missed.
+//
+// Not thread-safe: the engine's main loop owns it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "controller/radix/eviction_policy.h"
+#include "controller/radix/node.h"
+#include "controller/radix/tree.h"
+
+namespace hicache {
+namespace radix {
+
+// An eviction policy: a key per node; eviction takes the smallest first. REQUIRES of an
+// implementation: a node's key never decreases while it lives (hits and access times only
+// grow), since the index keeps stale keys until they reach the front; the last element is the
+// node's id, so no two nodes tie.
+class EvictionOrder {
+ public:
+  virtual ~EvictionOrder() = default;
+  virtual EvictKey key(const Node& node) const = 0;
+  // LRU: (0, last access, id). LFU: (hits, last access, id).
+  static std::unique_ptr<EvictionOrder> make(EvictionPolicy policy);
+};
+
+enum class Tier { kDevice, kHost };
+
+class EvictionIndex {
+ public:
+  // What the tree holds, kept current by refresh() and forget().
+  struct Totals {
+    std::int64_t nodes = 0, device_tokens = 0, host_tokens = 0, stored_tokens = 0;
+    std::int64_t writing = 0, loading = 0, backing_up = 0;  // nodes with that op in flight
+    std::int64_t evictable_device_tokens = 0;  // device tokens of unlocked nodes, no op in flight
+  };
+
+  EvictionIndex(EvictionPolicy policy, std::int32_t page_size);
+  // Forgets every entry and total (the tree was dropped); nodes still alive must not be
+  // refreshed or forgotten afterwards.
+  void clear();
+
+  // Brings the indexes and totals up to date with `node`, and its parent's count of children
+  // on the device (then the parent too). Nothing for the root (no parent).
+  void refresh(Node* node);
+  // Takes `node` out of the indexes and totals (before it leaves the tree or is split).
+  void forget(Node* node);
+  // The first candidate of `tier` in eviction order (re-keying stale entries on the way), still
+  // in the index; nullptr when there is none.
+  Node* next_victim(Tier tier);
+
+  const Totals& totals() const { return totals_; }
+  EvictKey key(const Node& node) const { return order_->key(node); }
+  std::size_t candidates(Tier tier) const {
+    return tier == Tier::kDevice ? device_.size() : host_.size();
+  }
+
+  // Empty when the indexes and totals match `tree` as it is now (every change refreshed); else
+  // the first difference found. O(n): for tests and checks.
+  std::string check(const Tree& tree) const;
+
+ private:
+  void add(const Node::Indexed& x, std::int64_t sign);
+  // Moves `node`'s entry from `at` to `key` (nothing: out of the index).
+  static void move(EvictIndex& index, std::optional<EvictIndex::iterator>& at,
+                   const std::optional<EvictKey>& key, Node* node);
+
+  std::unique_ptr<EvictionOrder> order_;
+  std::int32_t page_size_;
+  EvictIndex device_, host_;
+  Totals totals_;
+};
+
+}  // namespace radix
+}  // namespace hicache

@@ -1,0 +1,286 @@
+#include "controller/radix/l3_paths.h"
+
+#include <algorithm>
+
+namespace hicache::radix {
+
+L3Paths::L3Paths(Cache& cache, Tree& tree, PendingOps& pending, ArrivedAcks& arrived,
+                 Agreement& agreement, CostRule& cost, CacheEvents& events, HostKVPool& host_pool)
+    : cache_(cache),
+      tree_(tree),
+      pending_(pending),
+      arrived_(arrived),
+      agreement_(agreement),
+      cost_(cost),
+      events_(events),
+      host_pool_(host_pool) {}
+
+void L3Paths::attach(StorageController& storage, std::unique_ptr<PageKeyer> keyer,
+                     std::shared_ptr<EventSignal> signal) {
+  keyer_ = std::move(keyer);
+  storage_ = &storage;
+  storage_->set_event_signal(std::move(signal));
+  // Parents first: each node's chain continues its parent's last digest.
+  tree_.for_each_node([this](Node* n) { set_digests(n); });
+}
+
+void L3Paths::reset() {
+  if (storage_ != nullptr) storage_->reset();
+  reserved_tokens_ = 0;
+  backup_acks_.clear();
+  revoked_.clear();
+}
+
+void L3Paths::set_digests(Node* node) {
+  if (!keyer_) return;
+  const bool under_root = node->parent == tree_.root();
+  std::optional<PageDigest> seed;
+  if (under_root && !node->identity.empty()) seed = keyer_->identity_seed(node->identity);
+  const PageDigest* prior =
+      under_root ? (seed ? &*seed : nullptr)
+                 : (node->parent->digests.empty() ? nullptr : &node->parent->digests.back());
+  std::vector<std::string> keys;
+  node->digests.clear();
+  keyer_->keys(node->key(), prior, keys, &node->digests);
+}
+
+void L3Paths::backup_node(Node* node) {
+  const std::int32_t page = tree_.page_size();
+  if (storage_ == nullptr || node->host.empty() || node->backup_op != 0 ||
+      node->digests.size() * page != node->key().size() ||
+      node->stored_pages * page == static_cast<std::int64_t>(node->key().size())) {
+    return;
+  }
+  // Room in the queue by the backups in flight (the queue holds at most those), the same count
+  // on every rank, so that none queues a backup the others do not.
+  if (pending_.backups.size() >= storage_->backup_queue_capacity()) return;
+  std::vector<std::string> keys;
+  keys.reserve(node->digests.size());
+  for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
+  const auto id = storage_->write_storage(node->host, std::move(keys));
+  if (!id) return;  // backup queue full: the node stays host-only, L1/L2 unaffected
+  node->backup_op = *id;
+  cache_.lock(node);
+  cache_.refresh(node);
+  pending_.backups[*id] = PendingOps::Op{node, {node}};
+}
+
+std::int64_t L3Paths::local_prefetch_bps() const {
+  if (storage_ == nullptr) return CostRule::kUnmeasured;
+  return CostRule::rate(static_cast<double>(storage_->read_bytes()), storage_->read_seconds());
+}
+
+bool L3Paths::prefetch(const std::string& request_id, Node* node,
+                       std::span<const std::int32_t> tokens, std::string_view identity) {
+  if (storage_ == nullptr || pending_.prefetches.count(request_id) != 0) return false;
+  const std::size_t page = static_cast<std::size_t>(tree_.page_size());
+  const std::size_t usable = tokens.size() / page * page;
+  if (usable == 0) return false;
+  Node* const root = tree_.root();
+  if (node != root && node->digests.empty()) return false;  // no chain to continue
+  if (cost_.on() && !cost_.moving_pays(CostRule::Move::kPrefetch, static_cast<std::int64_t>(usable),
+                                       agreement_.prefetch_bps(local_prefetch_bps()))) {
+    // Reading it from L3 would take longer than recomputing it.
+    ++events_.prefetches_refused_by_cost;
+    events_.miss_prefetch_refused_tokens += usable;
+    return false;
+  }
+  std::optional<PageDigest> prior;
+  if (node != root) {
+    prior = node->digests.back();
+  } else if (!identity.empty()) {
+    prior = keyer_->identity_seed(identity);
+  }
+  // Room in the queue and in the prefetch budget, by the prefetches in flight (the queue holds
+  // at most those) and the host tokens they reserved: the same counts on every TP rank.
+  const auto want = static_cast<std::int64_t>(usable);
+  if (pending_.prefetches.size() >= storage_->prefetch_queue_capacity() ||
+      reserved_tokens_ + want > storage_->config().prefetch_budget_tokens) {
+    return false;
+  }
+  cache_.lock(node);  // before making room: the prefix it continues must stay
+  // Host pages for what it may fetch, reserved here as SGLang does (the pages past the hit are
+  // freed when it ends): host memory changes hands only on this thread, at calls every rank
+  // makes, so host_room() stays the same on every rank. Without room, host-only pages make it.
+  if (const std::int64_t room = cache_.host_room(); room < want) cache_.evict_host(want - room);
+  std::optional<std::vector<std::int64_t>> slots;
+  if (cache_.host_room() >= want) slots = host_pool_.alloc(want);
+  std::shared_ptr<PrefetchOperation> op;
+  if (slots) op = storage_->prefetch_into(request_id, tokens.first(usable), prior, *slots);
+  if (!op) {  // the host is short, or the controller stopped
+    if (slots) host_pool_.free(*slots);
+    cache_.unlock(node);
+    return false;
+  }
+  reserved_tokens_ += want;
+  pending_.prefetches[request_id] = PendingOps::Prefetch{
+      std::move(op), node,
+      std::vector<std::int32_t>(tokens.begin(),
+                                tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
+      node == root ? std::string(identity) : std::string(), want};
+  return true;
+}
+
+bool L3Paths::check_progress(const std::string& request_id, std::int64_t* inserted_tokens) {
+  if (inserted_tokens != nullptr) *inserted_tokens = 0;
+  auto it = pending_.prefetches.find(request_id);
+  if (it == pending_.prefetches.end()) {
+    if (auto done = pending_.inserted.extract(request_id); !done.empty()) {
+      if (inserted_tokens != nullptr) *inserted_tokens = done.mapped();
+    }
+    return true;
+  }
+  // Whether to terminate now depends on local timing: TP ranks go by what the last
+  // check_events agreed (or one rank would terminate alone, a deadlock of the reference), and
+  // keep the pages every rank had completed then.
+  const PendingOps::Prefetch& p = it->second;
+  std::optional<std::int64_t> pages;
+  if (agreement_.agreeing()) {
+    if (!p.agreed_ready) return false;
+    pages = p.agreed_pages;
+  } else if (!storage_->can_terminate(*p.op)) {
+    return false;
+  }
+  finish_prefetch(request_id, false, pages ? *pages : p.op->completed_tokens() / tree_.page_size());
+  if (inserted_tokens != nullptr) *inserted_tokens = pending_.inserted[request_id];
+  pending_.inserted.erase(request_id);
+  return true;
+}
+
+void L3Paths::release_aborted(const std::string& request_id) {
+  if (pending_.prefetches.count(request_id) != 0) finish_prefetch(request_id, true, 0);
+  pending_.inserted.erase(request_id);
+}
+
+void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
+                              std::optional<std::int64_t> agreed_pages) {
+  arrived_.revoked.erase(request_id);
+  auto node_handle = pending_.prefetches.extract(request_id);
+  PendingOps::Prefetch& p = node_handle.mapped();
+  const PrefetchResult r = storage_->terminate_prefetch(*p.op, agreed_pages);
+  reserved_tokens_ -= p.reserved;
+  if (r.revoked && !aborted) {
+    ++events_.revoked_prefetches;
+    events_.miss_revoked_tokens += p.tokens.size();
+  }
+  std::int64_t inserted = 0;
+  if (!aborted && r.tokens > 0) {
+    inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
+                           r.host_slots, p.identity);
+    events_.prefetched_tokens += r.tokens;
+  } else if (!r.host_slots.empty()) {
+    host_pool_.free(r.host_slots);
+  }
+  pending_.inserted[request_id] = inserted;
+  cache_.unlock(p.node);
+}
+
+void L3Paths::finish_arrived_prefetches() {
+  std::vector<std::string> finished;
+  for (const auto& [id, p] : pending_.prefetches) {
+    if (arrived_.revoked.count(id) != 0 || p.op->stage() == PrefetchStage::kFinished) {
+      finished.push_back(id);
+    }
+  }
+  std::sort(finished.begin(), finished.end());
+  for (const std::string& id : finished) {
+    // Finished prefetches become visible now, not when the scheduler next looks at them.
+    const auto& op = *pending_.prefetches.at(id).op;
+    finish_prefetch(id, false, op.completed_tokens() / tree_.page_size());
+  }
+  arrived_.revoked.clear();
+}
+
+std::int64_t L3Paths::insert_host(Node* node, std::span<const std::int32_t> tokens,
+                                  std::span<const std::int64_t> host_slots,
+                                  std::string_view identity) {
+  const std::int32_t page = tree_.page_size();
+  std::size_t pos = 0;
+  while (pos < tokens.size()) {
+    Node* child = tree_.child_of(node, tokens.subspan(pos, page), identity);
+    if (child == nullptr) {
+      Node* l = cache_.add_node(node, tokens.subspan(pos), identity);
+      l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
+      l->stored_pages = static_cast<std::int64_t>(l->key().size()) / page;  // came from L3
+      cache_.refresh(l);
+      return static_cast<std::int64_t>(tokens.size() - pos);
+    }
+    const std::size_t common = tree_.common_tokens(child, tokens.subspan(pos));
+    if (common < child->key().size()) child = cache_.split_node(child, common);
+    // Cached already (another request got there first): the fetched copy is not needed.
+    host_pool_.free(host_slots.subspan(pos, common));
+    tree_.touch(child);
+    pos += common;
+    node = child;
+  }
+  return 0;
+}
+
+void L3Paths::drain_acks() {
+  if (storage_ == nullptr) return;
+  backup_acks_.clear();
+  storage_->drain_backup_acks(backup_acks_);
+  for (const BackupAck& a : backup_acks_) arrived_.backups[a.id] = a.completed_tokens + 1;
+  revoked_.clear();
+  storage_->drain_revokes(revoked_);
+  for (std::string& id : revoked_) arrived_.revoked.insert(std::move(id));
+}
+
+std::optional<std::chrono::steady_clock::time_point> L3Paths::next_deadline(
+    std::optional<std::chrono::steady_clock::time_point> until) const {
+  if (storage_ == nullptr) return until;
+  for (const auto& [id, p] : pending_.prefetches) {
+    if (const auto d = storage_->terminate_deadline(*p.op))
+      until = until ? std::min(*until, *d) : *d;
+  }
+  return until;
+}
+
+void L3Paths::detach() {
+  if (storage_ == nullptr) return;
+  if (agreement_.agreeing()) {
+    storage_->stop_when_idle();
+  } else {
+    storage_->stop();
+  }
+  // Every op ended; each backup's ack is queued. Applied here, on each rank alone: what they
+  // differ in (the pages completed) is forgotten below with everything known to be in L3.
+  backup_acks_.clear();
+  storage_->drain_backup_acks(backup_acks_);
+  std::vector<NodeId> backups;
+  for (const auto& [id, op] : pending_.backups) backups.push_back(id);
+  std::sort(backups.begin(), backups.end());
+  for (NodeId id : backups) cache_.apply_backup_ack(id, 1, 1);  // released, nothing stored
+  arrived_.backups.clear();
+  revoked_.clear();
+  storage_->drain_revokes(revoked_);
+  // Prefetches end in the same order on every rank: terminate_prefetch agrees on each one's
+  // completed pages, which are inserted (the rest freed).
+  std::vector<std::string> prefetches;
+  for (const auto& [id, p] : pending_.prefetches) prefetches.push_back(id);
+  std::sort(prefetches.begin(), prefetches.end());
+  for (const std::string& id : prefetches) {
+    // The ranks agree on each one's completed pages here (the pages may differ by rank now
+    // that every op ended, and no step's reduction saw the last of them).
+    std::optional<std::int64_t> pages;
+    if (!agreement_.agreeing()) {
+      pages = pending_.prefetches.at(id).op->completed_tokens() / tree_.page_size();
+    }
+    finish_prefetch(id, false, pages);
+  }
+  arrived_.revoked.clear();
+  storage_ = nullptr;
+  keyer_.reset();
+  forget_stored_pages();
+}
+
+void L3Paths::forget_stored_pages() {
+  for (const auto& [id, op] : pending_.backups) pending_.forgotten_backups.insert(id);
+  tree_.for_each_node([this](Node* n) {
+    if (n->stored_pages == 0) return;
+    n->stored_pages = 0;
+    cache_.refresh(n);
+  });
+}
+
+}  // namespace hicache::radix

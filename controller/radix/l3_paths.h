@@ -1,0 +1,126 @@
+// radix::L3Paths: HiRadixCache's paths to and from L3 (a StorageController): page digests that
+// chain each node's keys (per cache identity), backups of synced host copies, prefetches that
+// bring a prompt's continuation into host pages and insert it as host-resident nodes, and L3
+// attached or detached at run time. It holds what only L3 needs (the storage controller, the
+// key chain, the host tokens prefetches reserved); the tree's structure, its locks and the
+// eviction index it reaches through the cache it serves (L3Paths::Cache, HiRadixCache).
+//
+// TP: every call happens at the same step on every rank; the decisions it takes (room in a
+// queue, in the prefetch budget, on the host) read only state that agreed events change, and a
+// prefetch terminates only on what the ranks agreed (agreement.h).
+//
+// Not thread-safe: the engine's main loop owns it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "controller/radix/agreement.h"
+#include "controller/radix/events.h"
+#include "controller/radix/tree.h"
+#include "controller/storage_controller.h"
+#include "pools/host_kv_pool.h"
+#include "storage/page_key.h"
+
+namespace hicache::radix {
+
+class L3Paths {
+ public:
+  // What the L3 paths ask of the cache they serve: tree edits that keep the tiers and the
+  // eviction index right, locks, and the host tokens the tree may still take.
+  class Cache {
+   public:
+    virtual void lock(Node* node) = 0;
+    virtual void unlock(Node* node) = 0;
+    virtual std::int64_t evict_host(std::int64_t tokens) = 0;
+    virtual std::int64_t host_room() const = 0;
+    // Tree::split with the tiers divided and the index refreshed.
+    virtual Node* split_node(Node* node, std::size_t tokens) = 0;
+    // Tree::add_leaf with its digests set and the index refreshed (the leaf holds no KV yet).
+    virtual Node* add_node(Node* parent, std::span<const std::int32_t> key,
+                           std::string_view identity) = 0;
+    virtual void refresh(Node* node) = 0;
+    // Applies a backup's ack (agreed and local values as in ArrivedAcks).
+    virtual void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local) = 0;
+
+   protected:
+    ~Cache() = default;
+  };
+
+  // Everything referred to outlives this object.
+  L3Paths(Cache& cache, Tree& tree, PendingOps& pending, ArrivedAcks& arrived, Agreement& agreement,
+          CostRule& cost, CacheEvents& events, HostKVPool& host_pool);
+
+  // L3 from now on: `storage` under `keyer` (its page size the tree's: the caller checked).
+  // Nodes get the page digests they lack; the storage's events wake `signal`'s waiters.
+  void attach(StorageController& storage, std::unique_ptr<PageKeyer> keyer,
+              std::shared_ptr<EventSignal> signal);
+  // See HiRadixCache::detach_storage. Nothing without L3.
+  void detach();
+  bool attached() const { return storage_ != nullptr; }
+  // The tree forgets which of its pages L3 holds (backups in flight will count nothing).
+  void forget_stored_pages();
+  // Stops the storage threads after what they have queued, drops every prefetch's
+  // reservation and the acks not yet drained (HiRadixCache::reset; the pending ops go there).
+  void reset();
+
+  // The digests that chain `node`'s page keys after its parent's (or its identity's seed).
+  // Nothing without L3.
+  void set_digests(Node* node);
+  // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
+  // (by the backups in flight); the node stays locked until the ack. Nothing without L3.
+  void backup_node(Node* node);
+
+  // HiRadixCache::prefetch_from_storage, check_prefetch_progress, release_aborted_request.
+  bool prefetch(const std::string& request_id, Node* node, std::span<const std::int32_t> tokens,
+                std::string_view identity);
+  bool check_progress(const std::string& request_id, std::int64_t* inserted_tokens);
+  void release_aborted(const std::string& request_id);
+  // Terminates the request's prefetch (with `agreed_pages` when the ranks agreed on the
+  // completed pages already) and inserts what it fetched, or frees it all when `aborted`; a
+  // revoked one is counted. REQUIRES: the prefetch is pending.
+  void finish_prefetch(const std::string& request_id, bool aborted,
+                       std::optional<std::int64_t> agreed_pages);
+  // One rank (or the ranks no longer agree): ends every prefetch that was revoked or finished,
+  // in request-id order, with the pages it completed here.
+  void finish_arrived_prefetches();
+
+  // Moves the backup acks and revoked prefetches that arrived into `arrived`.
+  void drain_acks();
+  // The earliest timeout among the pending prefetches (the timeout policy), or `until`.
+  std::optional<std::chrono::steady_clock::time_point> next_deadline(
+      std::optional<std::chrono::steady_clock::time_point> until) const;
+  // Host tokens held by prefetches in flight.
+  std::int64_t reserved_tokens() const { return reserved_tokens_; }
+  // The storage controller's read bandwidth so far (CostRule::kUnmeasured: none, or no L3).
+  std::int64_t local_prefetch_bps() const;
+  const StorageController* storage() const { return storage_; }
+
+ private:
+  // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
+  // copies are freed. Returns the tokens added.
+  std::int64_t insert_host(Node* node, std::span<const std::int32_t> tokens,
+                           std::span<const std::int64_t> host_slots, std::string_view identity);
+
+  Cache& cache_;
+  Tree& tree_;
+  PendingOps& pending_;
+  ArrivedAcks& arrived_;
+  Agreement& agreement_;
+  CostRule& cost_;
+  CacheEvents& events_;
+  HostKVPool& host_pool_;
+  StorageController* storage_ = nullptr;
+  std::unique_ptr<PageKeyer> keyer_;
+  std::int64_t reserved_tokens_ = 0;    // host tokens held by prefetches in flight
+  std::vector<BackupAck> backup_acks_;  // reused
+  std::vector<std::string> revoked_;    // reused
+};
+
+}  // namespace hicache::radix

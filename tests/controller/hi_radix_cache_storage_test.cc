@@ -1,0 +1,359 @@
+// HiRadixCache with L3 (its L3 paths): backups, prefetches (continuation, counting, corrupt
+// records, cost, revoke/abort), identities in L3 keys, attach/detach, a shared store.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "tests/controller/radix_test_engine.h"
+
+namespace hicache {
+namespace {
+
+using namespace radix_test;  // NOLINT(google-build-using-namespace): the tests' own helpers
+
+TEST(HiRadixCacheStorage, IdentitiesNeverShareL3Pages) {
+  L3 l3("identity");
+  const auto t = seq({1, 2, 3, 4});
+  EXPECT_EQ(store_in_l3(l3, t, "lora-7"), 4 * kPage);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  for (std::string_view other : {"lora-8", ""}) {
+    auto m = second.cache.match_prefix(t, other);
+    ASSERT_TRUE(second.cache.prefetch_from_storage(str_cat("req-", other), m.last_host_node, t,
+                                                   other));
+    second.settle();
+    EXPECT_EQ(second.cache.stats().prefetched_tokens, 0) << "'" << other << "'";
+  }
+  auto m = second.cache.match_prefix(t, "lora-7");
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req-own", m.last_host_node, t, "lora-7"));
+  second.settle();
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 4 * kPage);
+  EXPECT_EQ(second.cache.match_prefix(t, "lora-7").host_hit_tokens, 4 * kPage);
+  EXPECT_EQ(second.cache.match_prefix(t, "lora-8").host_hit_tokens, 0);
+  second.run(t, "lora-7");
+  EXPECT_EQ(second.verified_pages, 4) << "every page read from L3 holds its identity's bytes";
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
+}
+
+// The store emptied while a backup is in flight (clear_storage): whatever that backup then
+// completes counts as nothing, so the tree never claims pages the store no longer holds.
+TEST(HiRadixCacheStorage, ABackupInFlightWhenTheStoreIsClearedCountsNothing) {
+  L3 l3("forget");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  e.run(seq({1, 2, 3}));
+  for (int i = 0; i < 100000 && e.cache.stats().backups_in_flight == 0; ++i) {
+    e.cache.check_events();  // applies the write ack, which queues the backup
+    std::this_thread::yield();
+  }
+  ASSERT_EQ(e.cache.stats().backups_in_flight, 1);
+  l3.file.clear();
+  e.cache.forget_stored_pages();
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  e.run(seq({5, 6}));  // a later backup counts again
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 2 * kPage);
+}
+
+// L3 detached and attached at run time: a detach with backups and a prefetch in flight lets
+// go of every op (locks released, pages freed or inserted once), L1/L2 keep serving, and a new
+// store attached afterwards takes backups that another engine prefetches byte for byte.
+TEST(HiRadixCacheStorage, DetachAndAttachL3WhileServing) {
+  L3 first("detach-a"), second("detach-b");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &first);
+  const auto r1 = seq({1, 2, 3, 4, 5, 6}), r2 = seq({1, 2, 8}), r3 = seq({20, 21, 22, 23});
+  e.run(r1);  // its backup is queued (or running) now
+  e.cache.detach_storage();
+  e.storage.reset();
+  RadixCacheStats st = e.cache.stats();
+  EXPECT_EQ(st.backups_in_flight, 0);
+  EXPECT_EQ(st.stored_tokens, 0);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  EXPECT_FALSE(e.cache.prefetch_from_storage("detached", e.cache.match_prefix(r3).last_host_node, r3));
+  e.run(r2);
+  e.run(r1);
+  e.settle();
+  e.expect_accounting();
+  e.cache.detach_storage();  // nothing attached: nothing happens
+
+  // A key namespace of another page size is refused and changes nothing.
+  StorageController other_sc(e.host_pool, second.file, e.ns, second.local, second.local,
+                             second.local);
+  KeyNamespace wrong = e.ns;
+  wrong.page_size = 2 * kPage;
+  EXPECT_THROW(e.cache.attach_storage(other_sc, wrong), InvalidArgument);
+  EXPECT_FALSE(e.cache.prefetch_from_storage("still-detached",
+                                             e.cache.match_prefix(r3).last_host_node, r3));
+  e.storage = std::make_unique<StorageController>(e.host_pool, second.file, e.ns, second.local,
+                                                  second.local, second.local);
+  e.cache.attach_storage(*e.storage, e.ns);
+  EXPECT_THROW(e.cache.attach_storage(other_sc, e.ns), StateError);
+  e.run(r3);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 4 * kPage) << "backups go to the attached store";
+
+  // Another engine finds r3 in the new store; detached with its prefetch in flight, it holds
+  // no page of it afterwards, and serves on.
+  Engine f(WritePolicy::kWriteThrough, 32, 64, {}, &second);
+  auto m = f.cache.match_prefix(r3);
+  ASSERT_TRUE(f.cache.prefetch_from_storage("in-flight", m.last_host_node, r3));
+  f.cache.detach_storage();
+  f.storage.reset();
+  EXPECT_EQ(f.cache.prefetches_in_flight(), 0u);
+  f.settle();
+  f.expect_accounting();
+  f.run(r3);  // from the tree if the prefetch got its pages in, else recomputed: verified
+  EXPECT_EQ(f.verified_pages + f.recomputed_pages, 4);
+  Engine g(WritePolicy::kWriteThrough, 32, 64, {}, &second);
+  ASSERT_TRUE(g.cache.prefetch_from_storage("g", g.cache.match_prefix(r3).last_host_node, r3));
+  g.settle();  // check_events inserts the finished prefetch
+  EXPECT_EQ(g.cache.stats().prefetched_tokens, 4 * kPage);
+  g.run(r3);
+  EXPECT_EQ(g.verified_pages, 4) << "every page read from the attached store";
+  EXPECT_EQ(g.recomputed_pages, 0);
+  g.expect_accounting();
+}
+
+// L3: pages backed up by one engine are prefetched by another (a restarted engine, or another
+// instance sharing the store), inserted as host-resident nodes, loaded back, verified.
+TEST(HiRadixCacheStorage, PagesStoredByOneEngineServeAnother) {
+  L3 l3("share");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(store_in_l3(l3, a), 6 * kPage);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  auto m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.host_hit_tokens, 0);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node, a));
+  EXPECT_FALSE(second.cache.prefetch_from_storage("req", m.last_host_node, a)) << "id in use";
+  second.settle();  // check_events inserts the finished prefetch
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
+  m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.host_hit_tokens, 6 * kPage);
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 6) << "every page read from L3 holds its prefix's bytes";
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
+}
+
+TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPrefix) {
+  L3 l3("partial");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  store_in_l3(l3, std::span(a).first(4 * kPage));  // L3 holds pages 0-3 only
+  // wait_complete: prefetches always run to the end, so the counts below are exact.
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  second.run(std::span(a).first(2 * kPage));  // pages 0-1 come from L3
+  second.settle();
+  EXPECT_EQ(second.verified_pages, 2);
+  EXPECT_EQ(second.recomputed_pages, 0);
+  auto m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.device_slots.size(), 2u * kPage);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node,
+                                                 std::span(a).subspan(2 * kPage)));
+  while (!second.cache.check_prefetch_progress("req")) second.cache.check_events();
+  m = second.cache.match_prefix(a);
+  EXPECT_EQ(m.device_slots.size(), 2u * kPage);
+  EXPECT_EQ(m.host_hit_tokens, 2 * kPage) << "pages 2-3 from L3; 4-5 were never stored";
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 2 + 4);
+  EXPECT_EQ(second.recomputed_pages, 2) << "only pages 4-5, which L3 never had";
+  second.expect_accounting();
+}
+
+// A prefetch says how many tokens it added to the tree: what it read from L3 less what another
+// request computed and inserted while it was in flight (those pages keep the tree's copy, and
+// are not L3 hits). The engine's report counts L3 hits from this.
+TEST(HiRadixCacheStorage, APrefetchCountsOnlyThePagesItAddedToTheTree) {
+  L3 l3("inserted");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  store_in_l3(l3, a);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  auto m = second.cache.match_prefix(a);
+  ASSERT_TRUE(second.cache.prefetch_from_storage("req", m.last_host_node, a));
+  // Meanwhile another request computes pages 0-2 and inserts them (the prefetch is applied only
+  // by check_events / check_prefetch_progress on this thread, so this comes first).
+  auto computed = second.device_pool.allocator().alloc(3 * kPage);
+  ASSERT_TRUE(computed);
+  for (std::size_t p = 0; p < 3; ++p) {
+    fill_page(second.device_pool.layout(), (*computed)[p * kPage] / kPage, page_seed(a, p));
+  }
+  EXPECT_EQ(second.cache.insert(std::span(a).first(3 * kPage), *computed), 0);
+  std::int64_t inserted = -1;
+  while (!second.cache.check_prefetch_progress("req", &inserted)) {
+    EXPECT_EQ(inserted, 0) << "nothing is added while the prefetch still loads";
+  }
+  EXPECT_EQ(inserted, 3 * kPage) << "6 pages read, 3 of them were in the tree already";
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 6 * kPage);
+  // Asked again, it is over and adds nothing more.
+  EXPECT_TRUE(second.cache.check_prefetch_progress("req", &inserted));
+  EXPECT_EQ(inserted, 0);
+  second.run(a);
+  EXPECT_EQ(second.verified_pages, 6);
+  EXPECT_EQ(second.recomputed_pages, 0);
+  second.expect_accounting();
+
+  // A prefetch the engine finds already applied by check_events reports the same way, and a
+  // revoked one adds nothing.
+  Engine third(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  m = third.cache.match_prefix(a);
+  ASSERT_TRUE(third.cache.prefetch_from_storage("req", m.last_host_node, a));
+  third.settle();  // check_events finishes and inserts it
+  EXPECT_EQ(third.cache.prefetches_in_flight(), 0u);
+  EXPECT_TRUE(third.cache.check_prefetch_progress("req", &inserted));
+  EXPECT_EQ(inserted, 6 * kPage);
+  const auto b = seq({7, 8});
+  m = third.cache.match_prefix(b);
+  ASSERT_TRUE(third.cache.prefetch_from_storage("never-stored", m.last_host_node, b));
+  while (!third.cache.check_prefetch_progress("never-stored", &inserted)) third.cache.check_events();
+  EXPECT_EQ(inserted, 0) << "L3 holds nothing of b: the prefetch is revoked";
+  third.expect_accounting();
+}
+
+// A record corrupted behind the store's back (a disk fault) and one that vanished: the
+// prefetch stops at the first bad page, the bad record is counted and removed, no wrong byte is
+// ever served, and the rest is recomputed.
+TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes) {
+  L3 l3("corrupt");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  ASSERT_EQ(store_in_l3(l3, a), 6 * kPage);
+  PageKeyer keyer(key_ns());
+  std::vector<std::string> keys;
+  keyer.keys(a, nullptr, keys);
+  {  // flip one payload byte of page 2's record; remove page 4's
+    std::fstream f(l3.root / keys[2], std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.is_open()) << keys[2];
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x5A));
+  }
+  std::filesystem::remove(l3.root / keys[4]);
+  Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+                {.policy = PrefetchPolicy::kWaitComplete});
+  second.run(a);  // prefetch pages 0-1, then recompute 2-5
+  second.settle();
+  EXPECT_EQ(second.verified_pages, 2) << "only the pages before the corrupt one come from L3";
+  EXPECT_EQ(second.recomputed_pages, 4);
+  EXPECT_EQ(second.cache.stats().prefetched_tokens, 2 * kPage);
+  EXPECT_GE(l3.file.stats().bad_records, 1u);
+  second.run(a);  // now all on the device, every page verified
+  EXPECT_EQ(second.verified_pages, 2 + 6);
+  second.expect_accounting();
+  // The recomputed pages were backed up again over the bad and missing records: a third engine
+  // gets all six from L3, byte for byte.
+  Engine third(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  third.run(a);
+  EXPECT_EQ(third.verified_pages, 6);
+  EXPECT_EQ(third.recomputed_pages, 0);
+  third.expect_accounting();
+}
+
+// Cost-aware prefetch: once an L3 read was measured, a prefetch is declined when reading the
+// pages would take longer than recomputing them.
+TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
+  L3 l3("cost");
+  const auto a = seq({1, 2, 3, 4});
+  store_in_l3(l3, a);
+  for (double cost : {1e-15, 1.0}) {
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = cost}, &l3,
+             {.policy = PrefetchPolicy::kWaitComplete});
+    e.run(a);  // nothing measured yet: prefetched (which measures the read bandwidth)
+    e.settle();
+    ASSERT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage);
+    e.cache.evict_device(std::int64_t{1} << 40);
+    e.cache.evict_host(std::int64_t{1} << 40);
+    ASSERT_EQ(e.cache.stats().nodes, 0);
+    const auto recomputed = e.recomputed_pages;
+    e.run(a);
+    e.settle();
+    const auto s = e.cache.stats();
+    EXPECT_GT(s.measured_prefetch_gbps, 0);
+    if (cost < 1e-9) {
+      EXPECT_EQ(s.prefetches_refused_by_cost, 1);
+      EXPECT_EQ(e.recomputed_pages, recomputed + 4);
+    } else {
+      EXPECT_EQ(s.prefetches_refused_by_cost, 0);
+      EXPECT_EQ(s.prefetched_tokens, 8 * kPage);
+      EXPECT_EQ(e.recomputed_pages, recomputed);
+    }
+    e.expect_accounting();
+  }
+}
+
+TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
+  L3 l3("revoke");
+  const auto a = seq({1, 2, 3});
+  store_in_l3(l3, a);
+  Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.prefetch_threshold_tokens = 4 * kPage});
+  auto m = picky.cache.match_prefix(a);
+  ASSERT_TRUE(picky.cache.prefetch_from_storage("small", m.last_host_node, a));
+  picky.settle();
+  EXPECT_EQ(picky.cache.stats().revoked_prefetches, 1);
+  EXPECT_EQ(picky.cache.stats().nodes, 0);
+  EXPECT_EQ(picky.host_pool.free_tokens(), picky.host_pool.capacity_tokens());
+
+  Engine aborter(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  m = aborter.cache.match_prefix(a);
+  ASSERT_TRUE(aborter.cache.prefetch_from_storage("gone", m.last_host_node, a));
+  aborter.cache.release_aborted_request("gone");
+  EXPECT_EQ(aborter.cache.prefetches_in_flight(), 0u);
+  EXPECT_EQ(aborter.host_pool.free_tokens(), aborter.host_pool.capacity_tokens());
+  EXPECT_EQ(aborter.cache.check_invariants(), "");
+  EXPECT_THROW(aborter.cache.unlock(m.last_host_node), StateError) << "the root lock was returned";
+}
+
+// The random workload with a small host pool over L3: pages go device -> host -> file store,
+// leave the host, and come back through prefetch; every page served is verified.
+TEST(HiRadixCacheStorage, RandomWorkloadThroughAllThreeTiers) {
+  L3 l3("random");
+  Engine e(WritePolicy::kWriteThrough, 24, 28, {}, &l3,
+           {.policy = PrefetchPolicy::kWaitComplete});
+  std::mt19937 rng(77);
+  for (int step = 0; step < 300; ++step) {
+    const int family = static_cast<int>(rng() % 6);
+    std::vector<std::int32_t> tokens;
+    const int pages = 1 + static_cast<int>(rng() % 7);
+    for (int i = 0; i < pages * kPage; ++i) tokens.push_back(family * 1000 + i);
+    e.run(tokens);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(e.cache.check_invariants(), "") << "step " << step;
+    if (step % 5 == 0) {
+      e.settle();
+      e.cache.evict_device(static_cast<std::int64_t>(rng() % 12) * kPage);
+      e.cache.evict_host(static_cast<std::int64_t>(rng() % 16) * kPage);
+    }
+  }
+  e.expect_accounting();
+  const auto s = e.cache.stats();
+  EXPECT_GT(s.prefetched_tokens, 0) << "nothing ever came back from L3";
+  EXPECT_GT(s.evicted_host_tokens, 0);
+  std::printf("three tiers: %lld pages verified, %lld recomputed, %lld tokens prefetched, %lld "
+              "loaded back\n",
+              static_cast<long long>(e.verified_pages), static_cast<long long>(e.recomputed_pages),
+              static_cast<long long>(s.prefetched_tokens),
+              static_cast<long long>(s.loaded_back_tokens));
+}
+
+// A reference model of the tree, simple and slow: a map from every cached page's whole token
+// prefix to the tiers holding it, with the page's last access and hits. Seeded random requests
+// (which match, load back, compute and insert), evictions of everything from the device or the
+// host, and evictions of one node, whose victim the model predicts from the policy: the
+// candidate page (on the tier, nothing below it there) that goes first under LRU or LFU is the
+// last page of the node the tree must take. The real tree's answers and tier sizes must equal
+// the model's after every operation, with the invariants (the eviction indexes and running
+// totals included) and the slot accounting holding. Also with children keyed by 2 bits of
+// their edge's hash: nearly every edge then collides with a sibling's.
+
+}  // namespace
+}  // namespace hicache
