@@ -8,26 +8,31 @@
 // Settings come from flags and from a JSON file (--config; the keys are the flag names with '_'
 // for '-'; flags given on the command line win). The cache's own settings are the library's
 // schema (controller/config_schema.h, docs/configuration.md): the same keys, flags and defaults
-// as every HiCache; the main job sets a few of them (kMainJobCache). --compare runs the workload under several
+// as every HiCache; the main job sets a few of them (main_job(): its MHA model keys only for an
+// MHA model), --model NAME a preset's (tools/workload/model_presets.h), and the user's win.
+// The L3 store is the one of the configuration's tier; a --storage object is that of the tier
+// its backend names, and is refused when no configuration run uses it. The TP group's keys
+// (--tp-rank, --tp-size, --tp-store-dir) are refused: --tp N sets them for each rank it starts.
+// --compare runs the workload under several
 // configurations (device only, + host, + host + file, + host + redis with --redis) and prints
 // them side by side. --metrics-port P serves the cache's Prometheus metrics at
 // http://127.0.0.1:P/metrics while the workload runs (instance i of --instances on P + i; 0: a
 // free port, printed). --tp N runs each instance as N rank processes (fork), each with its own
-// slice of the KV (page data salted by rank) and its own pools, agreeing over Gloo groups that
-// meet in a fresh temporary directory; the report adds the scheduler's collective calls per
-// step and the time in them. --instances N runs N engine processes (fork, before any thread exists),
-// each with its own L1/L2, sharing one L3; round r of client c runs on instance (c + r) % N, so
-// a conversation moves between instances and finds its earlier rounds only in L3. The rounds
-// are then run with a barrier: every instance finishes round r and lands its backups in L3
-// before any starts round r+1. An instance that does not answer a round within
+// pools; an MHA rank holds its own slice of the KV (page data salted by rank, its own page keys),
+// MLA ranks hold the same KV (one key namespace: rank 0 alone backs up, every rank prefetches).
+// The ranks agree over Gloo groups that meet in a fresh temporary directory; the report adds
+// the scheduler's collective calls per step, the time in them, and each rank's L3 figures.
+// --instances N runs N engine processes (fork, before any thread exists), each with its own L1/L2,
+// sharing one L3; round r of client c runs on instance (c + r) % N, so a conversation moves between
+// instances and finds its earlier rounds only in L3. The rounds are then run with a barrier: every
+// instance finishes round r and lands its backups in L3 before any starts round r+1. An instance
+// that does not answer a round within
 // --instance-timeout-s fails the run; the parent kills and reaps every instance.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -38,6 +43,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -47,6 +53,7 @@
 #include "storage/redis_cluster.h"
 #include "tools/workload/cache_flags.h"
 #include "tools/workload/engine_stack.h"
+#include "tools/workload/model_presets.h"
 #include "tools/workload/report.h"
 #include "tools/workload/runner.h"
 #include "tools/workload/workload.h"
@@ -71,8 +78,10 @@ struct Settings {
   double request_rate = 0;
   std::int64_t max_inflight = 0, l3_detach_every = 0;
   bool barrier = false;
-  // The cache's settings (HiCacheConfig's JSON keys): the main job's, then the user's.
-  json cache;
+  // The cache's settings (HiCacheConfig's JSON keys): while parsing, the user's (flags and
+  // --config); after parse(), resolve_cache's: the main job's, the preset's, then the user's.
+  json cache = json::object();
+  std::string model;  // a preset (model_presets()); empty: none
   // engine
   std::int64_t max_batch = 8, max_running = 64, max_prefetches = 4;
   double cost_per_token_layer = 3e-6, decode_step_seconds = 0.002, host_free_target = 0.1;
@@ -92,11 +101,16 @@ struct Settings {
 
 // The main job's cache: a small synthetic model on the host emulation (every page verified by
 // the CPU), and prefetches that wait for their pages (so L3 hits do not depend on timing).
-// Everything else is the library's default.
-const json kMainJobCache = {{"device", "host"},
-                            {"device_tokens", 8192},
-                            {"model", {{"layers", 16}, {"kv_heads", 4}, {"head_dim", 64}}},
-                            {"prefetch_policy", "wait_complete"}};
+// Everything else is the library's default. The model's MHA keys go only into an MHA model; an
+// MLA model needs its own widths (--kv-lora-rank, --qk-rope-head-dim) or a preset (--model).
+const wl::ToolDefaults& main_job() {
+  static const wl::ToolDefaults kMainJob{
+      .cache = {{"device", "host"}, {"device_tokens", 8192}, {"prefetch_policy", "wait_complete"}},
+      .model_common = {{"layers", 16}},
+      .model_mha = {{"kv_heads", 4}, {"head_dim", 64}},
+      .model_mla = json::object()};
+  return kMainJob;
+}
 
 enum class Kind { kInt, kDouble, kString, kBool };
 
@@ -166,8 +180,12 @@ const std::vector<Option>& options() {
       INT_OPT(trees, 1, "tree: trees (2)"),
       INT_OPT(branching, 1, "tree: at most this many children per node (3)"),
       INT_OPT(depth, 1, "tree: depth (3)"),
-      INT_OPT(tenants, 1, "cache identities sharing the prompts (multiturn: by client, "
-                          "longcontext: by question, tree: by tree); none hits another's pages (1)"),
+      STR_OPT(model,
+              "a model preset for the cache's model keys (below); the model flags and "
+              "keys override it"),
+      INT_OPT(tenants, 1,
+              "cache identities sharing the prompts (multiturn: by client, "
+              "longcontext: by question, tree: by tree); none hits another's pages (1)"),
       DBL_OPT(request_rate, 0, "Poisson arrivals, requests/s over all clients; 0: all at once (0)"),
       INT_OPT(max_inflight, 0, "requests in flight at most; 0: no cap (0)"),
       BOOL_OPT(barrier, "round r+1 starts once round r is done (always on with --instances)"),
@@ -179,18 +197,22 @@ const std::vector<Option>& options() {
       DBL_OPT(host_free_target, 0, "host fraction kept free by evicting before admission (0.1)"),
       STR_OPT(tiers, "the configuration of a single run: device | host | file | redis (file)"),
       BOOL_OPT(compare, "run every configuration of --compare-configs side by side"),
-      STR_OPT(compare_configs, "configurations for --compare (device,host,file; redis added "
-                               "when --redis is given)"),
+      STR_OPT(compare_configs,
+              "configurations for --compare (device,host,file; redis added "
+              "when --redis is given)"),
       STR_OPT(storage_dir, "file store root (default: a new directory under /tmp, removed)"),
       BOOL_OPT(keep_storage, "keep the file store and a stable key namespace (warm restarts)"),
       STR_OPT(redis, "Redis for the redis tier: HOST:PORT, or HOST:PORT,HOST:PORT,... (cluster)"),
       INT_OPT(instances, 1, "engine processes sharing L3 (1)"),
-      INT_OPT(tp, 1, "tensor-parallel ranks per instance, each a process with its own slice of "
-                     "the KV and its own pools, agreeing over Gloo (1)"),
-      INT_OPT(l3_detach_every, 0, "detach L3 every N engine steps and attach it again N steps "
-                                  "later (the store reopened from the config); 0: never (0)"),
-      DBL_OPT(instance_timeout_s, 0, "--instances: an instance that does not finish a round "
-                                     "within this many seconds fails the run; 0: no limit (600)"),
+      INT_OPT(tp, 1,
+              "tensor-parallel ranks per instance, each a process with its own slice of "
+              "the KV and its own pools, agreeing over Gloo (1)"),
+      INT_OPT(l3_detach_every, 0,
+              "detach L3 every N engine steps and attach it again N steps "
+              "later (the store reopened from the config); 0: never (0)"),
+      DBL_OPT(instance_timeout_s, 0,
+              "--instances: an instance that does not finish a round "
+              "within this many seconds fails the run; 0: no limit (600)"),
       STR_OPT(report, "write the JSON report here"),
       STR_OPT(plot, "write an SVG plot here (TTFT per round, hit rate per tier)"),
       BOOL_OPT(progress, "progress on stderr (true; --no-progress turns it off)"),
@@ -211,10 +233,16 @@ std::string usage() {
     if (left.size() < 32) left += std::string(32 - left.size(), ' ');
     u += left + " " + o.help + "\n";
   }
-  u += str_cat("Cache settings (the library's; docs/configuration.md has each key's allowed values;\n"
-               "the main job sets ", kMainJobCache.dump(), ";\n"
-               "the key namespace is model_name hicache-bench and a model_fingerprint fresh per run,\n"
-               "or 'synthetic' with --keep-storage, unless given):\n");
+  u += "Model presets (--model NAME, or \"model\": \"NAME\" in --config):\n";
+  u += wl::model_presets_usage();
+  u += str_cat(
+      "Cache settings (the library's; docs/configuration.md has each key's allowed values;\n"
+      "the main job sets ",
+      wl::describe(main_job()),
+      ",\n"
+      "model.mha only for an mha model, then a preset's keys, then yours;\n"
+      "the key namespace is model_name hicache-bench and a model_fingerprint fresh per run,\n"
+      "or 'synthetic' with --keep-storage, unless given):\n");
   u += hicache::config_flags_usage();
   u += "  --config-reference              print the configuration reference (Markdown) and exit\n"
        "  --help\n"
@@ -265,13 +293,20 @@ void apply_json_file(Settings& s, const std::string& path) {
   }
   if (!j.is_object()) throw InvalidArgument(str_cat("--config '", path, "': not a JSON object"));
   for (const auto& [key, value] : j.items()) {
+    if (key == "model") {  // the cache's model object, or a preset's name
+      if (value.is_object()) {
+        for (const auto& [inner, v] : value.items()) s.cache["model"][inner] = v;
+      } else if (value.is_string()) {
+        s.model = value.get<std::string>();
+      } else {
+        throw InvalidArgument(str_cat("--config '", path, "': key 'model' is ", value.dump(),
+                                      ", it must be a preset's name or a model object"));
+      }
+      continue;
+    }
     const Option* o = find_option(key);
     if (o == nullptr && key.find('-') == std::string::npos) {
       // The cache's keys: checked by HiCacheConfig when the stack is built.
-      if (key == "model" && value.is_object()) {
-        for (const auto& [inner, v] : value.items()) s.cache["model"][inner] = v;
-        continue;
-      }
       if (is_cache_json_key(key)) {
         s.cache[key] = value;
         continue;
@@ -301,7 +336,6 @@ void apply_json_file(Settings& s, const std::string& path) {
 
 Settings parse(int argc, char** argv) {
   Settings s;
-  s.cache = kMainJobCache;
   try {
     for (int i = 1; i < argc; ++i) {  // the file first: flags override it
       if (std::string_view(argv[i]) == "--config") {
@@ -369,6 +403,17 @@ Settings parse(int argc, char** argv) {
         o->set(s, argv[++i]);
       }
     }
+    wl::refuse_tool_owned_tp_keys(s.cache, s.tp);
+    for (const char* alias : {"hicache_storage_backend", "hicache_storage_backend_extra_config"}) {
+      if (s.cache.contains(alias)) {
+        throw InvalidArgument(
+            str_cat("key '", alias,
+                    "' (SGLang's) is not taken: the L3 store is the one of --tiers "
+                    "(file, redis); give that store's own keys as 'storage', e.g. {\"backend\": "
+                    "\"file\", \"capacity_bytes\": 1000000000}"));
+      }
+    }
+    s.cache = wl::resolve_cache(main_job(), s.model, s.cache);
   } catch (const InvalidArgument& e) {
     usage_error(e.what());
   }
@@ -421,10 +466,80 @@ json redis_json(const std::string& spec) {
   return {{"backend", "redis"}, {"cluster", true}, {"nodes", nodes}};
 }
 
-struct TierSetup {
-  std::string name;   // as reported
-  std::string tier;   // device | host | file | redis
-};
+// The user's L3 store object (--storage, or "storage" in --config), or null. It is the store of
+// the tier its backend names (file or redis), with what the tool decides filled in where it is
+// missing (file: root, shared; redis: the nodes of --redis); the other tiers have no L3.
+const json* user_store(const Settings& s) {
+  const auto it = s.cache.find("storage");
+  return it == s.cache.end() ? nullptr : &*it;
+}
+
+std::string user_store_backend(const Settings& s) {
+  const json* store = user_store(s);
+  if (store == nullptr || !store->is_object() || !store->contains("backend")) return "";
+  const json& b = (*store)["backend"];
+  return b.is_string() ? b.get<std::string>() : b.dump();
+}
+
+// The configurations of the run, in order: --tiers, or --compare-configs (plus redis when
+// --redis or a redis store object is given).
+std::vector<std::string> configurations(const Settings& s) {
+  std::vector<std::string> tiers;
+  if (!s.compare) return {s.tiers};
+  std::stringstream in(s.compare_configs);
+  for (std::string t; std::getline(in, t, ',');) tiers.push_back(t);
+  const bool redis = !s.redis.empty() || user_store_backend(s) == "redis";
+  if (redis && std::find(tiers.begin(), tiers.end(), "redis") == tiers.end()) {
+    tiers.push_back("redis");
+  }
+  return tiers;
+}
+
+// Refuses (InvalidArgument) a user's store that no configuration of `tiers` uses, or that names
+// what a flag names too.
+void check_user_store(const Settings& s, const std::vector<std::string>& tiers) {
+  const json* store = user_store(s);
+  if (store == nullptr) return;
+  if (!store->is_object()) {
+    throw InvalidArgument(str_cat("storage: ", store->dump(), " is not a JSON object"));
+  }
+  const std::string backend = user_store_backend(s);
+  if (backend != "file" && backend != "redis") {
+    throw InvalidArgument(str_cat("storage: backend '", backend,
+                                  "': hicache-bench's L3 tiers are "
+                                  "file and redis (the store of the --tiers of that name)"));
+  }
+  if (std::find(tiers.begin(), tiers.end(), backend) == tiers.end()) {
+    std::string run;
+    for (const auto& t : tiers) run += str_cat(run.empty() ? "" : ", ", t);
+    throw InvalidArgument(str_cat("storage (backend '", backend, "') is the store of the ", backend,
+                                  " tier, and no configuration run uses it (", run,
+                                  "); give --tiers ", backend, " or leave --storage out"));
+  }
+  if (backend == "file" && store->contains("root") && !s.storage_dir.empty()) {
+    throw InvalidArgument(
+        "storage.root and --storage-dir both name the file store's root; "
+        "give one");
+  }
+  const bool names_redis = store->contains("host") || store->contains("port") ||
+                           store->contains("nodes") || store->contains("cluster");
+  if (backend == "redis" && names_redis && !s.redis.empty()) {
+    throw InvalidArgument(
+        "storage's host/port/nodes/cluster and --redis both name the Redis; "
+        "give one");
+  }
+}
+
+// The file tier's root: the user's store's, else --storage-dir; empty: a fresh temporary one.
+std::string file_root(const Settings& s) {
+  if (user_store_backend(s) == "file" && (*user_store(s)).contains("root")) {
+    const json& root = (*user_store(s))["root"];
+    if (!root.is_string())
+      throw InvalidArgument(str_cat("storage.root: ", root.dump(), " is not a path"));
+    return root.get<std::string>();
+  }
+  return s.storage_dir;
+}
 
 // The stack of one configuration; `storage_root` for the file tier. The cache is the library's
 // HiCacheConfig from the cache settings plus what the tier decides (the store, the host tier).
@@ -432,13 +547,26 @@ wl::StackConfig stack_config(const Settings& s, const std::string& tier,
                              const std::string& storage_root, const std::string& fingerprint) {
   wl::StackConfig c;
   json h = s.cache;
+  h.erase("storage");  // the tier's (below)
   if (!h.contains("model_name")) h["model_name"] = "hicache-bench";
   if (!h.contains("model_fingerprint")) h["model_fingerprint"] = fingerprint;
+  const json* mine = user_store_backend(s) == tier ? user_store(s) : nullptr;
   if (tier == "file") {
-    h["storage"] = json{{"backend", "file"}, {"root", storage_root}, {"shared", s.instances * s.tp > 1}};
+    json store = mine != nullptr ? *mine : json{{"backend", "file"}};
+    store["root"] = storage_root;
+    if (!store.contains("shared")) store["shared"] = s.instances * s.tp > 1;
+    h["storage"] = store;
   } else if (tier == "redis") {
-    if (s.redis.empty()) throw InvalidArgument("tier redis: --redis HOST:PORT is required");
-    h["storage"] = redis_json(s.redis);
+    if (s.redis.empty() && mine == nullptr) {
+      throw InvalidArgument(
+          "tier redis: --redis HOST:PORT (or a redis 'storage' object) is required");
+    }
+    json store = mine != nullptr ? *mine : json::object();
+    if (!s.redis.empty()) {
+      const json nodes = redis_json(s.redis);
+      for (const auto& [k, v] : nodes.items()) store[k] = v;
+    }
+    h["storage"] = store;
   } else if (tier != "device" && tier != "host") {
     throw InvalidArgument(str_cat("unknown tier '", tier, "': valid are device, host, file, redis"));
   }
@@ -707,11 +835,16 @@ std::vector<wl::InstanceResult> run_instances(const Settings& s, const wl::Stack
     failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
   }
   if (failed) throw std::runtime_error(str_cat(label, ": an instance failed (see above)"));
-  // Each instance's ranks ran the same requests: rank 0 reports them, and every rank's page
-  // checks count.
+  // Each instance's ranks ran the same requests: rank 0 reports them, every rank's page checks
+  // count, and each rank's L3 figures are kept apart.
   std::vector<wl::InstanceResult> merged;
   for (int i = 0; i < n; ++i) {
+    std::vector<std::map<std::string, double>> ranks;
+    for (int rank = 0; rank < tp && tp > 1; ++rank) {
+      ranks.push_back(wl::rank_figures(results[static_cast<std::size_t>(i * tp + rank)]));
+    }
     wl::InstanceResult r = std::move(results[static_cast<std::size_t>(i * tp)]);
+    r.ranks = std::move(ranks);
     for (int rank = 1; rank < tp; ++rank) {
       const wl::InstanceResult& other = results[static_cast<std::size_t>(i * tp + rank)];
       for (const char* k : {"verified_pages", "mismatched_pages"}) {
@@ -738,24 +871,14 @@ int run(const Settings& s) {
   ::signal(SIGPIPE, SIG_IGN);
   const wl::WorkloadConfig wc = workload_config(s);
   const std::vector<wl::PlannedRequest> plan = wl::generate(wc);
-  std::vector<std::string> tiers;
-  if (s.compare) {
-    std::stringstream in(s.compare_configs);
-    for (std::string t; std::getline(in, t, ',');) tiers.push_back(t);
-    if (!s.redis.empty() && std::find(tiers.begin(), tiers.end(), "redis") == tiers.end()) {
-      tiers.push_back("redis");
-    }
-  } else {
-    tiers.push_back(s.tiers);
-  }
+  const std::vector<std::string> tiers = configurations(s);
   const std::string fingerprint = default_fingerprint(s);
   // Validate every configuration before running any (a bad one is exit code 2, nothing run).
-  for (const std::string& t : tiers) {
-    try {
-      stack_config(s, t, "/nonexistent", fingerprint);
-    } catch (const InvalidArgument& e) {
-      usage_error(e.what());
-    }
+  try {
+    check_user_store(s, tiers);
+    for (const std::string& t : tiers) stack_config(s, t, "/nonexistent", fingerprint);
+  } catch (const InvalidArgument& e) {
+    usage_error(e.what());
   }
   if (s.tp > 1 && s.request_rate > 0) {
     usage_error("--tp > 1 needs --request-rate 0: arrivals by the clock would differ between "
@@ -782,7 +905,7 @@ int run(const Settings& s) {
   for (const std::string& tier : tiers) {
     const std::string name = tier == "device" ? "device" : tier == "host" ? "host" : "host+" + tier;
     // The file tier: the given root, or a fresh directory removed after the run.
-    std::string root = s.storage_dir;
+    std::string root = file_root(s);
     bool remove_root = false;
     if (tier == "file" && root.empty()) {
       char tmpl[] = "/tmp/hicache-bench-XXXXXX";

@@ -21,15 +21,17 @@
 //   rank_delay  --tp: the last rank sleeps --rank-delay-ms before a step, at --rank-delay-rate
 //               per step, so the ranks reach their agreements at different times
 //
-// --tp N runs N rank processes over Gloo groups (one engine each, its own pools and its own
-// slice of the KV, page data salted by rank; one shared file store). Every rank injects its own
-// storage errors, delays and timeouts (its own seed); rank 0 alone corrupts, truncates and fills
-// the shared disk. Resets and detaches happen at the same step on every rank: rank 0 decides
-// them by its clock, and one reduction per step (the tool's own) carries its decisions, the end
-// of the run, and every 16 steps a hash of each rank's tree, which must agree. At the end the
-// parent also compares the ranks' final trees. Under TP the radix cache owns the host pool, so
-// host_exhaust (another tenant taking host pages on one rank) is left out; Redis is file-only
-// for now under --tp.
+// --tp N runs N rank processes over Gloo groups (one engine each, its own pools; one shared file
+// store). An MHA rank holds its own slice of the KV (page data salted by rank, its own keys);
+// MLA ranks hold the same KV under one key namespace, rank 0 alone backs it up and every rank
+// prefetches it (--attention mla --kv-lora-rank R --qk-rope-head-dim D, or --model). Every rank
+// injects its own storage errors, delays and timeouts (its own seed); rank 0 alone corrupts,
+// truncates and fills the shared disk. Resets and detaches happen at the same step on every rank:
+// rank 0 decides them by its clock, and one reduction per step (the tool's own) carries its
+// decisions, the end of the run, and every 16 steps a hash of each rank's tree, which must agree.
+// At the end the parent also compares the ranks' final trees. Under TP the radix cache owns the
+// host pool, so host_exhaust (another tenant taking host pages on one rank) is left out; Redis is
+// file-only for now under --tp.
 //
 // The Redis run uses a cluster of 3 masters with a replica each (cluster-node-timeout 1 s).
 //
@@ -43,8 +45,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -54,6 +54,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <sstream>
@@ -62,12 +63,13 @@
 #include <vector>
 
 #include "controller/config_schema.h"
-#include "tools/support/redis_launcher.h"
-#include "tools/stress/fault_storage.h"
-#include "tools/workload/cache_flags.h"
-#include "tools/workload/engine_stack.h"
 #include "storage/file_storage.h"
 #include "storage/page_key.h"
+#include "tools/stress/fault_storage.h"
+#include "tools/support/redis_launcher.h"
+#include "tools/workload/cache_flags.h"
+#include "tools/workload/engine_stack.h"
+#include "tools/workload/model_presets.h"
 #include "transfer/errors.h"
 
 // After the headers above: it defines BLOCK_SIZE, a name moodycamel's queue uses.
@@ -92,8 +94,10 @@ struct Settings {
   std::int64_t steps = 0;  // > 0: stop after this many engine steps instead
   std::uint64_t seed = 1;
   std::string storage = "file";
-  // The cache's settings (HiCacheConfig's JSON keys): the scenario's, then the flags'.
-  nlohmann::json cache;
+  // The cache's settings (HiCacheConfig's JSON keys): while parsing, the flags'; after parse(),
+  // resolve_cache's: the scenario's, the preset's, then the flags'.
+  nlohmann::json cache = nlohmann::json::object();
+  std::string model;  // a preset (--model); empty: none
   std::set<std::string> faults{kFaults.begin(), kFaults.end()};
   double error_rate = 0.02, exists_error_rate = 0.01, slow_rate = 0.05, timeout_rate = 0.005;
   int slow_ms = 20, timeout_ms = 50;
@@ -132,6 +136,7 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --tp N                  TP ranks, each a process over Gloo (1)
   --rank-delay-rate P     per step of the last rank (0.05)  --rank-delay-ms N   (20)
   --tmpfs-mb N            size of the file store's tmpfs (64)
+  --model NAME            a model preset for the cache's model keys (the model flags override it)
   --report FILE           also write the table as JSON
   --no-progress           no progress lines on stderr
 Exit code: 0 pass (no wrong byte served, no slot leaked, L3 alive), 1 fail, 2 bad flags.
@@ -141,21 +146,31 @@ Cache settings: the library's (docs/configuration.md), over the scenario's below
 
 // The scenario: a small model on the host emulation; prefetches wait for their pages up to
 // 20 ms + 2 ms per page (at most 200 ms), then take what landed, so slow and timed-out storage
-// shows as partial prefetches, not stalls.
-const nlohmann::json kStressCache = {
-    {"device", "host"},
-    {"page_size", 16},
-    {"device_tokens", 4096},
-    {"model", {{"layers", 4}, {"kv_heads", 2}, {"head_dim", 32}}},
-    {"model_name", "hicache-stress"},
-    {"prefetch_policy", "timeout"},
-    {"prefetch_timeout_base_ms", 20},
-    {"prefetch_timeout_per_page_ms", 2},
-    {"prefetch_timeout_cap_ms", 200},
-    {"prefetch_threshold_tokens", 32}};
+// shows as partial prefetches, not stalls. The model's MHA keys go only into an MHA model; an
+// MLA model needs its widths (--attention mla --kv-lora-rank R --qk-rope-head-dim D) or a preset.
+const hicache::workload::ToolDefaults& scenario() {
+  static const hicache::workload::ToolDefaults kScenario{
+      .cache = {{"device", "host"},
+                {"page_size", 16},
+                {"device_tokens", 4096},
+                {"model_name", "hicache-stress"},
+                {"prefetch_policy", "timeout"},
+                {"prefetch_timeout_base_ms", 20},
+                {"prefetch_timeout_per_page_ms", 2},
+                {"prefetch_timeout_cap_ms", 200},
+                {"prefetch_threshold_tokens", 32}},
+      .model_common = {{"layers", 4}},
+      .model_mha = {{"kv_heads", 2}, {"head_dim", 32}},
+      .model_mla = nlohmann::json::object()};
+  return kScenario;
+}
 
 std::string usage() {
-  return str_cat(kUsage, "  scenario: ", kStressCache.dump(), "\n", hicache::config_flags_usage());
+  return str_cat(kUsage, "  scenario: ", hicache::workload::describe(scenario()),
+                 " (model.mha only for an mha model), then a preset's keys, then the flags'\n",
+                 "Model presets (--model NAME; a preset's pages are large: give --tmpfs-mb and "
+                 "--device-tokens to suit):\n",
+                 hicache::workload::model_presets_usage(), hicache::config_flags_usage());
 }
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -174,7 +189,6 @@ double number(const std::string& flag, const char* v, double min) {
 
 Settings parse(int argc, char** argv) {
   Settings s;
-  s.cache = kStressCache;
   std::map<std::string, double*> doubles = {
       {"--seconds", &s.seconds},
       {"--error-rate", &s.error_rate},
@@ -235,6 +249,8 @@ Settings parse(int argc, char** argv) {
       s.tmpfs_mb = static_cast<std::int64_t>(number(flag, v, 8));
     } else if (flag == "--report") {
       s.report = v;
+    } else if (flag == "--model") {
+      s.model = v;
     } else if (flag == "--storage") {
       s.storage = v;
       if (s.storage != "file" && s.storage != "redis") {
@@ -268,6 +284,8 @@ Settings parse(int argc, char** argv) {
   }
   if (s.seconds <= 0 && s.steps == 0) usage_error("--seconds must be > 0 (or give --steps)");
   try {
+    hicache::workload::refuse_tool_owned_tp_keys(s.cache, s.tp);
+    s.cache = hicache::workload::resolve_cache(scenario(), s.model, s.cache);
     (void)hicache::HiCacheConfig::from_json_text(s.cache.dump());  // bad cache flags: exit 2
   } catch (const InvalidArgument& e) {
     usage_error(e.what());
@@ -947,6 +965,15 @@ int run(const Settings& s) {
   bool trees_identical = results.size() == static_cast<std::size_t>(s.tp);
   for (const auto& j : results) trees_identical = trees_identical && j["final_tree"] == results[0]["final_tree"];
   pass = pass && trees_identical;
+  // MLA: the ranks hold the same KV under one namespace; rank 0 alone backs it up.
+  const bool mla = s.cache["model"].value("attention", "mha") == "mla";
+  bool backups_by_rank_0_only = true;
+  for (const auto& j : results) {
+    if (mla && j["table"]["tp_rank"] != 0 && j["table"]["pages_l2_to_l3"].get<double>() != 0) {
+      backups_by_rank_0_only = false;
+    }
+  }
+  pass = pass && backups_by_rank_0_only;
   std::printf("\nhicache-stress, %s store, %d TP ranks over Gloo, seed %llu, faults:",
               s.storage.c_str(), s.tp, static_cast<unsigned long long>(s.seed));
   for (const auto& f : s.faults) std::printf(" %s", f.c_str());
@@ -968,6 +995,10 @@ int run(const Settings& s) {
     }
   }
   std::printf("  %-36s %s\n", "final_trees_identical", trees_identical ? "true" : "false");
+  if (mla) {
+    std::printf("  %-36s %s\n", "mla_backups_by_rank_0_only",
+                backups_by_rank_0_only ? "true" : "false");
+  }
   if (!trees_identical && results.size() > 1) {
     for (std::size_t i = 0; i < 2; ++i) {
       std::printf("  rank %s's tree:\n%s\n", results[i]["table"]["tp_rank"].dump().c_str(),
@@ -977,7 +1008,10 @@ int run(const Settings& s) {
   if (!s.report.empty()) {
     nlohmann::json all = nlohmann::json::array();
     for (const auto& j : results) all.push_back(j["table"]);
-    std::ofstream(s.report) << nlohmann::json{{"ranks", all}, {"final_trees_identical", trees_identical}, {"pass", pass}}.dump(2) << "\n";
+    nlohmann::json report{
+        {"ranks", all}, {"final_trees_identical", trees_identical}, {"pass", pass}};
+    if (mla) report["mla_backups_by_rank_0_only"] = backups_by_rank_0_only;
+    std::ofstream(s.report) << report.dump(2) << "\n";
   }
   std::printf("[hicache-stress] %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;

@@ -50,10 +50,16 @@ json read_json(const fs::path& p) {
   return json::parse(in);
 }
 
-const std::string kTiny =
-    "--layers 2 --kv-heads 1 --head-dim 8 --page-size 16 --device-tokens 512 --host-ratio 2 "
+// A tiny workload on a 2-layer model: MHA (1 KV head of 8 dims), or MLA (one latent of 32 + 16
+// values per token and layer).
+const std::string kTinyWorkload =
+    "--layers 2 --page-size 16 --device-tokens 512 --host-ratio 2 "
     "--cost-per-token-layer 0 --decode-step-seconds 0 --prefetch-threshold-tokens 16 "
     "--request-tokens 48 --output-tokens 8 --system-prompt-tokens 16 ";
+const std::string kTiny = "--kv-heads 1 --head-dim 8 " + kTinyWorkload;
+const std::string kTinyMla =
+    "--attention mla --kv-lora-rank 32 --qk-rope-head-dim 16 " + kTinyWorkload;
+constexpr double kTinyMlaPageBytes = 2 * (32 + 16) * 2 * 16;  // layers x latent x fp16 x page
 
 // The checks every configuration's summary must pass.
 void check_adds_up(const json& c, double expected_requests) {
@@ -125,20 +131,28 @@ TEST(HicacheBench, CompareReportAddsUpForEveryWorkload) {
 }
 
 // Two engine processes share one file store; every conversation alternates between them, so
-// its earlier rounds are found only in L3, and those hits are reported as cross-instance.
-TEST(HicacheBench, InstancesShareL3AcrossProcesses) {
-  TempFile report("hicache-bench-instances.json");
-  const BenchRun r = run_bench(kTiny + "--clients 4 --rounds 3 --instances 2 --tiers file --report " +
-                          report.path.string());
-  ASSERT_EQ(r.status, 0) << r.output;
-  const json j = read_json(report.path);
-  ASSERT_EQ(j["configurations"].size(), 1u);
-  const json& c = j["configurations"][0];
-  EXPECT_EQ(c["instances"], 2);
-  check_adds_up(c, 12);
-  EXPECT_GT(c["tokens"]["storage_hit"].get<double>(), 0);
-  EXPECT_GT(c["tokens"]["cross_instance_storage_hit"].get<double>(), 0);
-  EXPECT_GT(c["verified_pages"].get<double>(), 0);
+// its earlier rounds are found only in L3, and those hits are reported as cross-instance. The
+// same for an MHA model and an MLA one (one key namespace for every rank and instance).
+TEST(HicacheBench, InstancesShareL3AcrossProcessesForMhaAndMla) {
+  for (const std::string& model : {kTiny, kTinyMla}) {
+    SCOPED_TRACE(model);
+    TempFile report("hicache-bench-instances.json");
+    const BenchRun r =
+        run_bench(model + "--clients 4 --rounds 3 --instances 2 --tiers file --report " +
+                  report.path.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    const json j = read_json(report.path);
+    ASSERT_EQ(j["configurations"].size(), 1u);
+    const json& c = j["configurations"][0];
+    EXPECT_EQ(c["instances"], 2);
+    check_adds_up(c, 12);
+    EXPECT_GT(c["tokens"]["storage_hit"].get<double>(), 0);
+    EXPECT_GT(c["tokens"]["cross_instance_storage_hit"].get<double>(), 0);
+    EXPECT_GT(c["verified_pages"].get<double>(), 0);
+    if (model == kTinyMla) {
+      EXPECT_EQ(c["page_bytes"].get<double>(), kTinyMlaPageBytes);
+    }
+  }
 }
 
 // --tp 2: each instance is two rank processes over Gloo, each with its own slice of the KV
@@ -191,6 +205,11 @@ TEST(HicacheBench, TpRanksAsProcessesVerifyEveryPageWithOneCollectivePerStep) {
   EXPECT_FALSE(tp2["barrier"].get<bool>());
   check_adds_up(tp2, 12);
   EXPECT_GT(tp2["verified_pages"].get<double>(), 0);
+  // MHA: each rank backs up its own slice (the MLA test below expects rank 0 alone).
+  ASSERT_EQ(tp2["tp"]["per_rank"].size(), 2u) << tp2["tp"];
+  for (const json& rank : tp2["tp"]["per_rank"]) {
+    EXPECT_GT(rank["l2_to_l3_pages"].get<double>(), 0) << rank;
+  }
   const BenchRun rate = run_bench("--tp 2 --request-rate 5");
   EXPECT_EQ(rate.status, 2);
   EXPECT_NE(rate.output.find("--tp > 1 needs --request-rate 0"), std::string::npos) << rate.output;
@@ -343,6 +362,202 @@ TEST(HicacheBench, JsonConfigIsReadAndFlagsOverrideIt) {
   EXPECT_EQ(j["settings"]["clients"], 9);
   EXPECT_EQ(j["configurations"][0]["name"], "host");
   check_adds_up(j["configurations"][0], 6);
+}
+
+// An MLA model from flags: it runs with every page verified (the main job's MHA defaults,
+// kv_heads and head_dim, are not applied to it), its pages are the latent's size; an explicit
+// --kv-heads, or an MLA model without its widths, is refused naming the key.
+TEST(HicacheBench, MlaModelRunsFromFlagsAndKeysThatDoNotApplyAreRefused) {
+  TempFile report("hicache-bench-mla.json");
+  BenchRun r =
+      run_bench(kTinyMla + "--clients 4 --rounds 3 --compare --report " + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  ASSERT_EQ(j["configurations"].size(), 3u);
+  for (const json& c : j["configurations"]) {
+    check_adds_up(c, 12);
+    EXPECT_EQ(c["page_bytes"].get<double>(), kTinyMlaPageBytes) << c["name"];
+  }
+  EXPECT_EQ(
+      j["settings"]["cache"]["model"],
+      (json{{"attention", "mla"}, {"layers", 2}, {"kv_lora_rank", 32}, {"qk_rope_head_dim", 16}}));
+  EXPECT_GT(j["configurations"][2]["tiers"]["l2_to_l3"]["pages"].get<double>(), 0);
+  r = run_bench(kTinyMla + "--kv-heads 4");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'model.kv_heads' does not apply to model.attention 'mla'"),
+            std::string::npos)
+      << r.output;
+  r = run_bench("--attention mla --qk-rope-head-dim 64");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'model.kv_lora_rank' is required"), std::string::npos) << r.output;
+}
+
+// An MLA model from a config file, as a model object and as a preset (scaled down by the
+// file's own keys, which win over the preset's); a bad preset or one the file contradicts is
+// refused naming it.
+TEST(HicacheBench, MlaModelRunsFromAConfigFileAndTheDeepSeekPreset) {
+  TempFile config("hicache-bench-mla-config.json"), report("hicache-bench-mla-config-report.json");
+  {
+    std::ofstream(config.path) << R"({"model": {"attention": "mla", "layers": 2, "kv_lora_rank": 32,
+                                                "qk_rope_head_dim": 16}, "page_size": 16,
+                                      "clients": 4, "rounds": 3, "device_tokens": 512})";
+  }
+  // (The file's keys below set the rest; flags would win over them.)
+  const std::string workload =
+      "--cost-per-token-layer 0 --decode-step-seconds 0 "
+      "--prefetch-threshold-tokens 16 --output-tokens 8 --report ";
+  BenchRun r = run_bench("--config " + config.path.string() +
+                         " --request-tokens 48 --system-prompt-tokens 16 " + workload +
+                         report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  json c = read_json(report.path)["configurations"][0];
+  check_adds_up(c, 12);
+  EXPECT_EQ(c["page_bytes"].get<double>(), kTinyMlaPageBytes);
+  // The preset: DeepSeek-V3's latent (512 + 64, bf16, page 64) on 2 of its 61 layers.
+  {
+    std::ofstream(config.path) << R"({"model": "deepseek-v3", "layers": 2, "clients": 4,
+                                      "rounds": 3, "device_tokens": 1024,
+                                      "request_tokens": 128, "system_prompt_tokens": 64})";
+  }
+  r = run_bench("--config " + config.path.string() + " " + workload + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  c = j["configurations"][0];
+  check_adds_up(c, 12);
+  EXPECT_EQ(c["page_size"].get<double>(), 64);
+  EXPECT_EQ(c["page_bytes"].get<double>(), 2.0 * 576 * 2 * 64);
+  EXPECT_EQ(j["settings"]["model"], "deepseek-v3");
+  EXPECT_EQ(j["settings"]["cache"]["model"]["dtype"], "bf16");
+  { std::ofstream(config.path) << R"({"model": "deepseek-v3", "attention": "mha"})"; }
+  r = run_bench("--config " + config.path.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("contradicts the preset 'deepseek-v3'"), std::string::npos) << r.output;
+  r = run_bench("--model deepseek-v4");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("unknown preset 'deepseek-v4'; known: deepseek-v3"), std::string::npos)
+      << r.output;
+  { std::ofstream(config.path) << R"({"model": 3})"; }
+  r = run_bench("--config " + config.path.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'model' is 3"), std::string::npos) << r.output;
+}
+
+// MLA under --tp 2: the ranks hold the same KV under one key namespace, so rank 0 alone backs
+// it up and every rank reads it from L3 (the ranks agree on each hit: the same L3 tokens on
+// every rank). With --instances 2 the rounds hand over through L3 and every rank of both
+// instances hits there, across instances too.
+TEST(HicacheBench, MlaTpRanksEveryRankHitsL3AndRankZeroAloneBacksUp) {
+  TempFile one("hicache-bench-mla-tp.json"), both("hicache-bench-mla-tp-instances.json");
+  BenchRun r = run_bench(kTinyMla +
+                         "--clients 8 --rounds 4 --host-ratio 1 --tiers file --tp 2 "
+                         "--tp-timeout-ms 60000 --report " +
+                         one.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  json c = read_json(one.path)["configurations"][0];
+  check_adds_up(c, 32);
+  ASSERT_EQ(c["tp"]["per_rank"].size(), 2u) << c["tp"];
+  const json& rank0 = c["tp"]["per_rank"][0];
+  const json& rank1 = c["tp"]["per_rank"][1];
+  EXPECT_GT(rank0["l2_to_l3_pages"].get<double>(), 0) << c["tp"];
+  EXPECT_EQ(rank1["l2_to_l3_pages"].get<double>(), 0) << c["tp"];
+  EXPECT_EQ(rank0["storage_hit_tokens"], rank1["storage_hit_tokens"]) << c["tp"];
+  EXPECT_EQ(rank0["l3_to_l2_pages"], rank1["l3_to_l2_pages"]) << c["tp"];
+  EXPECT_GT(rank1["verified_pages"].get<double>(), 0) << c["tp"];
+  EXPECT_NE(r.output.find("L2->L3 pages by rank"), std::string::npos) << r.output;
+
+  r = run_bench(kTinyMla + "--clients 4 --rounds 3 --tiers file --tp 2 --instances 2 --report " +
+                both.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  c = read_json(both.path)["configurations"][0];
+  check_adds_up(c, 12);
+  EXPECT_GT(c["tokens"]["cross_instance_storage_hit"].get<double>(), 0);
+  ASSERT_EQ(c["tp"]["per_rank"].size(), 4u) << c["tp"];
+  for (const json& rank : c["tp"]["per_rank"]) {
+    SCOPED_TRACE(rank.dump());
+    EXPECT_GT(rank["storage_hit_tokens"].get<double>(), 0);
+    EXPECT_GT(rank["l3_to_l2_pages"].get<double>(), 0);
+    EXPECT_GT(rank["verified_pages"].get<double>(), 0);
+    EXPECT_EQ(rank["mismatched_pages"].get<double>(), 0);
+    if (rank["rank"] == 0) {
+      EXPECT_GT(rank["l2_to_l3_pages"].get<double>(), 0);
+    } else {
+      EXPECT_EQ(rank["l2_to_l3_pages"].get<double>(), 0);
+    }
+  }
+}
+
+// --storage is the store of the tier its backend names: its keys are used there (records land
+// in its root), and it is refused (exit 2, naming it) where no configuration run uses it, where
+// a flag names the same thing, and where its backend is not a tier. SGLang's store keys are
+// refused with the way to say it.
+TEST(HicacheBench, StorageObjectIsTheStoreOfItsTierAndRefusedWhereNothingUsesIt) {
+  TempFile root("hicache-bench-user-store"), report("hicache-bench-user-store.json");
+  const std::string store =
+      R"('{"backend": "file", "root": ")" + root.path.string() + R"(", "io_threads": 1}')";
+  BenchRun r = run_bench(kTiny + "--clients 4 --rounds 3 --tiers file --storage " + store +
+                         " --report " + report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json c = read_json(report.path)["configurations"][0];
+  check_adds_up(c, 12);
+  std::size_t records = 0;
+  for (const auto& e : fs::directory_iterator(root.path)) records += e.is_regular_file() ? 1 : 0;
+  EXPECT_GT(records, 0u) << "nothing stored in the --storage root";
+  EXPECT_GE(static_cast<double>(records), c["tiers"]["l2_to_l3"]["pages"].get<double>());
+
+  r = run_bench(kTiny + "--tiers host --storage " + store);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("storage (backend 'file') is the store of the file tier, and no "
+                          "configuration run uses it (host)"),
+            std::string::npos)
+      << r.output;
+  r = run_bench(kTiny + "--compare --compare-configs device,host --storage " + store);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("no configuration run uses it (device, host)"), std::string::npos)
+      << r.output;
+  r = run_bench(kTiny + "--tiers file --storage-dir /tmp --storage " + store);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("storage.root and --storage-dir both name"), std::string::npos)
+      << r.output;
+  r = run_bench(kTiny + R"(--tiers file --storage '{"backend": "s3"}')");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("storage: backend 's3'"), std::string::npos) << r.output;
+  // A redis store object is the redis tier's Redis (here one nobody answers for, named).
+  r = run_bench(
+      kTiny + R"(--tiers redis --storage '{"backend": "redis", "host": "127.0.0.1", "port": 1}')");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("127.0.0.1:1 does not answer at start"), std::string::npos) << r.output;
+  r = run_bench(kTiny +
+                R"(--tiers redis --redis 127.0.0.1:1 --storage '{"backend": "redis", "port": 7}')");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--redis both name the Redis"), std::string::npos) << r.output;
+  TempFile config("hicache-bench-sglang-store.json");
+  { std::ofstream(config.path) << R"({"hicache_storage_backend": "file"})"; }
+  r = run_bench("--config " + config.path.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'hicache_storage_backend' (SGLang's) is not taken"),
+            std::string::npos)
+      << r.output;
+}
+
+// The TP group's keys are hicache-bench's to set (--tp N starts the ranks): given by hand they
+// are refused at once, naming the key, instead of one process waiting for peers that never
+// come; the group's timeouts without --tp would be read by nothing, and are refused too.
+TEST(HicacheBench, TpGroupKeysWithoutTpAreRefusedAtOnce) {
+  for (const std::string args :
+       {"--tp-rank 1 --tp-size 2", "--tp-size 2", "--tp-store-dir /tmp/x", "--tp 2 --tp-rank 0"}) {
+    SCOPED_TRACE(args);
+    const auto start = std::chrono::steady_clock::now();
+    const BenchRun r = run_bench(args);
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("this tool starts its TP ranks itself (--tp N)"), std::string::npos)
+        << r.output;
+    // The rendezvous would have waited tp_connect_timeout_ms (120 s) for the missing peer.
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  }
+  const BenchRun r = run_bench("--tp-timeout-ms 500");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'tp_timeout_ms' applies to TP groups only"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -115,6 +115,22 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
                            {"host", ratio(v.host, v.prompt)},
                            {"storage", ratio(v.storage, v.prompt)}}}});
   }
+  // TP: each rank's L3 figures (MLA: every rank hits, rank 0 alone backs up).
+  json per_rank = json::array();
+  for (std::size_t i = 0; i < run.instances.size(); ++i) {
+    const auto& ranks = run.instances[i].ranks;
+    for (std::size_t rank = 0; rank < ranks.size(); ++rank) {
+      const auto& f = ranks[rank];
+      const auto get = [&](const char* k) { return f.count(k) != 0 ? f.at(k) : 0.0; };
+      per_rank.push_back({{"instance", i},
+                          {"rank", rank},
+                          {"storage_hit_tokens", get("storage_hit_tokens")},
+                          {"l2_to_l3_pages", ratio(get("l2_to_l3_bytes"), page_bytes)},
+                          {"l3_to_l2_pages", ratio(get("l3_to_l2_bytes"), page_bytes)},
+                          {"verified_pages", get("verified_pages")},
+                          {"mismatched_pages", get("mismatched_pages")}});
+    }
+  }
   const auto finished = static_cast<double>(ttft.size());
   double storage_errors = counters["storage_errors"] + counters["storage_get_errors"] +
                           counters["storage_set_errors"];
@@ -133,13 +149,19 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
       {"itl_ms", stats_ms(itl)},
       {"e2e_ms", stats_ms(e2e)},
       {"tokens",
-       {{"prompt", prompt}, {"output", output}, {"cached", cached}, {"computed", computed},
-        {"device_hit", device}, {"host_hit", host}, {"storage_hit", storage},
+       {{"prompt", prompt},
+        {"output", output},
+        {"cached", cached},
+        {"computed", computed},
+        {"device_hit", device},
+        {"host_hit", host},
+        {"storage_hit", storage},
         {"cross_instance_storage_hit", cross}}},
       {"lookups", {{"lookups", prompt}, {"hits", cached}, {"misses", computed}}},
       {"hit_rate", ratio(cached, prompt)},
       {"tier_hit_rate",
-       {{"device", ratio(device, prompt)}, {"host", ratio(host, prompt)},
+       {{"device", ratio(device, prompt)},
+        {"host", ratio(host, prompt)},
         {"storage", ratio(storage, prompt)}}},
       {"recomputed_tokens", computed},
       {"tiers",
@@ -164,7 +186,8 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
         {"collective_ms_per_step",
          ratio(counters["tp_main_collective_seconds"], counters["step_calls"]) * 1e3},
         {"step_ms", ratio(counters["step_seconds"], counters["step_calls"]) * 1e3},
-        {"storage_thread_collectives", counters["tp_storage_collectives"]}}},
+        {"storage_thread_collectives", counters["tp_storage_collectives"]},
+        {"per_rank", per_rank}}},
       {"page_bytes", run.page_bytes},
       {"page_size", run.page_size},
       {"counters", counters},
@@ -219,6 +242,25 @@ std::string format_table(const std::vector<json>& summaries) {
            fmt("%.2f", t["collectives_per_step"].get<double>()) + ", " +
            fmt("%.3f", t["collective_ms_per_step"].get<double>()) + ")";
   });
+  // TP: "instance: rank 0 / rank 1 ...", instances apart by ';'.
+  const auto by_rank = [&](const char* label, const char* key) {
+    const bool any = std::any_of(summaries.begin(), summaries.end(),
+                                 [](const json& s) { return !s["tp"]["per_rank"].empty(); });
+    if (!any) return;
+    add(label, [key](const json& s) {
+      std::string cell;
+      for (const json& r : s["tp"]["per_rank"]) {
+        const bool first = r["rank"].get<int>() == 0;
+        cell += str_cat(first && !cell.empty() ? "; "
+                        : first                ? ""
+                                               : " / ",
+                        fmt("%.0f", r[key].get<double>()));
+      }
+      return cell.empty() ? std::string("-") : cell;
+    });
+  };
+  by_rank("L3 hit tokens by rank", "storage_hit_tokens");
+  by_rank("L2->L3 pages by rank", "l2_to_l3_pages");
   add("storage errors", num("%.0f", [](const json& s) { return s["storage_errors"].get<double>(); }));
   add("pages verified", num("%.0f", [](const json& s) { return s["verified_pages"].get<double>(); }));
   add("wrong pages", num("%.0f", [](const json& s) { return s["mismatched_pages"].get<double>(); }));

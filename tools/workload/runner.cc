@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -18,10 +19,12 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// A metric of the cache's registry, rank 0 (0 when absent).
+// A metric of the cache's registry, this rank's (0 when absent).
 static double cache_metric(const EngineStack& stack, const char* name, MetricLabels labels) {
-  labels.insert(labels.begin(), {"tp_rank", "0"});
-  return std::max(0.0, const_cast<EngineStack&>(stack).hicache().metrics().value(name, labels));
+  // Every metric carries its rank (a rank's figures are under its own number, not 0's).
+  HiCache& hicache = const_cast<EngineStack&>(stack).hicache();
+  labels.insert(labels.begin(), {"tp_rank", std::to_string(hicache.config().tp.rank)});
+  return std::max(0.0, hicache.metrics().value(name, labels));
 }
 
 // The steady clock's time point of a now_seconds() value.
@@ -295,6 +298,19 @@ InstanceResult Runner::result() const {
   for (const auto& [k, v] : retired_l3_) c[k] += v;
   if (options_.l3_detach_every > 0) c["l3_detaches"] = static_cast<double>(l3_detaches_);
   out.first_mismatch = stack_.engine().first_mismatch();
+  return out;
+}
+
+std::map<std::string, double> rank_figures(const InstanceResult& rank) {
+  std::map<std::string, double> out;
+  double hits = 0;
+  for (const RequestRecord& r : rank.records)
+    hits += static_cast<double>(r.report.storage_hit_tokens);
+  out["storage_hit_tokens"] = hits;
+  for (const char* k : {"l2_to_l3_bytes", "l3_to_l2_bytes", "verified_pages", "mismatched_pages"}) {
+    const auto it = rank.counters.find(k);
+    out[k] = it != rank.counters.end() ? it->second : 0.0;
+  }
   return out;
 }
 

@@ -48,7 +48,13 @@ struct InstanceResult {
   std::map<std::string, double> maxima;
   double duration_s = 0;
   std::string first_mismatch;
+  // TP: each rank's own figures, rank 0 first (rank_figures()); empty without TP.
+  std::vector<std::map<std::string, double>> ranks;
 };
+
+// One rank's figures for InstanceResult::ranks: its L3 hit tokens (storage_hit_tokens), bytes
+// backed up (l2_to_l3_bytes) and read from L3 (l3_to_l2_bytes), pages verified and mismatched.
+std::map<std::string, double> rank_figures(const InstanceResult& rank);
 
 class Runner {
  public:
