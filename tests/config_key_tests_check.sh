@@ -12,7 +12,7 @@ tsv=$1 doc=$2 ctest=$3 build=$4
 fail=0
 
 # What ctest runs: "  Test  #12: Suite.Name  # GetParam() = ..." -> "Suite.Name".
-registered=$("$ctest" --test-dir "$build" -N 2>/dev/null |
+registered=$(cd "$build" && "$ctest" -N 2>/dev/null |
   sed -n 's/^ *Test *#[0-9]*: \([^ ]*\).*$/\1/p')
 if [[ -z $registered ]]; then
   echo "ctest -N in $build listed no tests" >&2
