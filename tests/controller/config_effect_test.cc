@@ -1,8 +1,8 @@
-// Each configuration key changes what a HiCache built from the JSON text does: the keys whose
-// effect no component test shows (the component tests build their parts from structs, not from
-// a config) are shown here, end to end through HiCache's API. Which test shows each key's effect
-// or refusal is the table tests/controller/config_key_tests.tsv, rendered in
-// docs/configuration.md; the first test below keeps it in step with the schema, and
+// Configuration keys at work: each ConfigEffect test builds a HiCache from JSON text and asserts
+// a behaviour the key changes, through HiCache's API (the component tests build their parts from
+// structs, so they cannot show that a key reaches its component). Which test shows each key's
+// effect or refusal is the table tests/controller/config_key_tests.tsv, rendered in
+// docs/configuration.md; ConfigKeyTests below keeps it in step with the schema, and
 // tests/config_key_tests_check.sh checks that every test it names is registered with ctest.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -133,16 +134,16 @@ void insert_fresh(HiCache& hc, std::span<const std::int32_t> tokens) {
   ASSERT_EQ(hc.cache().insert(tokens, *slots), 0);
 }
 
-// Steps until no write or load is in flight, sleeping on the cache's events in between.
+// Steps until no write, load or backup is in flight, sleeping on the cache's events in between.
 void settle(HiCache& hc) {
   const auto deadline = steady_clock::now() + std::chrono::seconds(60);
   while (true) {
     const std::uint64_t seen = hc.cache().event_seq();
     hc.cache().check_events();
     const RadixCacheStats s = hc.cache().stats();
-    if (s.writes_in_flight == 0 && s.loads_in_flight == 0) return;
+    if (s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0) return;
     if (!hc.cache().wait_for_events(seen, deadline)) {
-      ADD_FAILURE() << "writes or loads never finished";
+      ADD_FAILURE() << "writes, loads or backups never finished";
       return;
     }
   }
@@ -452,7 +453,8 @@ TEST(ConfigEffect, DemoteWatermarksFreeTheDeviceAheadOfNeed) {
   }
 }
 
-// A file store whose hit queries wait while a test holds `gate`: a prefetch stays queued.
+// A file store whose hit queries wait while a test holds `gate` (a prefetch stays queued), and
+// which counts its batch reads.
 class GatedStore final : public StorageBackend {
  public:
   explicit GatedStore(const std::string& root) : file_(FileStorageConfig{.root = root}) {}
@@ -464,10 +466,12 @@ class GatedStore final : public StorageBackend {
   bool remove(const std::string& key) override { return file_.remove(key); }
   void clear() override { file_.clear(); }
   std::mutex gate;
+  std::atomic<int> batch_gets{0};
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
                                      std::span<const ByteSpan> dst) override {
+    ++batch_gets;
     return file_.batch_get(keys, dst);
   }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
@@ -603,6 +607,69 @@ TEST(ConfigEffect, SglangSizeAndExtraConfigRefuseBadValues) {
   for (const auto& [keys, needle] : cases) {
     const std::string e = error_of([&] { (void)config_with(keys); });
     EXPECT_NE(e.find(needle), std::string::npos) << "'" << e << "' does not say " << needle;
+  }
+}
+
+// Stores `tokens` in a file store at `root` as an engine does: a write-through cache backs them
+// up. Returns the tokens stored.
+std::int64_t store_in_l3(const fs::path& root, std::span<const std::int32_t> tokens) {
+  HiCache hc(config_with(
+      {{"storage", str_cat(R"({"backend": "file", "root": ")", root.string(), R"("})")}}));
+  insert_fresh(hc, tokens);
+  settle(hc);
+  return hc.cache().stats().stored_tokens;
+}
+
+// A request whose tokens the tree lacks prefetches them from L3 and steps until the prefetch is
+// over; returns the tokens it added to the tree (0: declined or revoked).
+std::int64_t prefetch(HiCache& hc, std::span<const std::int32_t> tokens) {
+  const auto m = hc.cache().match_prefix(tokens);
+  if (!hc.cache().prefetch_from_storage("r", m.last_host_node, tokens)) return 0;
+  const auto deadline = steady_clock::now() + std::chrono::seconds(60);
+  while (true) {
+    const std::uint64_t seen = hc.cache().event_seq();
+    hc.cache().check_events();
+    std::int64_t inserted = 0;
+    if (hc.cache().check_prefetch_progress("r", &inserted)) return inserted;
+    if (!hc.cache().wait_for_events(seen, deadline)) {
+      ADD_FAILURE() << "the prefetch never ended";
+      return 0;
+    }
+  }
+}
+
+// prefetch_threshold_tokens, prefetch_budget_tokens and storage_batch_pages: whether an L3 hit
+// is read at all (a hit below the threshold is revoked, one past the budget declined), and in
+// how many storage calls.
+TEST(ConfigEffect, PrefetchThresholdBudgetAndBatchPagesShapeAnL3Read) {
+  TempDir root;
+  const auto t = tokens_of(1, 8);  // 32 tokens
+  ASSERT_EQ(store_in_l3(root.path, t), 32);
+  struct Case {
+    std::map<std::string, std::string> keys;
+    std::int64_t inserted;
+    int batch_gets;
+  };
+  const Case cases[] = {
+      {{{"prefetch_threshold_tokens", "16"}}, 32, 1},  // the file store's batch: all 8 pages
+      {{{"prefetch_threshold_tokens", "64"}}, 0, 0},
+      {{{"prefetch_threshold_tokens", "16"}, {"prefetch_budget_tokens", "16"}}, 0, 0},
+      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "2"}}, 32, 4},
+      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "3"}}, 32, 3},
+  };
+  for (const Case& c : cases) {
+    std::string trace;
+    for (const auto& [k, v] : c.keys) trace += str_cat(k, " ", v, " ");
+    SCOPED_TRACE(trace);
+    auto store = std::make_shared<GatedStore>(root.path.string());
+    HiCacheParts parts;
+    parts.storage = store;
+    auto keys = c.keys;
+    keys["prefetch_policy"] = R"("wait_complete")";  // ends when it has read everything
+    HiCache hc(config_with(keys), std::move(parts));
+    EXPECT_EQ(prefetch(hc, t), c.inserted);
+    EXPECT_EQ(store->batch_gets, c.batch_gets);
+    EXPECT_EQ(hc.cache().match_prefix(t).host_hit_tokens, c.inserted);
   }
 }
 
