@@ -453,6 +453,30 @@ TEST(ConfigEffect, DemoteWatermarksFreeTheDeviceAheadOfNeed) {
   }
 }
 
+// recompute_seconds_per_token: once a load has measured the copy bandwidth, a host hit that is
+// slower to move than to recompute at this cost is recomputed (load_back refuses it); 0: off.
+TEST(ConfigEffect, RecomputeSecondsPerTokenRecomputesWhatIsSlowerToMove) {
+  for (const std::string cost : {"0", "1e-15", "1"}) {
+    SCOPED_TRACE(str_cat("recompute_seconds_per_token ", cost));
+    HiCache hc(config_with({{"recompute_seconds_per_token", cost}}));
+    const auto first = tokens_of(1, 2), second = tokens_of(2, 2);
+    make_host_only(hc, first);
+    make_host_only(hc, second);
+    const LoadBack measured = load_back(hc, first);  // nothing measured yet: it moves the bytes
+    ASSERT_TRUE(measured.slots);
+    consume(hc, hc.controller().start_loading());
+    hc.cache().unlock(measured.node);
+    settle(hc);
+    const LoadBack l = load_back(hc, second);  // 8 tokens: 8e-15 s to recompute at 1e-15
+    const bool cheaper_to_recompute = cost == "1e-15";
+    EXPECT_EQ(l.slots.has_value(), !cheaper_to_recompute);
+    EXPECT_EQ(hc.cache().stats().load_backs_refused_by_cost, cheaper_to_recompute ? 1 : 0);
+    if (l.slots) consume(hc, hc.controller().start_loading());
+    hc.cache().unlock(l.node);
+    settle(hc);
+  }
+}
+
 // A file store whose hit queries wait while a test holds `gate` (a prefetch stays queued), and
 // which counts its batch reads.
 class GatedStore final : public StorageBackend {
