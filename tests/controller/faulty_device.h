@@ -4,7 +4,9 @@
 // that cannot be issued would; `fail_writes` does the same for copies into host memory (device
 // -> host writes), counted in `failed` too. Any copy
 // into device memory counts: the controller's loads, and the simulated engine's staged page
-// fills (stage_page_data); `copies_to_device` counts the copy calls that reached it.
+// fills (stage_page_data); `copies_to_device` counts the copy calls that reached it. Every copy
+// is also counted by its path: `copy_batches` (the direct io path) and `page_transfers` (the
+// kernel io path, each with the block cap it was given in `max_blocks_seen`).
 #pragma once
 
 #include <atomic>
@@ -24,8 +26,11 @@ class FaultyDevice final : public Device {
  public:
   std::atomic<int> fail_loads{0};
   std::atomic<int> fail_writes{0};
-  std::atomic<int> failed{0};  // copies failed so far
+  std::atomic<int> failed{0};            // copies failed so far
   std::atomic<int> copies_to_device{0};  // copy calls into device memory (failed ones too)
+  std::atomic<int> copy_batches{0};      // copy_batch_async calls
+  std::atomic<int> page_transfers{0};    // transfer_pages_async calls
+  std::atomic<int> max_blocks_seen{-1};  // the last transfer_pages_async's max_blocks
 
   DeviceBackend backend() const override { return inner_.backend(); }
   std::string name() const override { return "faulty " + inner_.name(); }
@@ -61,10 +66,13 @@ class FaultyDevice final : public Device {
       inner_->copy_async(dst, src, bytes);
     }
     void copy_batch_async(std::span<const CopyRegion> regions) override {
+      ++device_.copy_batches;
       if (!regions.empty()) device_.maybe_fail(regions.front().dst);
       inner_->copy_batch_async(regions);
     }
     void transfer_pages_async(const PageTransfer& t, int max_blocks = 0) override {
+      ++device_.page_transfers;
+      device_.max_blocks_seen = max_blocks;
       device_.maybe_fail(reinterpret_cast<const void*>(t.dst.base));
       inner_->transfer_pages_async(t, max_blocks);
     }
@@ -85,7 +93,8 @@ class FaultyDevice final : public Device {
     {
       std::lock_guard lock(mu_);
       bool into_device = false;
-      for (const auto& [lo, hi] : device_ranges_) into_device = into_device || (at >= lo && at < hi);
+      for (const auto& [lo, hi] : device_ranges_)
+        into_device = into_device || (at >= lo && at < hi);
       if (!into_device) {
         take_one(fail_writes, "injected write failure (FaultyDevice)");
         return;

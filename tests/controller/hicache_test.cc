@@ -11,6 +11,7 @@
 
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
+#include "tests/controller/error_of.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -32,16 +33,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
   static inline int count = 0;
 };
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 TEST(HiCache, BuildsEveryTierFromOneConfig) {
   TempDir dir;
