@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -474,6 +475,21 @@ std::optional<PageDigest> prior_of(const std::optional<std::string>& hex) {
   return digest_from_hex(*hex);
 }
 
+// Calls drain() (it moves what arrived into the caller's list and returns the list's size)
+// until it returns at least `n` or `timeout_s` passed, sleeping on `signal` in between: whatever
+// arrives after a drain bumps the signal, so no arrival is missed and nothing polls.
+template <typename Drain>
+void wait_for(const std::shared_ptr<EventSignal>& signal, std::size_t n, double timeout_s,
+              Drain&& drain) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+  while (true) {
+    const std::uint64_t seen = signal->seq();
+    if (drain() >= n || !signal->wait(seen, deadline)) break;
+  }
+}
+
 // A HiCache; `store` (may be None) is the one its config names, opened by the Python side so
 // that it can be handed out as a Store too. The engine's KV tensors (optional) are wrapped in
 // place; `keep` holds them alive as long as the cache.
@@ -590,18 +606,26 @@ class PyHiCache {
     std::vector<Ack> acks;
     {
       py::gil_scoped_release nogil;
-      const auto deadline = std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(timeout_s));
-      while (true) {
-        const std::uint64_t seen = c.events()->seq();
+      wait_for(c.events(), n, timeout_s, [&] {
         kind == "write" ? c.drain_write_acks(acks) : c.drain_load_acks(acks);
-        if (acks.size() >= n || !c.events()->wait(seen, deadline)) break;
-      }
+        return acks.size();
+      });
     }
     std::vector<std::pair<NodeId, bool>> out;
     for (const Ack& a : acks) out.emplace_back(a.node, a.ok);
     return out;
+  }
+
+  // Runs drain(storage controller) (it appends what arrived and returns how many it holds)
+  // until that is at least `n` or `timeout_s` passed, waiting on the controller's event signal
+  // (which the storage controller notifies after every backup ack and revoke) without the GIL.
+  // Without a store: nothing, at once.
+  template <typename Drain>
+  void drain_waiting(HiCache& hc, std::size_t n, double timeout_s, Drain&& drain) {
+    StorageController* sc = hc.storage_controller();
+    if (sc == nullptr) return;
+    py::gil_scoped_release nogil;
+    wait_for(hc.controller().events(), n, timeout_s, [&] { return drain(*sc); });
   }
 
   // Device slots hicache handed back since the last call (engine_allocator mode; else none).
@@ -890,23 +914,31 @@ PYBIND11_MODULE(_hicache, m) {
            },
            py::arg("host_slots"), py::arg("keys"))
       .def("drain_backup_acks",
-           [](PyHiCache& c) {
+           [](PyHiCache& c, std::size_t n, double timeout_s) {
              auto u = c.use();
              std::vector<BackupAck> acks;
-             if (StorageController* sc = u.hc.storage_controller()) sc->drain_backup_acks(acks);
+             c.drain_waiting(u.hc, n, timeout_s, [&](StorageController& sc) {
+               sc.drain_backup_acks(acks);
+               return acks.size();
+             });
              std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::string>> out;
              for (BackupAck& a : acks) {
                out.emplace_back(a.id, a.completed_tokens, a.total_tokens, std::move(a.error));
              }
              return out;
-           })
+           },
+           py::arg("n") = 0, py::arg("timeout_s") = 0.0)
       .def("drain_revokes",
-           [](PyHiCache& c) {
+           [](PyHiCache& c, std::size_t n, double timeout_s) {
              auto u = c.use();
              std::vector<std::string> out;
-             if (StorageController* sc = u.hc.storage_controller()) sc->drain_revokes(out);
+             c.drain_waiting(u.hc, n, timeout_s, [&](StorageController& sc) {
+               sc.drain_revokes(out);
+               return out.size();
+             });
              return out;
-           })
+           },
+           py::arg("n") = 0, py::arg("timeout_s") = 0.0)
       .def("prefetch_into",
            [](PyHiCache& c, std::string request_id, const std::vector<std::int32_t>& tokens,
               const std::optional<std::string>& prior_hex,

@@ -135,11 +135,14 @@ def same_bytes(dev, host, device_slots, host_slots):
 
 
 def wait_acks(queue, n):
-    """Takes n acks from an ack queue (list style), polling as SGLang's scheduler does."""
+    """Takes n acks from an ack queue (list style), as SGLang's scheduler does: a write ack is
+    there at once and its finish_event is waited for; a load ack appears once its copy is done."""
     got = []
     while len(got) < n:
         if queue:
-            got.append(queue.pop(0))
+            ack = queue.pop(0)
+            ack.finish_event.synchronize()
+            got.append(ack)
         else:
             time.sleep(0)
     return got

@@ -9,9 +9,13 @@ SGLang's HiRadixCache builds its controller with
                                               storage_backend_extra_config=...)
 
 Importing this class instead (`from hicache.sglang import HiCacheController`) is the whole
-change. The surface follows SGLang's managers/cache_controller.py of 2025-08-28, with the acks
-of later releases (`HiCacheAck(start_event, finish_event, node_ids)` in list-like queues that
-also answer `qsize()` / `get()`); docs/sglang.md lists every difference. Behind it run hicache's
+change. The surface follows SGLang's managers/cache_controller.py of 2025-08-28 and what the
+radix cache of 2025-09 and later asks of it: `get_hash_str`, write acks
+(`HiCacheAck(start_event, finish_event, node_ids)`) queued by write() itself, whose
+finish_event follows the copy, in list-like queues that also answer queue.Queue's `qsize()` /
+`get(block, timeout)`, and prefetch operations with `is_terminated()`; docs/sglang.md lists
+every difference. The extra config's "hicache" object takes the HiCache config keys the
+drop-in can honour; the radix cache's keys are refused (the radix cache is SGLang's here). Behind it run hicache's
 C++ threads on the engine's own tensors (the device pool's per-layer `k_buffer` / `v_buffer` or
 MLA `kv_buffer`, the host pool's `kv_buffer`), wrapped in place, never copied.
 
@@ -23,18 +27,173 @@ allocator with strict page states (a wrong transition raises, naming the page).
 """
 
 import collections
+import hashlib
+import itertools
 import json
 import os
+import queue
+import re
+import struct
 import threading
+import time
 
 from . import _hicache
 
-__all__ = ["HiCacheController", "HiCacheAck", "BackupAck", "HiCacheDeviceError"]
+__all__ = ["HiCacheController", "HiCacheAck", "BackupAck", "HiCacheDeviceError", "get_hash_str"]
 
 _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _OWN_EXTRA_KEY = "hicache"  # extra-config object merged into the HiCache config (tp_store_dir, ...)
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8",
            "float8_e5m2": "fp8", "uint8": "fp8"}
+# A blocking wait without a timeout waits in slices of this many seconds (each ends early when
+# what it waits for arrives), so that close() on another thread is never held up for ever.
+_WAIT_SLICE_S = 60.0
+
+# Keys of the extra config's "hicache" object, by what becomes of them in the drop-in. Every key
+# of the HiCache config schema (docs/configuration.md) and its SGLang aliases is in exactly one
+# table (a test checks it against config_reference()).
+# Effective: hicache's own machinery behind the drop-in reads them.
+_OWN_EFFECTIVE = {
+    "model_fingerprint": "the L3 key namespace (a new revision never reads old pages)",
+    "metrics": "whether the components register metrics",
+    "metrics_port": "the /metrics HTTP server",
+    "metrics_bind": "the /metrics HTTP server's address",
+    "tp_store_dir": "where the TP ranks' Gloo groups meet (TP above 1)",
+    "tp_hostname": "the address this rank's Gloo group listens on",
+    "tp_timeout_ms": "how long an agreement between the TP ranks may take",
+    "tp_connect_timeout_ms": "how long the TP ranks' rendezvous may take",
+    "queue_capacity": "the C++ queues' capacity",
+    "layer_slots": "load batches in flight (the layer counter's slots)",
+    "kernel_max_blocks": "CUDA blocks of the kernel io path",
+    "storage_batch_pages": "pages per storage call",
+}
+# Refused: the drop-in takes them from SGLang (a second value could only disagree).
+_OWN_FROM_SGLANG = {
+    "device": "the device of SGLang's KV tensors",
+    "page_size": "--page-size",
+    "device_tokens": "SGLang's device pool (the rows of its k_buffer / kv_buffer)",
+    "model": "SGLang's device pool (its tensors' shapes and dtype)",
+    "host_ratio": "--hicache-ratio / --hicache-size (SGLang's host pool)",
+    "host_bytes": "--hicache-ratio / --hicache-size (SGLang's host pool)",
+    "host_tokens": "--hicache-ratio / --hicache-size (SGLang's host pool)",
+    "hicache_ratio": "--hicache-ratio (SGLang's host pool)",
+    "hicache_size": "--hicache-size (SGLang's host pool)",
+    "host_layout": "--hicache-mem-layout",
+    "hicache_mem_layout": "--hicache-mem-layout",
+    "io_backend": "--hicache-io-backend",
+    "hicache_io_backend": "--hicache-io-backend",
+    "write_policy": "--hicache-write-policy",
+    "hicache_write_policy": "--hicache-write-policy",
+    "host_tier": "--enable-hierarchical-cache (the drop-in always has SGLang's host pool)",
+    "storage": "--hicache-storage-backend and --hicache-storage-backend-extra-config",
+    "hicache_storage_backend": "--hicache-storage-backend",
+    "hicache_storage_backend_extra_config": "--hicache-storage-backend-extra-config",
+    "model_name": "--served-model-name",
+    "prefetch_threshold_tokens": "the extra config's prefetch_threshold",
+    "tp_rank": "SGLang's tp_group",
+    "tp_size": "SGLang's tp_group",
+}
+# Refused: decisions of the radix cache, which is SGLang's when the drop-in runs.
+_OWN_RADIX = {
+    "prefetch_policy": "--hicache-storage-prefetch-policy",
+    "hicache_storage_prefetch_policy": "--hicache-storage-prefetch-policy",
+    "prefetch_timeout_base_ms": "the extra config's prefetch_timeout_base (seconds)",
+    "prefetch_timeout_per_page_ms": "the extra config's prefetch_timeout_per_ki_token (seconds)",
+    "prefetch_timeout_cap_ms": "the extra config's prefetch_timeout_base and "
+                               "prefetch_timeout_per_ki_token (SGLang's radix cache times its "
+                               "prefetches)",
+    "prefetch_budget_tokens": "SGLang's radix cache, which reserves the prefetch pages itself "
+                              "(prefetch_rate_limited() caps them at 0.8 x (host - device))",
+    "eviction_policy": "--radix-eviction-policy",
+    "write_through_threshold": "SGLang's radix cache (1 under write_through, 2 under "
+                               "write_through_selective)",
+    "load_back_min_tokens": "SGLang's radix cache (its load_back_threshold)",
+    "recompute_seconds_per_token": "nowhere: SGLang's radix cache always loads a host hit",
+    "demote_low_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
+    "demote_high_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
+}
+# Keys of SGLang's own radix cache in the extra config (SGLang reads them; later releases take
+# them out before the controller sees the extra config, earlier ones pass them through).
+_SGLANG_RADIX_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base",
+                            "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
+
+
+def _own_config(own):
+    """The "hicache" object's keys, checked: a key the drop-in cannot honour is refused with
+    the reason and where SGLang sets it instead."""
+    if not isinstance(own, dict):
+        raise ValueError(f"hicache: extra config '{_OWN_EXTRA_KEY}' must be an object of "
+                         f"HiCache config keys, not {own!r}")
+    for key in own:
+        if key in _OWN_FROM_SGLANG:
+            raise ValueError(
+                f"hicache: extra config key '{_OWN_EXTRA_KEY}.{key}' is not accepted by the "
+                f"drop-in controller: it takes the value from SGLang ({_OWN_FROM_SGLANG[key]})")
+        if key in _OWN_RADIX:
+            raise ValueError(
+                f"hicache: extra config key '{_OWN_EXTRA_KEY}.{key}' has no effect in the drop-in "
+                "controller: it is a decision of the radix cache, which is SGLang's here; set it "
+                f"in SGLang: {_OWN_RADIX[key]}")
+    return own  # other keys: effective ones, or unknown ones the config parser names
+
+
+_HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}\Z")
+
+
+def _digest_hex(value, what):
+    """A page hash (SGLang's get_hash_str), lower case; ValueError naming anything else."""
+    if not isinstance(value, str) or not _HEX_DIGEST.match(value):
+        raise ValueError(f"hicache: {what} {value!r} is not a page hash (64 hex digits, as "
+                         "get_hash_str returns)")
+    return value.lower()
+
+
+def _u32(token):
+    try:
+        value = int(token)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value != token or not 0 <= value < 1 << 32:
+        raise ValueError(f"hicache: token id {token!r} is not an integer in [0, 2^32)")
+    return value
+
+
+def get_hash_str(token_ids, prior_hash=None):
+    """SGLang's page hash (its hicache_storage.get_hash_str): the lowercase hex SHA-256 of the
+    prior page's digest bytes (none when prior_hash is None or empty) followed by each token
+    id as 4-byte little-endian unsigned (both ids of an EAGLE bigram tuple). ValueError names a
+    token outside [0, 2^32) or a prior that is not a page hash."""
+    hasher = hashlib.sha256()
+    if prior_hash:
+        hasher.update(bytes.fromhex(_digest_hex(prior_hash, "prior_hash")))
+    ids = list(token_ids)
+    try:
+        hasher.update(struct.pack(f"<{len(ids)}I", *ids))
+    except (struct.error, TypeError):  # a tuple, a bad id: one by one, naming the bad one
+        for token in ids:
+            for one in (token if isinstance(token, tuple) else (token,)):
+                hasher.update(_u32(one).to_bytes(4, "little"))
+    return hasher.hexdigest()
+
+
+def _token_ids(tokens, what):
+    """A list of int token ids (SGLang passes lists, or a RadixKey with .token_ids)."""
+    tokens = getattr(tokens, "token_ids", tokens)
+    ids = _as_list(tokens)
+    for token in ids:
+        if isinstance(token, tuple):
+            raise ValueError(f"hicache: {what}: EAGLE bigram token {token!r}; the drop-in's L3 "
+                             "paths take plain token ids")
+    return ids
+
+
+def _no_priority(priority, call):
+    """The drop-in runs writes in call order and starts the loads queued since the last
+    start_loading() as one batch; SGLang's radix cache passes no priority."""
+    if priority is not None:
+        raise ValueError(f"hicache: {call}(priority={priority!r}): the drop-in controller takes no "
+                         "priority (writes run in call order, loads as one batch per "
+                         "start_loading()); pass None")
 
 
 class HiCacheDeviceError(RuntimeError):
@@ -42,7 +201,8 @@ class HiCacheDeviceError(RuntimeError):
 
 
 class _DoneEvent:
-    """The events of an ack: hicache acknowledges a copy only once it has completed."""
+    """An event that has completed: a load ack's events (a load is acknowledged once its copy
+    completed) and every ack's start_event."""
 
     def query(self):
         return True
@@ -53,31 +213,113 @@ class _DoneEvent:
     def wait(self, stream=None):
         pass
 
-    def record(self, stream=None):
-        pass
-
 
 _DONE = _DoneEvent()
 HiCacheAck = collections.namedtuple("HiCacheAck", "start_event finish_event node_ids")
 BackupAck = collections.namedtuple("BackupAck", "id completed_tokens")
 
 
+class _Feed:
+    """One kind of completion hicache's C++ threads report (write or load acks, backup acks,
+    revokes). `drain(n, timeout_s)` moves what arrived out of C++, waiting without the GIL on
+    the controller's event signal until n arrived or the timeout passed; `deliver(items)`
+    records them. One thread drains at a time: another that waits meanwhile sleeps on a
+    condition the drainer notifies, so no thread waits for an arrival another one took."""
+
+    def __init__(self, drain, deliver):
+        self._drain = drain
+        self._deliver = deliver
+        self._cv = threading.Condition()
+        self._draining = False
+
+    def poll(self):
+        """Records what arrived so far; never blocks (while another thread drains, that one
+        records it)."""
+        with self._cv:
+            if not self._draining:
+                self._deliver(self._drain(0, 0.0))
+
+    def wait(self, ready, timeout=None):
+        """Records arrivals until ready() or `timeout` seconds (None: no limit); ready()."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._cv:
+            while not ready():
+                left = _WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if self._draining:
+                    self._cv.wait(left)
+                    continue
+                self._draining = True
+                self._cv.release()
+                try:
+                    items = self._drain(1, min(left, _WAIT_SLICE_S))
+                finally:
+                    self._cv.acquire()
+                    self._draining = False
+                    self._cv.notify_all()
+                self._deliver(items)
+            return True
+
+
+class _CopyEvent:
+    """The finish_event of a write ack (the ack is in ack_write_queue as soon as write()
+    returns, as in SGLang 2025-09): query() says whether hicache's write thread finished the
+    copy, synchronize() / wait() wait for it without the GIL. A copy that failed raises
+    HiCacheDeviceError (its host pages were freed), as does one that reset() dropped."""
+
+    __slots__ = ("_controller", "node", "_state")
+
+    def __init__(self, controller, node):
+        self._controller = controller
+        self.node = node
+        self._state = None  # None: in flight; True: done; a message: failed or dropped
+
+    def _settled(self):
+        return self._state is not None
+
+    def _result(self):
+        if self._state is None:
+            return False
+        if self._state is True:
+            return True
+        self._controller._failures.pop(self, None)  # raised here: not again by the queue
+        raise HiCacheDeviceError(f"hicache: {self._state}: those bytes are not to be used")
+
+    def query(self):
+        if self._state is None:
+            self._controller._write_feed.poll()
+        return self._result()
+
+    def synchronize(self):
+        if self._state is None:
+            self._controller._write_feed.wait(self._settled)
+        self._result()
+
+    def wait(self, stream=None):
+        """The copy is waited for on the host: once it returns the bytes are in host memory,
+        which orders them before any later work on any stream."""
+        self.synchronize()
+
+
 class _AckQueue:
     """A list of acks (SGLang's later releases iterate, pop and slice it) that also answers as
-    a queue.Queue (qsize, empty, get, get_nowait: the 2025 releases); `unwrap` maps an item to
-    what get() returns. Every read first moves what the C++ side acknowledged since (`pull`),
-    then raises a failure `check` finds (after the good acks are in the list). A blocking get()
-    waits without the GIL through `wait(timeout)` (SGLang's write_back waits so)."""
+    a queue.Queue (qsize, empty, get, get_nowait: the 2025 releases). The list holds every ack
+    posted; the queue view sees only those whose copy is done (`done(item)`), and get() returns
+    `unwrap(item)`. Every read first records what the C++ side reported since (`feed`), then
+    raises a failure `check` finds (after the good acks are in the list). get(block=True,
+    timeout=t) waits up to t without the GIL, then raises queue.Empty, as queue.Queue does."""
 
-    def __init__(self, pull, unwrap=lambda item: item, wait=None, check=lambda: None):
-        self._pull = pull
+    def __init__(self, feed, unwrap=lambda item: item, done=lambda item: True,
+                 check=lambda: None):
+        self._feed = feed
         self._unwrap = unwrap
-        self._wait = wait
+        self._done = done
         self._check = check
         self._items = []
 
     def _refresh(self):
-        self._items.extend(self._pull())
+        self._feed.poll()
         self._check()
         return self._items
 
@@ -107,28 +349,65 @@ class _AckQueue:
         self._items.clear()
 
     # queue.Queue
+    def _first_done(self):
+        return next((i for i, item in enumerate(self._items) if self._done(item)), None)
+
     def qsize(self):
-        return len(self)
+        self._refresh()
+        return sum(1 for item in self._items if self._done(item))
 
     def empty(self):
-        return len(self) == 0
+        return self.qsize() == 0
 
     def get(self, block=True, timeout=None):
-        import queue
-        import time
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._refresh():
-            left = None if deadline is None else deadline - time.monotonic()
-            if not block or self._wait is None or (left is not None and left <= 0):
-                raise queue.Empty
-            self._items.extend(self._wait(60.0 if left is None else left))
-        return self._unwrap(self._items.pop(0))
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        self._refresh()
+        if self._first_done() is None and block:
+            self._feed.wait(lambda: self._first_done() is not None, timeout)
+            self._check()
+        i = self._first_done()
+        if i is None:
+            raise queue.Empty
+        return self._unwrap(self._items.pop(i))
 
     def get_nowait(self):
         return self.get(block=False)
 
-    def put(self, item, block=True, timeout=None):
-        self._items.append(item)
+
+class _ReleaseQueue:
+    """host_mem_release_queue: the drop-in frees released host pages at once, so nothing is
+    ever queued here. qsize() is 0; get() raises queue.Empty, after waiting `timeout` seconds
+    (without the GIL) as queue.Queue would; a blocking get() without a timeout raises at once,
+    since nothing can arrive to end it."""
+
+    def qsize(self):
+        return 0
+
+    def empty(self):
+        return True
+
+    def __len__(self):
+        return 0
+
+    def __iter__(self):
+        return iter(())
+
+    def get(self, block=True, timeout=None):
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        if block and timeout is None:
+            raise queue.Empty("hicache: host_mem_release_queue never holds anything (the "
+                              "drop-in frees released host pages at once)")
+        if block:
+            threading.Event().wait(timeout)
+        raise queue.Empty
+
+    def get_nowait(self):
+        return self.get(block=False)
+
+    def clear(self):
+        pass
 
 
 class LayerDoneCounter:
@@ -269,25 +548,33 @@ def _tp_of(tp_group):
 
 
 class _Prefetch:
-    """The operation prefetch() returns, with the reference's fields: `hash_value` lists the
-    pages the op may still bring (all of them while the hit is unknown, the agreed hit while it
-    loads, the completed prefix once terminated), so that SGLang's completion test
-    `completed_tokens == len(hash_value) * page_size` holds exactly when the op is done."""
+    """The operation prefetch() returns, with SGLang's PrefetchOperation surface: request_id,
+    host_indices, token_ids, last_hash, prefix_keys, start_time, id, hash_value,
+    completed_tokens, is_done / is_terminated, mark_done / mark_terminate, increment.
 
-    _counter = 0
+    `hash_value` lists the pages the op may still bring (all of them while the hit is unknown,
+    the agreed hit while it loads, the completed prefix once terminated), so that SGLang's
+    completion test `completed_tokens == len(hash_value) * page_size` holds exactly when the op
+    is done. `is_terminated()` is true once the op can bring nothing more than it has: it was
+    terminated, had nothing to fetch, or its reads stopped short of the hit (a failed page), so
+    the 2025-09 radix cache's `wait_complete` and `timeout` policies end it. A revoked op is
+    ended by its revoke (prefetch_revoke_queue), as in SGLang."""
 
-    def __init__(self, request_id, host_indices, token_ids, last_hash, native, hashes, page):
-        import time
+    _counter = itertools.count()
+
+    def __init__(self, controller, request_id, host_indices, token_ids, last_hash, prefix_keys,
+                 native, hashes):
         self.request_id = request_id
         self.host_indices = host_indices
         self.token_ids = token_ids
         self.last_hash = last_hash
-        self.native = native  # None when the queue refused it: done, nothing read
+        self.prefix_keys = prefix_keys
+        self.native = native  # None: nothing to fetch, or refused by a stopped controller
         self.start_time = time.monotonic()
-        self.id = _Prefetch._counter
-        _Prefetch._counter += 1
+        self.id = next(_Prefetch._counter)
+        self._controller = controller
         self._hashes = hashes
-        self._page = page
+        self._page = controller.page_size
         self._terminated = None  # (completed tokens, hashes) once terminated
 
     @property
@@ -310,8 +597,28 @@ class _Prefetch:
         return self._terminated is not None or self.native is None or \
             self.native.stage in ("revoked", "finished", "terminated")
 
-    def mark_done(self):
-        pass  # terminate_prefetch ends it
+    def is_terminated(self):
+        if self._terminated is not None or self.native is None:
+            return True
+        native = self.native
+        stage = native.stage
+        return stage == "terminated" or (
+            stage == "finished" and native.completed_tokens < native.hit_tokens)
+
+    def mark_terminate(self):
+        """Ends the op now, as the controller's terminate_prefetch() does (the pages past the
+        prefix every rank completed are freed); terminate_prefetch() then returns the same."""
+        self._controller.terminate_prefetch(self)
+
+    mark_done = mark_terminate  # SGLang 2025-08's name
+
+    def increment(self, num_tokens):
+        """SGLang's I/O thread counts its reads with this; hicache's own prefetch I/O thread
+        counts them here (completed_tokens), so a count from Python would name pages that were
+        never read: refused."""
+        raise RuntimeError(
+            f"hicache: increment({num_tokens!r}) on prefetch {self.request_id!r}: the completed "
+            "tokens are counted by hicache's prefetch I/O thread as pages land in host memory")
 
 
 class _StorageView:
@@ -367,18 +674,30 @@ class HiCacheController:
         if hasattr(self.mem_pool_device, "register_layer_transfer_counter"):
             self.mem_pool_device.register_layer_transfer_counter(self.layer_done_counter)
 
-        self._failures = []  # failed copies not yet raised
+        self._failures = {}  # failed copies not yet raised: key -> message
         self._loads_queued = 0
         self._prefetches = {}  # request id -> _Prefetch, until terminated or its revoke is read
-        self.ack_write_queue = _AckQueue(
-            lambda: self._acks("write"), lambda ack: ack.node_ids[0],
-            wait=lambda t: self._acks("write", t), check=self._raise_failures)
-        self.ack_load_queue = _AckQueue(
-            lambda: self._acks("load"), lambda ack: ack.node_ids[0],
-            wait=lambda t: self._acks("load", t), check=self._raise_failures)
-        self.ack_backup_queue = _AckQueue(self._backup_acks)
-        self.prefetch_revoke_queue = _AckQueue(self._cache.drain_revokes, self._deliver_revoke)
-        self.host_mem_release_queue = _AckQueue(lambda: [])  # releases are applied at once
+        # Writes are acknowledged by a token of their own (hicache's write thread acks each op
+        # by it), so that each ack's finish_event follows its own copy.
+        self._write_tokens = itertools.count(1)
+        self._writes_in_flight = {}  # token -> _CopyEvent
+        self._write_feed = _Feed(lambda n, t: self._cache.wait_acks("write", n, t),
+                                 self._writes_done)
+        self._load_feed = _Feed(lambda n, t: self._cache.wait_acks("load", n, t),
+                                self._loads_done)
+        self.ack_write_queue = _AckQueue(self._write_feed, lambda ack: ack.node_ids[0],
+                                         done=lambda ack: ack.finish_event._state is True,
+                                         check=self._raise_failures)
+        self.ack_load_queue = _AckQueue(self._load_feed, lambda ack: ack.node_ids[0],
+                                        check=self._raise_failures)
+        self.ack_backup_queue = _AckQueue(_Feed(
+            lambda n, t: self._cache.drain_backup_acks(n, t),
+            lambda acks: self.ack_backup_queue._items.extend(
+                BackupAck(op_id, completed) for op_id, completed, _total, _error in acks)))
+        self.prefetch_revoke_queue = _AckQueue(_Feed(
+            lambda n, t: self._cache.drain_revokes(n, t),
+            lambda ids: self.prefetch_revoke_queue._items.extend(ids)), self._deliver_revoke)
+        self.host_mem_release_queue = _ReleaseQueue()  # releases are applied at once
         self.write_failures = 0
         self.load_failures = 0
 
@@ -420,11 +739,9 @@ class HiCacheController:
         if isinstance(extra, str):
             extra = json.loads(extra) if extra.strip() else {}
         extra = dict(extra or {})
-        extra.pop("prefetch_threshold", None)  # SGLang passes it as prefetch_threshold too
-        own = extra.pop(_OWN_EXTRA_KEY, {})
-        if not isinstance(own, dict):
-            raise ValueError(f"hicache: extra config '{_OWN_EXTRA_KEY}' must be an object of "
-                             f"HiCache config keys, not {own!r}")
+        own = _own_config(extra.pop(_OWN_EXTRA_KEY, {}))
+        for key in _SGLANG_RADIX_EXTRA_KEYS:
+            extra.pop(key, None)  # SGLang's radix cache reads these (prefetch_threshold: above)
         if storage_backend is not None:
             if storage_backend == "file" and "root" not in extra:
                 extra["root"] = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
@@ -485,15 +802,27 @@ class HiCacheController:
 
     def write(self, device_indices, priority=None, node_id=0):
         """Backs up device pages to new host pages; the host indices, or None (nothing
-        changed) when the host pool or the write queue is full."""
+        changed) when the host pool or the write queue is full. Its ack is in ack_write_queue
+        when this returns (none for node 0, as SGLang), its finish_event done once the copy
+        is; until then the host pages are protected (evicting, loading or backing them up to
+        L3 raises) and the queue view (qsize, get) does not count the ack."""
+        _no_priority(priority, "write")
         self._sync_compute()
-        host = self._cache.write(_as_list(device_indices), int(node_id))
-        return None if host is None else self._host_slots(host)
+        token = next(self._write_tokens)
+        host = self._cache.write(_as_list(device_indices), token)
+        if host is None:
+            return None
+        event = _CopyEvent(self, int(node_id))
+        self._writes_in_flight[token] = event
+        if node_id != 0:  # the reference acknowledges no op of node 0
+            self.ack_write_queue.append(HiCacheAck(_DONE, event, [node_id]))
+        return self._host_slots(host)
 
     def load(self, host_indices, priority=None, node_id=0):
         """Loads host pages (state backup) into device slots from the engine's allocator; the
         device indices, or None (nothing changed) when either is short. The copy runs at the
-        next start_loading()."""
+        next start_loading(); its ack is posted once the copy completed."""
+        _no_priority(priority, "load")
         host = _as_list(host_indices)
         device_indices = self.mem_pool_device_allocator.alloc(len(host))
         if device_indices is None:
@@ -557,72 +886,129 @@ class HiCacheController:
         elif slots:
             self.mem_pool_device_allocator.free(self._device_slots(slots))
 
-    def _acks(self, kind, timeout=None):
-        """The acks of `kind` that arrived (with `timeout`: waits up to that long for one,
-        without the GIL). A failed copy is recorded and raised once every good ack drained with
-        it is in its queue."""
-        out = []
-        got = (self._cache.wait_acks(kind, 0, 0.0) if timeout is None
-               else self._cache.wait_acks(kind, 1, timeout))
-        for node, ok in got:
+    def _writes_done(self, acks):
+        """Records the write thread's acks [(token, ok)]: each ack's finish_event completes; a
+        failed copy leaves the queue (its host pages were freed) and is raised once, by the
+        next read of the queue or by its event."""
+        for token, ok in acks:
+            event = self._writes_in_flight.pop(token, None)
+            if event is None:
+                continue  # dropped by reset()
+            if ok:
+                event._state = True
+                continue
+            self.write_failures += 1
+            event._state = f"the device -> host copy of node {event.node} failed"
+            self._failures[event] = event._state
+            items = self.ack_write_queue._items
+            items[:] = [ack for ack in items if ack.finish_event is not event]
+
+    def _loads_done(self, acks):
+        """Records the load thread's acks [(node, ok)]: a load is acknowledged once its copy
+        completed; a failed one is raised once the good acks drained with it are queued."""
+        for node, ok in acks:
             if not ok:
-                if kind == "write":
-                    self.write_failures += 1
-                else:
-                    self.load_failures += 1
-                self._failures.append(
-                    f"the {'device -> host' if kind == 'write' else 'host -> device'} copy of "
-                    f"node {node} failed")
+                self.load_failures += 1
+                self._failures[object()] = f"the host -> device copy of node {node} failed"
             elif node != 0:  # the reference acknowledges no op of node 0
-                out.append(HiCacheAck(_DONE, _DONE, [node]))
-        return out
+                self.ack_load_queue.append(HiCacheAck(_DONE, _DONE, [node]))
 
     def _raise_failures(self):
         if self._failures:
-            failures, self._failures = self._failures, []
+            failures = list(self._failures.values())
+            self._failures.clear()
             raise HiCacheDeviceError("hicache: " + "; ".join(failures) +
                                      ": those bytes are not to be used")
 
     # --- L2 <-> L3 ----------------------------------------------------------------------
 
-    def _backup_acks(self):
-        return [BackupAck(op_id, completed) for op_id, completed, _total, _error
-                in self._cache.drain_backup_acks()]
+    def get_hash_str(self, token_ids, prior_hash=None):
+        """SGLang's page hash (module function get_hash_str): the radix cache names its pages
+        with it, and they are the keys write_storage(hash_value=...) stores under and the
+        last_hash prefetch() chains from."""
+        return get_hash_str(token_ids, prior_hash)
 
-    def write_storage(self, host_indices, token_ids, hash_value=None):
-        """Queues the backup of host pages to L3; its id (ack_backup_queue gets (id, completed
-        tokens), completed being the prefix every rank stored). `hash_value`: the pages' hashes
-        (SGLang's get_hash_str chain), or the hash of the page before token_ids[0], or None at
-        the start of a sequence. None when the queue is full."""
+    def _require_written(self, host, call):
+        """Host pages a backup reads must hold their bytes: synced or backup, not reserved
+        (never written) or protected (a write into them still running)."""
+        states = self._cache.host_states(host)
+        for page, state in enumerate(states):
+            if state not in ("synced", "backup"):
+                raise RuntimeError(
+                    f"hicache: {call}: host page {host[page * self.page_size] // self.page_size} "
+                    f"is {state}, not synced or backup: its bytes are not there yet (wait for "
+                    "its write ack's finish_event)")
+
+    def write_storage(self, host_indices, token_ids, hash_value=None, prefix_keys=None):
+        """Queues the backup of host pages (whole pages, written: synced or backup) to L3; its
+        id (ack_backup_queue gets BackupAck(id, completed_tokens), completed being the prefix
+        every rank stored), or None when the queue is full. `hash_value`: the pages' hashes
+        (SGLang's get_hash_str chain, one per page: the L3 keys), or the hash of the page
+        before token_ids[0], or None at the start of a sequence. `prefix_keys` (SGLang's
+        hicache_storage_pass_prefix_keys): the hashes before the first page, checked to chain
+        into it; hicache's keys are chained already and need nothing more."""
         host = _as_list(host_indices)
+        pages, rest = divmod(len(host), self.page_size)
+        if rest or not pages:
+            raise ValueError(f"hicache: write_storage of {len(host)} host slots: whole pages "
+                             f"of {self.page_size} tokens, at least one")
+        tokens = getattr(token_ids, "token_ids", token_ids)  # a list, or SGLang's RadixKey
         if isinstance(hash_value, (list, tuple)):
-            prefix = self._cache.key_prefix
-            keys = [f"{prefix}-{h}" for h in hash_value]
+            hashes = [_digest_hex(h, "write_storage hash_value") for h in hash_value]
+            if len(hashes) != pages:
+                raise ValueError(f"hicache: write_storage of {pages} pages with {len(hashes)} "
+                                 "hash values: one per page")
         else:
-            keys, _ = self._cache.page_keys(list(token_ids), hash_value)
-        pages = len(host) // self.page_size
-        return self._cache.write_storage(host[:pages * self.page_size], keys[:pages])
+            prior = _digest_hex(hash_value, "write_storage hash_value") if hash_value else None
+            _, hashes = self._cache.page_keys(_token_ids(tokens, "write_storage"), prior)
+            if len(hashes) < pages:
+                raise ValueError(f"hicache: write_storage of {pages} pages with "
+                                 f"{len(tokens)} token ids")
+            hashes = hashes[:pages]
+        if prefix_keys:
+            before = _digest_hex(list(prefix_keys)[-1], "write_storage prefix_keys")
+            if get_hash_str(list(tokens)[:self.page_size], before) != hashes[0]:
+                raise ValueError("hicache: write_storage: the first page's hash does not chain "
+                                 f"from prefix_keys[-1] {before}")
+        self._require_written(host, "write_storage")
+        prefix = self._cache.key_prefix
+        return self._cache.write_storage(host, [f"{prefix}-{h}" for h in hashes])
 
-    def prefetch(self, request_id, host_indices, new_input_tokens, last_hash=None):
+    def prefetch(self, request_id, host_indices, new_input_tokens, last_hash=None,
+                 prefix_keys=None):
         """Reads the L3 hit of new_input_tokens into host_indices (the radix cache's
         reservation, whole pages). The pages stay the op's until terminate_prefetch, which
         frees those past the agreed prefix, or until its revoke is read from
-        prefetch_revoke_queue, which frees them all: host memory changes only on this thread."""
-        tokens = list(new_input_tokens)
+        prefetch_revoke_queue, which frees them all: host memory changes only on this thread.
+        `host_indices` None (the radix cache found no host room): nothing to fetch; the op
+        is done and terminated at once with nothing, and no revoke follows. `last_hash`: the
+        get_hash_str of the page before new_input_tokens (None at the start); `prefix_keys`,
+        when given, must end with it."""
+        tokens = _token_ids(new_input_tokens, "prefetch")
+        prior = _digest_hex(last_hash, "prefetch last_hash") if last_hash else None
+        if prefix_keys:
+            before = _digest_hex(list(prefix_keys)[-1], "prefetch prefix_keys")
+            if before != prior:
+                raise ValueError(f"hicache: prefetch: prefix_keys end with {before}, last_hash "
+                                 f"is {last_hash!r}")
+        if host_indices is None:
+            return _Prefetch(self, request_id, None, tokens, last_hash, prefix_keys, None, [])
         host = _as_list(host_indices)
-        native = self._cache.prefetch_into(str(request_id), tokens, last_hash, host)
-        _, hashes = self._cache.page_keys(tokens, last_hash)
-        op = _Prefetch(request_id, host_indices, tokens, last_hash, native, hashes,
-                       self.page_size)
-        self._prefetches[request_id] = op
+        native = self._cache.prefetch_into(str(request_id), tokens, prior, host)
+        _, hashes = self._cache.page_keys(tokens, prior)
+        op = _Prefetch(self, request_id, host_indices, tokens, last_hash, prefix_keys, native,
+                       hashes)
+        if native is not None:
+            self._prefetches[request_id] = op
         return op
 
     def terminate_prefetch(self, operation):
         """Ends a prefetch: (completed tokens, page hashes) agreed by every rank; the pages
         past them are freed. A second call returns the same."""
         if operation._terminated is None:
-            if operation.native is None:  # refused by a stopped controller: nothing was read
-                self._cache.host_free(_as_list(operation.host_indices))
+            if operation.native is None:  # nothing to fetch, or refused by a stopped controller
+                if operation.host_indices is not None:
+                    self._cache.host_free(_as_list(operation.host_indices))
                 operation._terminated = (0, [])
             else:
                 tokens, _slots, hashes = self._cache.terminate_prefetch(operation.native)
@@ -651,6 +1037,9 @@ class HiCacheController:
         for q in (self.ack_write_queue, self.ack_load_queue, self.ack_backup_queue,
                   self.prefetch_revoke_queue, self.host_mem_release_queue):
             q.clear()
+        dropped, self._writes_in_flight = self._writes_in_flight, {}
+        for event in dropped.values():
+            event._state = f"the device -> host copy of node {event.node} was dropped by reset()"
         self.prefetch_tokens_occupied = 0
         self._prefetches.clear()  # their pages go with the host pool's clear()
         self._failures.clear()
