@@ -296,9 +296,9 @@ class HiRadixCache {
   // The eviction index's refresh(): every change to a node's tiers, lock, ops in flight, hits
   // or children is followed by it; check_invariants() checks that none was missed.
   void refresh(Node* node);
-  // Writes a device-only node to the host (the controller's write queue); nothing when the
-  // host or the queue is full.
-  void write_node(Node* node);
+  // Writes a device-only node to the host (the controller's write queue, at `priority`: an
+  // eviction's write before backups); nothing when the host or the queue is full.
+  void write_node(Node* node, std::int64_t priority);
   void drop_device(Node* node);
   // Takes a leaf without KV out of the tree, remembering its pages as evicted.
   void remove_leaf(Node* node);

@@ -18,5 +18,14 @@ for i in "${!layers[@]}"; do
     fi
   done
 done
+# Inside controller/: the radix cache's rooms (controller/radix/) sit below their coordinator
+# and the front door, so they never include them.
+if [ -d "$root/controller/radix" ]; then
+  if hits=$(grep -rnE '#include "controller/(hi_radix_cache|hicache)\.h"' "$root/controller/radix"); then
+    echo "layer violation: controller/radix includes its coordinator:"
+    echo "$hits"
+    status=1
+  fi
+fi
 [ $status -eq 0 ] && echo "layering ok: ${layers[*]}"
 exit $status
