@@ -699,37 +699,7 @@ std::string HiRadixCache::describe() const {
 
 void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
   metrics_.attach(registry, std::move(labels));
-  const radix::CacheEvents& e = events_;
-  constexpr const char* kMatch = "hicache_match_tokens_total";
-  constexpr const char* kMatchHelp =
-      "Prompt tokens match_prefix found on each tier (none: not in the tree); every call counts";
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "device"}}, e.matched_device_tokens);
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "host"}}, e.matched_host_tokens);
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "none"}}, e.unmatched_tokens);
-  metrics_.add("hicache_loaded_back_tokens_total", "Host tokens loaded back to the device", {},
-               e.loaded_back_tokens);
-  metrics_.add("hicache_prefetched_tokens_total", "Tokens prefetches from L3 added to the tree", {},
-               e.prefetched_tokens);
-  constexpr const char* kEvicted = "hicache_evicted_tokens_total";
-  constexpr const char* kEvictedHelp = "Tokens evicted from a tier";
-  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "device"}}, e.evicted_device_tokens);
-  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "host"}}, e.evicted_host_tokens);
-  constexpr const char* kRefused = kMissesMetric;
-  constexpr const char* kRefusedHelp = kMissesHelp;
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "evicted"}}, e.miss_evicted_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_refused_by_cost"}},
-               e.miss_load_refused_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_refused_by_cost"}},
-               e.miss_prefetch_refused_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_revoked"}}, e.miss_revoked_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_failed"}}, e.miss_load_failed_tokens);
-  metrics_.add("hicache_write_failures_total", "Device-to-host writes that failed", {},
-               e.write_failures);
-  metrics_.add("hicache_collective_failures_total",
-               "TP agreement calls that failed (each rank then goes alone)", {}, e.tp_failures);
-  metrics_.add("hicache_demotions_total", "Demotion rounds between the watermarks", {},
-               e.demotions);
-  metrics_.add("hicache_resets_total", "Cache resets", {}, e.resets);
+  events_.register_in(metrics_);
   constexpr const char* kUsed = "hicache_pool_used_tokens";
   constexpr const char* kUsedHelp = "Token slots in use per tier (device: as of the last step)";
   constexpr const char* kCapacity = "hicache_pool_capacity_tokens";

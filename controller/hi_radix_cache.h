@@ -31,6 +31,11 @@
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.
 // This version keeps no storage-only nodes: a node leaves the tree with its last tier above L3.
 //
+// Inside, a coordinator over the rooms of controller/radix/ (docs/architecture.md, "The radix
+// cache in rooms"): the tree's structure (tree.h), the eviction order and index (eviction.h),
+// the ghosts of evicted pages (ghost_set.h), the TP agreement and the cost rule (agreement.h),
+// the L3 paths (l3_paths.h). This class holds tier policy, locks and the application of acks.
+//
 // Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
 #pragma once
 
