@@ -16,6 +16,13 @@ namespace hicache {
 
 namespace {
 
+// Write priorities (lower first in the controller's write queue, FIFO among equals): a write
+// that frees device memory on its ack (write-back eviction and demotion, the copy of an evicted
+// inner node) goes before backups (write-through and selective writes), which only add a host
+// copy: the scheduler waiting for device room waits on the first kind. Loads have one kind (the
+// batch's load back): priority 0. docs/design-notes.md, "Operation priorities".
+constexpr std::int64_t kEvictionWritePriority = 0, kBackupWritePriority = 1;
+
 template <typename T>
 void append(std::vector<T>& to, const std::vector<T>& from) {
   to.insert(to.end(), from.begin(), from.end());
@@ -208,7 +215,8 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     if (common < child->key().size()) break;
   }
   for (Node* n : to_write) {
-    if (n->host.empty() && !n->device.empty() && n->write_op == 0) write_node(n);
+    if (n->host.empty() && !n->device.empty() && n->write_op == 0)
+      write_node(n, kBackupWritePriority);
   }
   events_.matched_device_tokens += r.device_slots.size();
   events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
@@ -242,7 +250,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
       Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
       refresh(l);
-      if (policy_ == WritePolicy::kWriteThrough) write_node(l);
+      if (policy_ == WritePolicy::kWriteThrough) write_node(l, kBackupWritePriority);
       return duplicate;
     }
     const std::size_t common = tree_->common_tokens(child, tokens.subspan(pos));
@@ -275,7 +283,7 @@ void HiRadixCache::unlock(Node* node) {
   }
 }
 
-void HiRadixCache::write_node(Node* node) {
+void HiRadixCache::write_node(Node* node, std::int64_t priority) {
   if (!config_.host_tier) return;  // device only: the node stays device-only
   const auto tokens = static_cast<std::int64_t>(node->device.size());
   // TP: the room is judged on what every rank has alike (host_room(), and the writes in flight,
@@ -288,7 +296,8 @@ void HiRadixCache::write_node(Node* node) {
   }
   auto host = controller_.reserve_write(tokens);
   if (!host && !tp) return;  // host full or queue full: the node stays device-only
-  if (host && !controller_.write_reserved(node->device, *host, 0, node->id)) return;  // stopped
+  if (host && !controller_.write_reserved(node->device, *host, priority, node->id))
+    return;  // stopped
   node->write_op = node->id;
   lock(node);
   pending_->writes[node->id] = radix::PendingOps::Op{node, {node}};
@@ -372,12 +381,12 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
     Node* n = index_->next_victim(radix::Tier::kDevice);
     if (n == nullptr) break;
     if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
-      write_node(n);
+      write_node(n, kEvictionWritePriority);
       if (n->write_op == 0 && !n->children.empty() && config_.host_tier) {
         // The host is full (on some rank): host-only leaves make room for its copy (without
         // it a device of such inner nodes could never be freed, nothing in flight to wait on).
         evict_host(static_cast<std::int64_t>(n->device.size()));
-        write_node(n);
+        write_node(n, kEvictionWritePriority);
       }
       if (n->write_op != 0) {  // out of the index while it writes
         n->evict_after_write = true;
@@ -690,37 +699,7 @@ std::string HiRadixCache::describe() const {
 
 void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
   metrics_.attach(registry, std::move(labels));
-  const radix::CacheEvents& e = events_;
-  constexpr const char* kMatch = "hicache_match_tokens_total";
-  constexpr const char* kMatchHelp =
-      "Prompt tokens match_prefix found on each tier (none: not in the tree); every call counts";
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "device"}}, e.matched_device_tokens);
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "host"}}, e.matched_host_tokens);
-  metrics_.add(kMatch, kMatchHelp, {{"tier", "none"}}, e.unmatched_tokens);
-  metrics_.add("hicache_loaded_back_tokens_total", "Host tokens loaded back to the device", {},
-               e.loaded_back_tokens);
-  metrics_.add("hicache_prefetched_tokens_total", "Tokens prefetches from L3 added to the tree", {},
-               e.prefetched_tokens);
-  constexpr const char* kEvicted = "hicache_evicted_tokens_total";
-  constexpr const char* kEvictedHelp = "Tokens evicted from a tier";
-  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "device"}}, e.evicted_device_tokens);
-  metrics_.add(kEvicted, kEvictedHelp, {{"tier", "host"}}, e.evicted_host_tokens);
-  constexpr const char* kRefused = kMissesMetric;
-  constexpr const char* kRefusedHelp = kMissesHelp;
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "evicted"}}, e.miss_evicted_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_refused_by_cost"}},
-               e.miss_load_refused_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_refused_by_cost"}},
-               e.miss_prefetch_refused_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "prefetch_revoked"}}, e.miss_revoked_tokens);
-  metrics_.add(kRefused, kRefusedHelp, {{"reason", "load_failed"}}, e.miss_load_failed_tokens);
-  metrics_.add("hicache_write_failures_total", "Device-to-host writes that failed", {},
-               e.write_failures);
-  metrics_.add("hicache_collective_failures_total",
-               "TP agreement calls that failed (each rank then goes alone)", {}, e.tp_failures);
-  metrics_.add("hicache_demotions_total", "Demotion rounds between the watermarks", {},
-               e.demotions);
-  metrics_.add("hicache_resets_total", "Cache resets", {}, e.resets);
+  events_.register_in(metrics_);
   constexpr const char* kUsed = "hicache_pool_used_tokens";
   constexpr const char* kUsedHelp = "Token slots in use per tier (device: as of the last step)";
   constexpr const char* kCapacity = "hicache_pool_capacity_tokens";

@@ -31,6 +31,11 @@
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.
 // This version keeps no storage-only nodes: a node leaves the tree with its last tier above L3.
 //
+// Inside, a coordinator over the rooms of controller/radix/ (docs/architecture.md, "The radix
+// cache in rooms"): the tree's structure (tree.h), the eviction order and index (eviction.h),
+// the ghosts of evicted pages (ghost_set.h), the TP agreement and the cost rule (agreement.h),
+// the L3 paths (l3_paths.h). This class holds tier policy, locks and the application of acks.
+//
 // Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
 #pragma once
 
@@ -296,9 +301,9 @@ class HiRadixCache {
   // The eviction index's refresh(): every change to a node's tiers, lock, ops in flight, hits
   // or children is followed by it; check_invariants() checks that none was missed.
   void refresh(Node* node);
-  // Writes a device-only node to the host (the controller's write queue); nothing when the
-  // host or the queue is full.
-  void write_node(Node* node);
+  // Writes a device-only node to the host (the controller's write queue, at `priority`: an
+  // eviction's write before backups); nothing when the host or the queue is full.
+  void write_node(Node* node, std::int64_t priority);
   void drop_device(Node* node);
   // Takes a leaf without KV out of the tree, remembering its pages as evicted.
   void remove_leaf(Node* node);

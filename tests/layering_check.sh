@@ -64,5 +64,14 @@ for path in sorted(pkg.rglob("*.py")):
 sys.exit(bad)
 PY
 fi
-[ $status -eq 0 ] && echo "layering ok: ${layers[*]}; python package: core < engine adapters"
+# Inside controller/: the radix cache's rooms (controller/radix/) sit below their coordinator
+# and the front door, so they never include them.
+if [ -d "$root/controller/radix" ]; then
+  if hits=$(grep -rnE '#include "controller/(hi_radix_cache|hicache)\.h"' "$root/controller/radix"); then
+    echo "layer violation: controller/radix includes its coordinator:"
+    echo "$hits"
+    status=1
+  fi
+fi
+[ $status -eq 0 ] && echo "layering ok: ${layers[*]}; controller/radix below its coordinator; python package: core < engine adapters"
 exit $status

@@ -1,6 +1,7 @@
 // CacheOperation: one unit of L1 <-> L2 work queued to the controller's write or load thread:
 // the host and device token slots to copy between, the radix-tree nodes to acknowledge when it
-// is done, and a priority (lower runs first).
+// is done, and a priority (lower runs first: HiRadixCache queues a write that frees device
+// memory before backups; docs/design-notes.md, "Operation priorities").
 //
 // An operation that needs no acknowledgement says so explicitly (no node ids); no valid node id
 // is overloaded to mean "none" (the reference treats node 0 that way).
@@ -35,11 +36,6 @@ struct CacheOperation {
   // Appends other's slots and node ids (other is left empty, its lists' capacity kept); the
   // priority becomes the lower of the two.
   void merge(CacheOperation&& other);
-
-  // Cuts into min(k, pages) pieces whose page counts differ by at most one, in order; the node
-  // ids go with the last piece, so the nodes are acknowledged only once all of it is done.
-  // Throws InvalidArgument for k < 1 or slot lists that are not whole pages of page_size.
-  std::vector<CacheOperation> split(std::int32_t k, std::int32_t page_size) const;
 };
 
 }  // namespace hicache

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -31,6 +32,30 @@ class FaultyDevice final : public Device {
   std::atomic<int> copy_batches{0};      // copy_batch_async calls
   std::atomic<int> page_transfers{0};    // transfer_pages_async calls
   std::atomic<int> max_blocks_seen{-1};  // the last transfer_pages_async's max_blocks
+
+  // The write gate: while held, each copy into host memory (a controller write batch is one
+  // copy call) waits for a permit. hold_writes() arms it, allow_writes(n) lets n more through,
+  // wait_for_held_writes(k) returns once k copies in all have had to wait at it (the k-th
+  // waits now), release_writes() opens it.
+  void hold_writes() {
+    std::lock_guard lock(mu_);
+    holding_ = true;
+    permits_ = 0;
+  }
+  void allow_writes(int n) {
+    std::lock_guard lock(mu_);
+    permits_ += n;
+    held_.notify_all();
+  }
+  void release_writes() {
+    std::lock_guard lock(mu_);
+    holding_ = false;
+    held_.notify_all();
+  }
+  void wait_for_held_writes(int total) {
+    std::unique_lock lock(mu_);
+    held_.wait(lock, [&] { return held_total_ >= total; });
+  }
 
   DeviceBackend backend() const override { return inner_.backend(); }
   std::string name() const override { return "faulty " + inner_.name(); }
@@ -91,11 +116,17 @@ class FaultyDevice final : public Device {
   void maybe_fail(const void* dst) {
     const auto at = reinterpret_cast<std::uintptr_t>(dst);
     {
-      std::lock_guard lock(mu_);
+      std::unique_lock lock(mu_);
       bool into_device = false;
       for (const auto& [lo, hi] : device_ranges_)
         into_device = into_device || (at >= lo && at < hi);
       if (!into_device) {
+        if (holding_ && permits_ == 0) {
+          ++held_total_;
+          held_.notify_all();  // wait_for_held_writes
+          held_.wait(lock, [this] { return !holding_ || permits_ > 0; });
+        }
+        if (holding_) --permits_;
         take_one(fail_writes, "injected write failure (FaultyDevice)");
         return;
       }
@@ -116,7 +147,11 @@ class FaultyDevice final : public Device {
 
   HostDevice inner_;
   std::mutex mu_;
-  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> device_ranges_;
+  std::condition_variable held_;  // the write gate's waiters, and wait_for_held_write()
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> device_ranges_;  // guarded by mu_
+  bool holding_ = false;  // guarded by mu_
+  int permits_ = 0;       // guarded by mu_
+  int held_total_ = 0;    // guarded by mu_: copies that waited at the gate, in all
 };
 
 }  // namespace hicache::testing

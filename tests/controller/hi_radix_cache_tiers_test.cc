@@ -389,5 +389,39 @@ TEST(HiRadixCache, IdentitiesNeverShareNodesOnTheDeviceOrTheHost) {
 // L3: a page stored under one identity is never prefetched under another (its keys chain from
 // the identity), and is prefetched, loaded back and verified under its own.
 
+// Operation priorities: a write that frees device memory on its ack goes before backups in the
+// controller's write queue. An evicted inner node's copy, queued behind 16 write-through
+// backups, goes with the next batch the write thread takes (16 ops at most), so its device
+// pages are free one batch later instead of two.
+TEST(HiRadixCache, AnEvictionsWriteGoesBeforeQueuedBackups) {
+  Engine e(WritePolicy::kWriteThrough, 64, 64);
+  e.device.fail_writes = 1;
+  e.run(seq({3, 4}));
+  e.settle();  // x = [3, 4]: its write failed, device only
+  ASSERT_EQ(e.cache.stats().host_tokens, 0);
+  e.run(seq({3, 4, 5, 6}));
+  e.settle();  // y = [5, 6] under x, written through
+  ASSERT_EQ(e.cache.evict_device(2 * kPage), 2 * kPage);  // y, the only device leaf
+  // x: device only with a host-only child: evicting it means writing it first.
+  e.device.hold_writes();
+  e.run(seq({20}));  // a backup the write thread takes and holds at the gate
+  e.device.wait_for_held_writes(1);
+  for (std::int32_t i = 21; i <= 36; ++i) e.run(seq({i}));  // 16 backups queued behind it
+  ASSERT_EQ(e.cache.evict_device(2 * kPage), 0);  // x's write, queued last, frees on the ack
+  ASSERT_EQ(e.cache.stats().writes_in_flight, 18);
+  e.device.allow_writes(1);  // the held backup; the thread takes the next 16 ops and waits
+  e.device.wait_for_held_writes(2);
+  e.device.allow_writes(1);  // those 16; the thread takes what is left and waits
+  e.device.wait_for_held_writes(3);
+  e.cache.check_events();
+  // x went with the first 16: its device copy is freed, and the last backup queued still waits.
+  EXPECT_EQ(e.cache.stats().writes_in_flight, 1);
+  EXPECT_EQ(e.cache.stats().device_tokens, 17 * kPage);  // the 17 backed-up pages, x's gone
+  EXPECT_EQ(e.cache.stats().host_tokens, 21 * kPage);  // x, y, 17 backups (one still writing)
+  e.device.release_writes();
+  e.settle();
+  e.expect_accounting();
+}
+
 }  // namespace
 }  // namespace hicache

@@ -38,27 +38,6 @@ TEST(CacheOperation, MergeConcatenatesAndTakesTheLowerPriority) {
   EXPECT_EQ(a.node_ids, (std::vector<NodeId>{1, 2}));
 }
 
-TEST(CacheOperation, SplitCutsWholePagesEvenlyAndKeepsNodesOnTheLast) {
-  auto op = CacheOperation::make(iota_slots(0, 7 * 4), iota_slots(100, 7 * 4), 3, NodeId{9});
-  auto pieces = op.split(3, 4);
-  ASSERT_EQ(pieces.size(), 3u);
-  EXPECT_EQ(pieces[0].num_tokens(), 12);  // 3 + 2 + 2 pages
-  EXPECT_EQ(pieces[1].num_tokens(), 8);
-  EXPECT_EQ(pieces[2].num_tokens(), 8);
-  EXPECT_FALSE(pieces[0].needs_ack());
-  EXPECT_FALSE(pieces[1].needs_ack());
-  EXPECT_EQ(pieces[2].node_ids, std::vector<NodeId>{9});
-  CacheOperation joined = pieces[0];
-  joined.merge(std::move(pieces[1]));
-  joined.merge(std::move(pieces[2]));
-  EXPECT_EQ(joined.host_slots, op.host_slots);
-  EXPECT_EQ(joined.device_slots, op.device_slots);
-  EXPECT_EQ(op.split(50, 4).size(), 7u);  // never more pieces than pages
-  EXPECT_EQ(op.split(1, 4).size(), 1u);
-  EXPECT_THROW(op.split(0, 4), InvalidArgument);
-  EXPECT_THROW(op.split(2, 3), InvalidArgument);
-}
-
 struct Item {
   std::int64_t priority;
   int tag;
