@@ -3,7 +3,8 @@
 #   kernels < transfer < pools < storage < controller < tools < python
 # and, inside the Python package (python/hicache), when an import points up or across:
 #   the core (every module whose name does not start with an engine's) imports no engine
-#   adapter (sglang*, vllm*, lmcache*), and an engine's adapter imports no other engine's.
+#   adapter (sglang*, vllm*, lmcache*), and an engine's adapter imports no other engine's;
+#   and no module imports hicache._testing (the test doubles, never installed).
 set -euo pipefail
 root=${1:?usage: layering_check.sh PROJECT_ROOT}
 layers=(kernels transfer pools storage controller tools python)
@@ -57,6 +58,10 @@ for path in sorted(pkg.rglob("*.py")):
     rel = path.relative_to(pkg)
     mine = engine_of(rel)
     for name in imported(path, rel):
+        if name == "_testing":  # the test doubles' module: built for tests/python only
+            print(f"layer violation: python/hicache/{rel} imports hicache._testing (tests only)")
+            bad = 1
+            continue
         theirs = next((e for e in engines if name.startswith(e)), None)
         if theirs and theirs != mine:
             print(f"layer violation: python/hicache/{rel} ({mine or 'core'}) imports {name} ({theirs})")

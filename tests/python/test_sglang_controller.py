@@ -32,6 +32,7 @@ from test_sglang_store import sglang_keys  # noqa: E402
 from hicache.sglang import HiCacheController  # noqa: E402
 from hicache.sglang_controller import BackupAck, HiCacheDeviceError  # noqa: E402
 import hicache  # noqa: E402
+from hicache._testing import throwing_store  # noqa: E402
 
 P, L, H, D = 4, 3, 2, 8
 
@@ -712,7 +713,7 @@ def test_a_store_that_throws_leaves_the_threads_alive(tmp_path):
     d = Driver("page_first", tmp_path / "l3")
     c = d.ctrl
     good = hicache.open_store({"backend": "file", "root": str(tmp_path / "l3")})
-    bad, set_throwing = hicache._hicache._throwing_store(good._s)
+    bad, set_throwing = throwing_store(good._s)
     c._cache.detach_storage()
     c._cache.attach_storage(bad)
     for rid, tokens in requests(8, 3):

@@ -1,0 +1,169 @@
+// The cache side of hicache._hicache: HiCache (PyHiCache, one hicache::HiCache built from a
+// config, over the engine's KV tensors when given) and, for an engine whose own allocator hands
+// out device slots, EngineSlots. register_cache() adds HiCache, PrefetchOperation,
+// validate_config and config_reference to the module.
+//
+// Threads: Python may call a PyHiCache from several threads at once (the scheduler's
+// start_loading while the forward thread waits for a layer, with the GIL released); every call
+// that waits or does I/O releases the GIL, and close() waits for the calls in flight.
+// Errors: StateError (RuntimeError) on a closed cache or, for L3 calls, when no store is
+// attached; InvalidArgument (ValueError) for a bad argument.
+#ifndef HICACHE_PYTHON_BINDING_CACHE_H_
+#define HICACHE_PYTHON_BINDING_CACHE_H_
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "controller/hicache.h"
+#include "controller/storage_controller.h"
+#include "pools/paged_token_allocator.h"
+#include "python/binding/store.h"
+#include "storage/page_key.h"
+
+namespace hicache::binding {
+
+namespace py = pybind11;
+
+// The device pool's slots when the engine's own allocator hands them out (SGLang's
+// token_to_kv_pool_allocator, a Python object): hicache never allocates device slots then (loads
+// go into slots the engine chose, load_into), treats every slot as the engine's, and the slots
+// it frees (evict_device, loads dropped by a reset) are collected here for the Python side to
+// hand back to the engine's allocator, on its own thread, with the GIL. Thread-safe.
+class EngineSlots final : public TokenSlotAllocator {
+ public:
+  EngineSlots(std::int64_t num_tokens, std::int32_t page_size)
+      : page_size_(page_size), num_pages_(num_tokens / page_size) {}
+  std::int32_t page_size() const override { return page_size_; }
+  std::int64_t num_pages() const override { return num_pages_; }
+  std::int64_t free_tokens() const override { return 0; }  // the engine's to know
+  bool is_allocated(std::int64_t page) const override { return page >= 0 && page < num_pages_; }
+  bool alloc(std::int64_t, std::vector<std::int64_t>&) override { return false; }
+  // Collects whole pages of slots; InvalidArgument (nothing collected) for any other slot.
+  void free(std::span<const std::int64_t> slots) override;
+  void reset() override {}
+  // The slots freed since the last call, in the order they were freed.
+  std::vector<std::int64_t> take_returned();
+
+ private:
+  std::int32_t page_size_;
+  std::int64_t num_pages_;
+  std::mutex mu_;
+  std::vector<std::int64_t> returned_;
+};
+
+// A host page state by its name (to_string(PageState)); InvalidArgument naming the valid ones.
+PageState parse_page_state(const std::string& name);
+
+// A page digest from SGLang's hex string; none for None or "".
+std::optional<PageDigest> prior_of(const std::optional<std::string>& hex);
+
+// Calls drain() (it moves what arrived into the caller's list and returns the list's size)
+// until it returns at least `n` or `timeout_s` passed, sleeping on `signal` in between: whatever
+// arrives after a drain bumps the signal, so no arrival is missed and nothing polls.
+// REQUIRES: the GIL is released.
+template <typename Drain>
+void wait_for(const std::shared_ptr<EventSignal>& signal, std::size_t n, double timeout_s,
+              Drain&& drain) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+  while (true) {
+    const std::uint64_t seen = signal->seq();
+    if (drain() >= n || !signal->wait(seen, deadline)) break;
+  }
+}
+
+// A HiCache; `store` (may be None) is the one its config names, opened by the Python side so
+// that it can be handed out as a Store too. The engine's KV tensors (optional) are wrapped in
+// place; `keep` holds them alive as long as the cache.
+// REQUIRES: every method is called with the GIL held.
+class PyHiCache {
+ public:
+  // Builds the cache (without the GIL: the TP rendezvous and pool pre-faulting wait). With
+  // `engine_allocator`, the device slots are the engine's (EngineSlots).
+  PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store, py::object device_kv,
+            py::object host_kv, py::object device_k, py::object device_v,
+            const std::string& dim_order, bool engine_allocator);
+  ~PyHiCache() { close(); }
+
+  // The cache for one call: holds a shared lock on the cache's life, so that close() waits for
+  // it and no call runs on a cache that is being destroyed. StateError once closed.
+  struct Use {
+    std::shared_lock<std::shared_mutex> lock;
+    HiCache& hc;
+  };
+  Use use() {
+    std::shared_lock lock(life_);
+    if (!cache_) throw StateError("HiCache is closed");
+    return Use{std::move(lock), *cache_};
+  }
+  // Destroys the cache once the calls in flight finished (none of them needs the GIL).
+  // Idempotent.
+  void close();
+
+  std::shared_ptr<PyStore> store() const { return store_; }
+  // L3 at run time (HiCache::detach_storage / attach_storage / clear_storage). Without the
+  // GIL: they wait for the storage threads, a TP agreement or a store's connect. `store` is a
+  // Store or a JSON text opened here.
+  void detach_storage();
+  void attach_storage(const py::object& store);
+  void clear_storage();
+
+  // Acks of `kind` ("write" or "load") until `n` arrived or `timeout_s` passed, waiting on the
+  // controller's event signal without the GIL: [(node id, ok)].
+  std::vector<std::pair<NodeId, bool>> wait_acks(const std::string& kind, std::size_t n,
+                                                 double timeout_s);
+
+  // Runs drain(storage controller) (it appends what arrived and returns how many it holds)
+  // until that is at least `n` or `timeout_s` passed, waiting on the controller's event signal
+  // (which the storage controller notifies after every backup ack and revoke) without the GIL.
+  // Without a store: nothing, at once.
+  template <typename Drain>
+  void drain_waiting(HiCache& hc, std::size_t n, double timeout_s, Drain&& drain) {
+    StorageController* sc = hc.storage_controller();
+    if (sc == nullptr) return;
+    py::gil_scoped_release nogil;
+    wait_for(hc.controller().events(), n, timeout_s, [&] { return drain(*sc); });
+  }
+
+  // Device slots hicache handed back since the last call (engine_allocator mode; else none).
+  std::vector<std::int64_t> take_returned_device_slots() {
+    return engine_slots_ ? engine_slots_->take_returned() : std::vector<std::int64_t>{};
+  }
+
+  // `hc`'s storage controller; StateError when no L3 store is attached.
+  StorageController& storage_controller(HiCache& hc);
+
+  // The page keys of `tokens` (whole pages) chained after `prior_hex` (a page's hex digest, as
+  // SGLang's get_hash_str gives), and each page's hex digest.
+  std::pair<std::vector<std::string>, std::vector<std::string>> page_keys(
+      const std::vector<std::int32_t>& tokens, const std::optional<std::string>& prior_hex);
+
+ private:
+  std::unique_ptr<EngineSlots> engine_slots_;  // outlives cache_ (declared first)
+  std::unique_ptr<PageKeyer> keyer_;
+  std::shared_ptr<PyStore> store_;
+  std::vector<py::object> keep_;
+  std::shared_mutex life_;
+  std::unique_ptr<HiCache> cache_;
+};
+
+// Adds validate_config, config_reference, PrefetchOperation and HiCache to `m`.
+// REQUIRES: register_store(m) ran first (HiCache takes and returns Store).
+void register_cache(py::module_& m);
+
+}  // namespace hicache::binding
+
+#endif  // HICACHE_PYTHON_BINDING_CACHE_H_
