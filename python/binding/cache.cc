@@ -12,12 +12,12 @@ namespace hicache::binding {
 void EngineSlots::free(std::span<const std::int64_t> slots) {
   std::vector<std::int64_t> pages;
   slots_to_pages(slots, page_size_, num_pages_, "EngineSlots::free", pages);  // checks first
-  std::lock_guard hold(mu_);
+  MutexLock hold(mu_);
   returned_.insert(returned_.end(), slots.begin(), slots.end());
 }
 
 std::vector<std::int64_t> EngineSlots::take_returned() {
-  std::lock_guard hold(mu_);
+  MutexLock hold(mu_);
   return std::exchange(returned_, {});
 }
 

@@ -31,6 +31,7 @@
 #include "pools/paged_token_allocator.h"
 #include "python/binding/store.h"
 #include "storage/page_key.h"
+#include "transfer/mutex.h"
 
 namespace hicache::binding {
 
@@ -59,8 +60,8 @@ class EngineSlots final : public TokenSlotAllocator {
  private:
   std::int32_t page_size_;
   std::int64_t num_pages_;
-  std::mutex mu_;
-  std::vector<std::int64_t> returned_;
+  Mutex mu_;
+  std::vector<std::int64_t> returned_ HICACHE_GUARDED_BY(mu_);
 };
 
 // A host page state by its name (to_string(PageState)); InvalidArgument naming the valid ones.
@@ -156,6 +157,9 @@ class PyHiCache {
   std::unique_ptr<PageKeyer> keyer_;
   std::shared_ptr<PyStore> store_;
   std::vector<py::object> keep_;
+  // Opt-out of the lock annotations: a reader's hold on life_ leaves use() inside the returned
+  // Use (a lock that outlives the function that took it, which clang's analysis cannot follow).
+  // cache_ is reset only under the writer's hold (close()) and read only under a reader's.
   std::shared_mutex life_;
   std::unique_ptr<HiCache> cache_;
 };
