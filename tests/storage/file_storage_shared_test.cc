@@ -3,8 +3,6 @@
 // The two-process cases run each store in a child process of its own (fork, before any store
 // exists in the parent), driven one command at a time through pipes.
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -13,6 +11,7 @@
 
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
+#include "storage/peer_process.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -64,54 +63,7 @@ std::vector<int> read(StorageBackend& s, const std::vector<std::string>& keys) {
   return out;
 }
 
-// A child process that runs `handle` for each command byte the parent sends and answers with the
-// byte it returns ('E' when it throws); EOF on its command pipe ends it.
-class Peer {
- public:
-  explicit Peer(std::function<char(char)> handle) {
-    int cmd[2], reply[2];
-    if (::pipe(cmd) != 0 || ::pipe(reply) != 0) throw IoError("pipe failed");
-    pid_ = ::fork();
-    if (pid_ < 0) throw IoError("fork failed");
-    if (pid_ == 0) {
-      ::close(cmd[1]);
-      ::close(reply[0]);
-      for (char c; ::read(cmd[0], &c, 1) == 1;) {
-        char r = 'E';
-        try {
-          r = handle(c);
-        } catch (...) {
-        }
-        if (::write(reply[1], &r, 1) != 1) break;
-      }
-      ::_exit(0);
-    }
-    ::close(cmd[0]);
-    ::close(reply[1]);
-    cmd_ = cmd[1];
-    reply_ = reply[0];
-  }
-  ~Peer() {
-    ::close(cmd_);
-    ::close(reply_);
-    if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
-  }
-  // Sends `c`; the child's answer ('X' when it died first).
-  char ask(char c) {
-    char r = 'X';
-    if (::write(cmd_, &c, 1) != 1 || ::read(reply_, &r, 1) != 1) return 'X';
-    return r;
-  }
-  void kill() {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int cmd_ = -1, reply_ = -1;
-};
+using Peer = testing::PeerProcess;
 
 class FileStorageSharedTest : public ::testing::Test {
  protected:
