@@ -220,28 +220,32 @@ TEST_F(FileStorageSharedTest, SharedFalseTakesTheRootToItselfOrRefuses) {
 
 // An instance that dies counted leaves the survivors shared (they cannot prove they are alone):
 // a survivor still sees a later instance's records. A start that finds no other live instance
-// counts again.
+// counts again, and answers from its index. (Every child is forked before the parent opens a
+// store: a fork copies no threads.)
 TEST_F(FileStorageSharedTest, AnInstanceThatDiedLeavesTheSurvivorShared) {
   std::unique_ptr<FileStorage> store;
   const FileStorageConfig c = config();
+  const auto keys = make_keys("after-crash", 2);
   Peer doomed([&](char) -> char {
     store = std::make_unique<FileStorage>(c);
     return '+';
   });
-  FileStorage survivor(config());
+  Peer writer([&](char) -> char {
+    FileStorage w(c);
+    return put(w, keys) ? '+' : '-';
+  });
+  auto survivor = std::make_unique<FileStorage>(config());
   ASSERT_EQ(doomed.ask('o'), '+');
   doomed.kill();
-  const auto keys = make_keys("after-crash", 2);
-  EXPECT_EQ(survivor.batch_exists(keys), 0u);
-  {
-    Peer writer([&](char) -> char {
-      FileStorage w(c);
-      return put(w, keys) ? '+' : '-';
-    });
-    ASSERT_EQ(writer.ask('w'), '+');
-  }
-  EXPECT_EQ(survivor.batch_exists(keys), keys.size());
-  EXPECT_EQ(read(survivor, keys), std::vector<int>(keys.size(), 1));
+  EXPECT_EQ(survivor->batch_exists(keys), 0u);
+  ASSERT_EQ(writer.ask('w'), '+');  // opens, writes and closes
+  EXPECT_EQ(survivor->batch_exists(keys), keys.size());
+  EXPECT_EQ(read(*survivor, keys), std::vector<int>(keys.size(), 1));
+  survivor.reset();
+  FileStorage fresh(config());
+  fs::copy_file(root_ / keys[0], root_ / "planted");
+  EXPECT_EQ(fresh.batch_exists(std::vector<std::string>{"planted"}), 0u)
+      << "a lone start left the dead instance counted";
 }
 
 }  // namespace
