@@ -209,15 +209,22 @@ class FileStorage::Impl {
     return n;
   }
 
-  // Whether the index holds `key`. Shared, the disk is asked too (one fstatat): another
-  // process may have evicted the record since, and a stale entry would answer "stored" for a
-  // record that is gone (a prefetch planned for nothing, a backup deduplicated and never written).
+  // Whether the index holds `key`. Shared, the disk is asked too (one fstatat) unless no other
+  // instance has removed a record since this one was last found there: another process may
+  // have evicted it, and a stale entry would answer "stored" for a record that is gone (a
+  // prefetch planned for nothing, a backup deduplicated and never written).
   bool indexed_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
     auto it = index_.find(key);
     if (it == index_.end()) return false;
     if (!shared_now()) return true;
+    // Read before the disk is asked, as in adopt_locked: a removal after this read moves it.
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
+    if (it->second.confirmed == epoch && epoch != kUnconfirmed) return true;
     struct stat st {};
-    if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) return true;
+    if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) {
+      it->second.confirmed = epoch;
+      return true;
+    }
     unindex_locked(it);
     return false;
   }
@@ -246,9 +253,10 @@ class FileStorage::Impl {
 
   // Indexes `key` when its record is on disk (one fstatat), whatever the sharing.
   bool adopt_from_disk_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
     struct stat st {};
     if (::fstatat(root_fd_, key.c_str(), &st, 0) != 0 || !S_ISREG(st.st_mode)) return false;
-    insert_locked(key, static_cast<std::uint64_t>(st.st_size));
+    insert_locked(key, static_cast<std::uint64_t>(st.st_size))->second.confirmed = epoch;
     return true;
   }
 
@@ -266,6 +274,11 @@ class FileStorage::Impl {
   // publication counted in .usage less this instance's own; they are counted under mu_).
   std::uint64_t foreign_publications_locked() const HICACHE_REQUIRES(mu_) {
     return std::atomic_ref(usage_->count[2]).load() - own_publications_;
+  }
+  // The same for records taken out of the root (evicted, removed, dropped as bad): an index entry
+  // found on disk while it stood still (Entry::confirmed) is trusted without asking again.
+  std::uint64_t foreign_removals_locked() const HICACHE_REQUIRES(mu_) {
+    return std::atomic_ref(usage_->count[3]).load() - own_removals_;
   }
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
@@ -370,7 +383,11 @@ class FileStorage::Impl {
     std::list<const std::string*>::iterator lru;
     std::uint64_t generation = 0;  // distinguishes a key re-inserted after it left the index
     std::uint32_t pins = 0;        // calls answering for this record now: never evicted
+    // Shared: the other instances' removals counted when the record was last known on disk
+    // (kUnconfirmed: never, e.g. indexed by the start's scan).
+    std::uint64_t confirmed = kUnconfirmed;
   };
+  static constexpr std::uint64_t kUnconfirmed = ~std::uint64_t{0};
   // A record a call pinned: unpinned when the call ends (if it is still the same record).
   struct Pin {
     std::string key;
@@ -637,6 +654,8 @@ class FileStorage::Impl {
       return IoResult::ok();
     }
     const fs::path path = root_ / key;
+    // Read before the rename: a removal by another instance after the rename moves it.
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
     // Beside other instances (or where they may come): never over another process's record (it
     // is counted once).
     int rc = usage_ != nullptr
@@ -665,7 +684,9 @@ class FileStorage::Impl {
       ++own_publications_;
       absent_.erase(key);
     }
-    pin_locked(insert_locked(key, bytes), pins);
+    auto at = insert_locked(key, bytes);
+    at->second.confirmed = epoch;
+    pin_locked(at, pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
     evict_locked();
@@ -673,7 +694,7 @@ class FileStorage::Impl {
   }
 
   Index::iterator insert_locked(std::string key, std::uint64_t bytes) {
-    auto [it, inserted] = index_.try_emplace(std::move(key), Entry{bytes, {}, 0, 0});
+    auto [it, inserted] = index_.try_emplace(std::move(key), Entry{bytes, {}, 0, 0, kUnconfirmed});
     if (!inserted) return it;  // indexed already: its place and size stay
     it->second.lru = lru_.insert(lru_.end(), &it->first);
     it->second.generation = ++generation_;
@@ -699,7 +720,7 @@ class FileStorage::Impl {
   // Evicts least recently used records until the total fits, never a pinned one. Pinned
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
-  void evict_locked(bool recheck_disk = true) {
+  void evict_locked(bool recheck_disk = true) HICACHE_REQUIRES(mu_) {
     // A capacity that follows the filesystem is asked again before anything is evicted: space
     // another program freed (or took) since moves it. Shared, it is asked on every write (one
     // statvfs): the other instances move it all the time, and one that kept the figure of its
@@ -728,7 +749,7 @@ class FileStorage::Impl {
 
   // Takes a record out of the index and moves its file to the trash. A file that cannot be moved
   // is skipped and counted: it stays on disk, out of the index, until the next start sees it.
-  void drop_locked(Index::iterator it, bool count_eviction) {
+  void drop_locked(Index::iterator it, bool count_eviction) HICACHE_REQUIRES(mu_) {
     const fs::path path = root_ / it->first;
     const std::uint64_t bytes = it->second.bytes;
     unindex_locked(it);
@@ -737,7 +758,12 @@ class FileStorage::Impl {
     if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
       ++owner_.counters_.eviction_failures;
     }
-    if (moved && usage_) std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
+    if (moved && usage_) {
+      std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
+      // After the rename, as publications are counted (see indexed_locked).
+      std::atomic_ref(usage_->count[3]).fetch_add(1);
+      ++own_removals_;
+    }
   }
 
   // <root>/.usage: what the instances on one root share (every instance opens it).
@@ -747,7 +773,9 @@ class FileStorage::Impl {
   //      the capacity;
   //  [1] the live instances: more than one makes an instance without a "shared" key shared;
   //  [2] the records all of them published: an instance's memory of absent keys (absent_)
-  //      holds while the others' part of it stands still.
+  //      holds while the others' part of it stands still;
+  //  [3] the records all of them took out of the root: an index entry found on disk holds while
+  //      the others' part of it stands still.
   // Its locks are open-file-description locks (fcntl F_OFD_SETLK: one per open of the file, so
   // two instances in one process exclude each other too; a crash releases them; a lock converts
   // between read and write atomically):
@@ -761,7 +789,7 @@ class FileStorage::Impl {
   //    lock that is granted proves the instance is the last one live.
   struct Usage {
     int fd = -1;
-    std::uint64_t* count = nullptr;  // [0]: bytes, [1]: live instances, [2]: publications
+    std::uint64_t* count = nullptr;  // bytes, live instances, publications, removals
     bool locked = false;   // the locks work on this filesystem (else never provably alone)
     bool alone = false;    // no other instance was live at the start
     bool counted = false;  // in [1]
@@ -785,7 +813,7 @@ class FileStorage::Impl {
       return std::max<std::uint64_t>(1, std::atomic_ref(count[1]).load());
     }
   };
-  static constexpr std::size_t kUsageBytes = 24;
+  static constexpr std::size_t kUsageBytes = 32;
   // Remembered absent keys (absent_) at most; beyond, the memory starts over.
   static constexpr std::size_t kMaxAbsent = std::size_t{1} << 16;
 
@@ -1160,6 +1188,7 @@ class FileStorage::Impl {
   std::unordered_set<std::string> absent_ HICACHE_GUARDED_BY(mu_);
   std::uint64_t absent_epoch_ HICACHE_GUARDED_BY(mu_) = 0;
   std::uint64_t own_publications_ HICACHE_GUARDED_BY(mu_) = 0;
+  std::uint64_t own_removals_ HICACHE_GUARDED_BY(mu_) = 0;
   std::atomic<bool> verify_stop_{false};
   std::thread verify_thread_;  // checks a loaded snapshot against the directory
 };

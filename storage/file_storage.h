@@ -28,16 +28,17 @@
 //   instance registers in <root>/.usage (a 24-byte file, mapped shared, and locked with
 //   open-file-description locks, which a crash releases): byte 0's lock tells an instance
 //   opened with "shared": false from the others, byte 1's tells whether a starting instance is
-//   alone, and the file counts the root's record bytes, the live instances and the records any
-//   of them published. An instance runs "shared" while another one is live (unless the config
+//   alone, and the file counts the root's record bytes, the live instances, and the records any
+//   of them published and removed. An instance runs "shared" while another one is live (unless the config
 //   says which: `shared`, below), and answers from its own index while it is alone.
 //   Shared, each keeps its own index; a key its index lacks is looked up on disk (one fstatat)
 //   and adopted, so a page another instance stored is found. A key found absent is remembered
 //   (at most 64 Ki of them) until any other instance publishes a record: a repeated miss costs
 //   a lookup in memory, not a disk query (the publication count is in .usage; no polling).
 //   A key the index holds is confirmed on disk too (one fstatat) before exists or a put's
-//   deduplication trusts it: another process may have evicted it; a record that vanished
-//   before or during a read is a miss.
+//   deduplication trusts it, unless no other instance removed a record since it was last found
+//   there: another process may have evicted it. A record that vanished before or during a read
+//   is a miss (also one removed by hand, which no instance counts).
 //   The processes stay within one capacity together: with capacity_bytes,
 //   the bytes of every record in the root are counted in .usage (a record is renamed in only
 //   where no other process's is, so it is counted once), and a process evicts its own least

@@ -178,6 +178,27 @@ TEST_F(FileStorageSharedTest, AStoreAloneAgainAnswersFromItsIndex) {
   EXPECT_EQ(read(c, keys), (std::vector<int>{1, 0})) << "a foreign record is a miss";
 }
 
+// Shared, an indexed record is asked of the disk again only after another instance took a record
+// out of the root: B trusts what it found while nothing was removed, asks again after A's
+// removal, and finds the removed record gone. A record deleted behind every instance's back (by
+// hand) may still be reported present: its read is a miss, never other bytes, and then it is
+// gone from the index.
+TEST_F(FileStorageSharedTest, IndexedRecordsAreAskedAgainAfterAnotherInstanceRemoves) {
+  FileStorage a(config()), b(config());
+  const auto keys = make_keys("r", 3);
+  ASSERT_TRUE(put(a, keys));
+  ASSERT_EQ(b.batch_exists(keys), keys.size());
+  ASSERT_TRUE(a.remove(keys[1]));
+  EXPECT_EQ(b.batch_exists(keys), 1u);
+  EXPECT_EQ(read(b, keys), (std::vector<int>{1, 0, 1}));
+  const std::vector<std::string> last{keys[2]};
+  EXPECT_EQ(b.batch_exists(last), 1u);  // found on disk again, after the removal
+  fs::remove(root_ / keys[2]);          // by hand: no instance counts it
+  EXPECT_EQ(b.batch_exists(last), 1u) << "trusted: no instance removed a record since";
+  EXPECT_EQ(read(b, last), std::vector<int>{0});
+  EXPECT_EQ(b.batch_exists(last), 0u);
+}
+
 // "shared": false promises the root to one instance: it refuses to open beside a live instance,
 // and every other instance refuses to open beside it, naming the root; a refused open leaves the
 // root as it was. Its lock dies with its process.
@@ -242,6 +263,8 @@ TEST_F(FileStorageSharedTest, AnInstanceThatDiedLeavesTheSurvivorShared) {
   EXPECT_EQ(survivor->batch_exists(keys), keys.size());
   EXPECT_EQ(read(*survivor, keys), std::vector<int>(keys.size(), 1));
   survivor.reset();
+  // Without the snapshot the last close wrote: its background check would index what is planted.
+  fs::remove(root_ / ".index");
   FileStorage fresh(config());
   fs::copy_file(root_ / keys[0], root_ / "planted");
   EXPECT_EQ(fresh.batch_exists(std::vector<std::string>{"planted"}), 0u)

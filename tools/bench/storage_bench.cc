@@ -114,6 +114,51 @@ void BM_FileExists(benchmark::State& state) {
 }
 BENCHMARK(BM_FileExists)->Unit(benchmark::kMillisecond);
 
+// batch_exists of 4096 stored keys in one batch. arg 0: the store alone (its index answers);
+// 1: beside another live instance (shared): each key was found on disk before and no instance
+// removed a record since (trusted, no disk query); 2: shared, after another instance removed a
+// record (each key asked of the disk again: one fstatat; the other instance stores and removes
+// one record before each iteration, untimed).
+void BM_FileExistsStored(benchmark::State& state) {
+  const int mode = static_cast<int>(state.range(0));
+  const fs::path dir = bench_dir() / "stored";
+  fs::remove_all(dir);
+  const FileStorageConfig config{.root = dir.string(), .io_threads = 0};
+  PageKeyer keyer(bench_ns());
+  std::vector<std::int32_t> tokens(64 * 4096);
+  std::iota(tokens.begin(), tokens.end(), 13);
+  std::vector<std::string> keys;
+  keyer.keys(tokens, nullptr, keys);
+  std::vector<std::byte> page(512);
+  FileStorage store(config);
+  std::vector<ConstByteSpan> spans(keys.size(), ConstByteSpan(page));
+  store.batch_set(keys, spans);
+  std::unique_ptr<FileStorage> other;
+  if (mode != 0) other = std::make_unique<FileStorage>(config);
+  store.batch_exists(keys);  // found on disk once
+  std::size_t hits = 0;
+  std::int64_t removed = 0;
+  const std::vector<ConstByteSpan> one{ConstByteSpan(page)};
+  for (auto _ : state) {
+    if (mode == 2) {
+      state.PauseTiming();
+      const std::string victim = str_cat("removed-", removed++);
+      other->batch_set(std::span(&victim, 1), one);
+      other->remove(victim);
+      state.ResumeTiming();
+    }
+    hits += store.batch_exists(keys);
+  }
+  if (hits != state.iterations() * keys.size()) state.SkipWithError("a stored key was missed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * keys.size()));
+  other.reset();
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+BENCHMARK(BM_FileExistsStored)->Arg(0)->Arg(1)->Arg(2)->Repetitions(3)
+    ->Unit(benchmark::kMillisecond);
+
 // batch_exists of absent keys, one key per call (SGLang's prefix query stops at its first miss),
 // 4096 keys, over a root holding 1024 records. arg 0: the store alone (its index answers, no
 // disk query: the answer of a store that is not shared); 1: beside another live instance of the
@@ -664,6 +709,17 @@ int main(int argc, char** argv) {
   if (ips.count("BM_FileExists")) {
     std::printf("file batch_exists, 4096 keys per batch: %.2f M keys/s (target >= 1)\n",
                 ips["BM_FileExists"] / 1e6);
+  }
+  auto stored = [](int mode) {
+    return str_cat("BM_FileExistsStored/", mode, "/repeats:3_median");
+  };
+  if (ips.count(stored(0)) && ips.count(stored(1)) && ips.count(stored(2))) {
+    const double alone = ips[stored(0)];
+    std::printf("file batch_exists of 4096 stored keys (medians of 3): alone %.2f M keys/s; "
+                "shared, nothing removed since found %.2f M/s, ratio %.2f; shared, after another "
+                "instance removed a record %.2f M/s, ratio %.2f\n",
+                alone / 1e6, ips[stored(1)] / 1e6, ips[stored(1)] / alone, ips[stored(2)] / 1e6,
+                ips[stored(2)] / alone);
   }
   auto absent = [](int mode) {
     return str_cat("BM_FileExistsAbsent/", mode, "/repeats:3_median");
