@@ -25,12 +25,12 @@
 //   store keeps serving what still works (the .tmp/ and .trash/ folders are recreated on demand).
 //
 // - Several processes (engine instances, the TP ranks of an MLA model) may use one root. Every
-//   instance registers in <root>/.usage (a 24-byte file, mapped shared, and locked with
+//   instance registers in <root>/.usage (a 32-byte file, mapped shared, and locked with
 //   open-file-description locks, which a crash releases): byte 0's lock tells an instance
 //   opened with "shared": false from the others, byte 1's tells whether a starting instance is
 //   alone, and the file counts the root's record bytes, the live instances, and the records any
-//   of them published and removed. An instance runs "shared" while another one is live (unless the config
-//   says which: `shared`, below), and answers from its own index while it is alone.
+//   of them published and removed. An instance runs "shared" while another one is live (unless
+//   the config says which: `shared`, below), and answers from its own index while it is alone.
 //   Shared, each keeps its own index; a key its index lacks is looked up on disk (one fstatat)
 //   and adopted, so a page another instance stored is found. A key found absent is remembered
 //   (at most 64 Ki of them) until any other instance publishes a record: a repeated miss costs

@@ -114,6 +114,16 @@ void BM_FileExists(benchmark::State& state) {
 }
 BENCHMARK(BM_FileExists)->Unit(benchmark::kMillisecond);
 
+// The page keys of `pages` pages of consecutive token ids from `first_token`.
+std::vector<std::string> page_keys(std::size_t pages, std::int32_t first_token) {
+  PageKeyer keyer(bench_ns());
+  std::vector<std::int32_t> tokens(64 * pages);
+  std::iota(tokens.begin(), tokens.end(), first_token);
+  std::vector<std::string> keys;
+  keyer.keys(tokens, nullptr, keys);
+  return keys;
+}
+
 // batch_exists of 4096 stored keys in one batch. arg 0: the store alone (its index answers);
 // 1: beside another live instance (shared): each key was found on disk before and no instance
 // removed a record since (trusted, no disk query); 2: shared, after another instance removed a
@@ -124,11 +134,7 @@ void BM_FileExistsStored(benchmark::State& state) {
   const fs::path dir = bench_dir() / "stored";
   fs::remove_all(dir);
   const FileStorageConfig config{.root = dir.string(), .io_threads = 0};
-  PageKeyer keyer(bench_ns());
-  std::vector<std::int32_t> tokens(64 * 4096);
-  std::iota(tokens.begin(), tokens.end(), 13);
-  std::vector<std::string> keys;
-  keyer.keys(tokens, nullptr, keys);
+  const std::vector<std::string> keys = page_keys(4096, 13);
   std::vector<std::byte> page(512);
   FileStorage store(config);
   std::vector<ConstByteSpan> spans(keys.size(), ConstByteSpan(page));
@@ -170,11 +176,7 @@ void BM_FileExistsAbsent(benchmark::State& state) {
   const fs::path dir = bench_dir() / "absent";
   fs::remove_all(dir);
   const FileStorageConfig config{.root = dir.string(), .io_threads = 0};
-  PageKeyer keyer(bench_ns());
-  std::vector<std::int32_t> tokens(64 * 5120);
-  std::iota(tokens.begin(), tokens.end(), 11);
-  std::vector<std::string> keys;
-  keyer.keys(tokens, nullptr, keys);
+  const std::vector<std::string> keys = page_keys(5120, 11);
   const std::vector<std::string> stored(keys.begin(), keys.begin() + 1024);
   const std::vector<std::string> absent(keys.begin() + 1024, keys.end());
   std::vector<std::byte> page(512);
