@@ -2,7 +2,9 @@
 every rank reads the same keys. Two HiCacheStore instances in two processes (store_peer.py),
 ranks 0 and 1 of tp_size 2, over one file root (no "shared" key in the config) and over one
 Redis: rank 1, opened before rank 0 writes, sees rank 0's pages and reads identical bytes into
-its own host pool; a page rank 0 deletes is a miss for rank 1, never stale bytes (issue 38)."""
+its own host pool; a page rank 0 deletes is a miss for rank 1, never stale bytes (issue 38).
+The same for two engines (MHA, TP 1, the same namespace) on one root: there the file store
+finds the other live instance by itself (nothing forces "shared")."""
 import json
 import os
 import subprocess
@@ -22,10 +24,10 @@ KEYS = [f"{i:064x}" for i in range(0x5151, 0x5155)]  # SGLang's keys: 64 hex dig
 class Rank:
     """A store_peer.py process: one rank's HiCacheStore and host pool."""
 
-    def __init__(self, rank, storage, seed):
+    def __init__(self, rank, tp_size, mla, storage, seed):
         self.proc = subprocess.Popen([sys.executable, PEER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-        assert self.ask("open", rank=rank, tp_size=2, mla=True, layout="page_first",
+        assert self.ask("open", rank=rank, tp_size=tp_size, mla=mla, layout="page_first",
                         storage=storage, seed=seed) == {"ok": True}
 
     def ask(self, op, **args):
@@ -50,9 +52,15 @@ def storage(request, tmp_path):
     return {"backend": "redis", "host": "127.0.0.1", "port": server.port}
 
 
-def test_mla_rank_1_sees_and_reads_what_rank_0_wrote_after_it_opened(storage):
-    reader = Rank(1, storage, seed=11)  # opened first, before anything is written
-    writer = Rank(0, storage, seed=10)
+# (reader rank, writer rank, tp_size, mla): MLA ranks of one model; two MHA engines at TP 1.
+SHAPES = {"mla-tp2": (1, 0, 2, True), "two-engines": (0, 0, 1, False)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_reader_sees_and_reads_what_another_process_wrote_after_it_opened(storage, shape):
+    read_rank, write_rank, tp_size, mla = SHAPES[shape]
+    reader = Rank(read_rank, tp_size, mla, storage, seed=11)  # opened first, nothing written
+    writer = Rank(write_rank, tp_size, mla, storage, seed=10)
     try:
         assert reader.ask("exists", keys=KEYS) == {"hits": 0}
         wrote = writer.ask("set", keys=KEYS, pages=[0, 3, 5, 7])
