@@ -1,6 +1,7 @@
 #include "controller/hicache.h"
 
 #include <exception>
+#include <nlohmann/json.hpp>
 
 #include "transfer/errors.h"
 
@@ -43,6 +44,22 @@ void check_collectives(const HiCacheCollectives& given, const TensorParallelConf
   }
 }
 
+// The store config as HiCache opens it. A file store of an MLA model under TP is shared: every
+// rank reads the records rank 0 writes (docs/configuration.md, "shared"); "shared": false is
+// refused there, naming the value. Anything else is passed on as it is (make_storage checks it).
+std::string storage_json_for(const HiCacheConfig& c, const std::string& json_text) {
+  if (c.geometry.attention != AttentionKind::kMLA || c.tp.size <= 1) return json_text;
+  auto j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || j.value("backend", nlohmann::json()) != "file") return json_text;
+  if (const auto it = j.find("shared"); it != j.end() && *it == false) {
+    throw InvalidArgument(str_cat("storage: \"shared\": false, but an MLA model under TP (tp_size ",
+                                  c.tp.size, ") shares its pages between the ranks; leave "
+                                  "\"shared\" unset"));
+  }
+  j["shared"] = true;
+  return j.dump();
+}
+
 }  // namespace
 
 HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
@@ -73,7 +90,9 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     owned_device_ = Device::create(config_.device);
     device_ = owned_device_.get();
   }
-  if (!storage_ && !config_.storage.empty()) storage_ = make_storage(config_.storage);
+  if (!storage_ && !config_.storage.empty()) {
+    storage_ = make_storage(storage_json_for(config_, config_.storage));
+  }
 
   if (any_collective) {
     collectives_ = parts.collectives;
@@ -181,7 +200,7 @@ void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives
   std::shared_ptr<StorageBackend> store;
   std::exception_ptr error;
   try {
-    store = make_storage(json);
+    store = make_storage(storage_json_for(config_, json));
   } catch (...) {
     error = std::current_exception();
   }

@@ -66,7 +66,7 @@ FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) 
                                   "' (valid: none, group_commit)"));
   }
   c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 4, 0, 256, what));
-  c.shared = json_fields::get<bool>(j, "shared", false, what);
+  if (j.contains("shared")) c.shared = json_fields::get<bool>(j, "shared", false, what);
   return c;
 }
 
@@ -135,11 +135,18 @@ class FileStorage::Impl {
     ensure_dirs();
     root_fd_ = ::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (root_fd_ < 0) throw IoError(errno_text("file storage: open", root_, errno));
+    // Before anything reads the directory: whether another instance is live (see Usage).
+    try {
+      open_usage();
+    } catch (...) {
+      ::close(root_fd_);
+      throw;
+    }
     // Crash debris: half-written temporaries and records evicted but not yet unlinked.
-    // (Shared: another live instance's temporaries are its writes in progress; only those of
+    // (Beside a live instance, its temporaries are its writes in progress; only those of
     // processes that are gone are debris.)
     for (const auto& entry : fs::directory_iterator(tmp_, ec)) {
-      if (!config_.shared || !writer_alive(entry.path())) queue_trash_file(entry.path());
+      if (alone_at_start() || !writer_alive(entry.path())) queue_trash_file(entry.path());
     }
     for (const auto& entry : fs::directory_iterator(trash_, ec)) {
       trash_queue_.push_back({entry.path(), 0});
@@ -147,12 +154,11 @@ class FileStorage::Impl {
     trash_pending_ = trash_queue_.size();
     Snapshot snapshot;
     std::vector<std::string_view> unverified;  // into `snapshot`
-    if (config_.shared) open_usage();  // before the scan: see there
     from_snapshot_ = load_snapshot(snapshot, unverified);
     if (!from_snapshot_) rebuild_index();
     if (usage_) usage_->settle(total_bytes_);
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       capacity_from_disk_ = config_.capacity_bytes == 0;
       capacity_ = capacity_from_disk_ ? disk_capacity_locked() : config_.capacity_bytes;
       evict_locked();
@@ -172,7 +178,9 @@ class FileStorage::Impl {
     if (pool_) pool_->join();
     verify_stop_.store(true, std::memory_order_relaxed);
     if (verify_thread_.joinable()) verify_thread_.join();
-    if (!config_.shared) write_snapshot();  // no call runs any more: the index is final
+    // No call runs any more: the index is final. Only the root's last live instance writes a
+    // snapshot (one beside live instances would describe a directory they go on changing).
+    if (!usage_ || usage_->last_at_close()) write_snapshot();
     {
       std::lock_guard lock(trash_mu_);
       trash_stop_ = true;
@@ -183,7 +191,7 @@ class FileStorage::Impl {
   }
 
   std::size_t exists(std::span<const std::string> keys) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::size_t n = 0;
     bool adopted = false;
     for (; n < keys.size(); ++n) {
@@ -201,28 +209,76 @@ class FileStorage::Impl {
     return n;
   }
 
-  // Whether the index holds `key`. Shared mode also asks the disk (one fstatat): another
-  // process may have evicted the record since, and a stale entry would answer "stored" for a
-  // record that is gone (a prefetch planned for nothing, a backup deduplicated and never written).
-  bool indexed_locked(const std::string& key) {
+  // Whether the index holds `key`. Shared, the disk is asked too (one fstatat) unless no other
+  // instance has removed a record since this one was last found there: another process may
+  // have evicted it, and a stale entry would answer "stored" for a record that is gone (a
+  // prefetch planned for nothing, a backup deduplicated and never written).
+  bool indexed_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
     auto it = index_.find(key);
     if (it == index_.end()) return false;
-    if (!config_.shared) return true;
+    if (!shared_now()) return true;
+    // Read before the disk is asked, as in adopt_locked: a removal after this read moves it.
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
+    if (it->second.confirmed == epoch && epoch != kUnconfirmed) return true;
     struct stat st {};
-    if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) return true;
+    if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) {
+      it->second.confirmed = epoch;
+      return true;
+    }
     unindex_locked(it);
     return false;
   }
 
-  // Shared mode: a record another process wrote since the index was built is indexed when
-  // first asked for (one fstatat). The caller then evicts for it (evict_locked), keeping the
-  // keys it is answering for.
-  bool adopt_locked(const std::string& key) {
-    if (!config_.shared) return false;
+  // Shared: a record another process wrote since the index was built is indexed when first
+  // asked for (one fstatat). A key found absent is remembered until another instance publishes
+  // a record (absent_). The caller then evicts for it (evict_locked), keeping the keys it is
+  // answering for.
+  bool adopt_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
+    if (!shared_now()) return false;
+    if (usage_ == nullptr) return adopt_from_disk_locked(key);
+    // Read before the disk is asked: a record published after this read moves the count again
+    // (its rename precedes its count), so what is remembered below is dropped before it is
+    // trusted. A record published before it is renamed in already, and the fstatat finds it.
+    const std::uint64_t epoch = foreign_publications_locked();
+    if (epoch != absent_epoch_) {
+      absent_.clear();
+      absent_epoch_ = epoch;
+    }
+    if (absent_.contains(key)) return false;
+    if (adopt_from_disk_locked(key)) return true;
+    if (absent_.size() >= kMaxAbsent) absent_.clear();
+    absent_.insert(key);
+    return false;
+  }
+
+  // Indexes `key` when its record is on disk (one fstatat), whatever the sharing.
+  bool adopt_from_disk_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
     struct stat st {};
     if (::fstatat(root_fd_, key.c_str(), &st, 0) != 0 || !S_ISREG(st.st_mode)) return false;
-    insert_locked(key, static_cast<std::uint64_t>(st.st_size));
+    insert_locked(key, static_cast<std::uint64_t>(st.st_size))->second.confirmed = epoch;
     return true;
+  }
+
+  // Whether another instance may change the root now: "shared" in the config, or, unset,
+  // another live instance counted in .usage (a load from the shared mapping, no system call).
+  bool shared_now() const {
+    if (config_.shared.has_value()) return *config_.shared;
+    return usage_ == nullptr || !usage_->locked || usage_->instances() > 1;
+  }
+  // Whether no other instance was live when this one started (one opened with "shared": false
+  // made sure of it).
+  bool alone_at_start() const { return usage_ == nullptr || usage_->alone; }
+
+  // Records the other instances published since this one opened (more precisely: every
+  // publication counted in .usage less this instance's own; they are counted under mu_).
+  std::uint64_t foreign_publications_locked() const HICACHE_REQUIRES(mu_) {
+    return std::atomic_ref(usage_->count[2]).load() - own_publications_;
+  }
+  // The same for records taken out of the root (evicted, removed, dropped as bad): an index entry
+  // found on disk while it stood still (Entry::confirmed) is trusted without asking again.
+  std::uint64_t foreign_removals_locked() const HICACHE_REQUIRES(mu_) {
+    return std::atomic_ref(usage_->count[3]).load() - own_removals_;
   }
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
@@ -230,8 +286,8 @@ class FileStorage::Impl {
     // Shared mode adopts records during the reads, and evicts for them: the batch's records stay
     // pinned until every read of it is done (their reads may not have started).
     std::vector<Pin> pins;
-    if (config_.shared) {
-      std::lock_guard lock(mu_);
+    if (shared_now()) {
+      MutexLock lock(mu_);
       for (const std::string& key : keys) {
         if (auto it = index_.find(key); it != index_.end()) pin_locked(it, pins);
       }
@@ -277,7 +333,7 @@ class FileStorage::Impl {
   }
 
   bool remove(const std::string& key) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = index_.find(key);
     if (it == index_.end()) return false;
     drop_locked(it, /*count_eviction=*/false);
@@ -286,7 +342,7 @@ class FileStorage::Impl {
   }
 
   void clear() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     while (!index_.empty()) {
       drop_locked(index_.begin(), false);
       ++owner_.counters_.removes;
@@ -301,20 +357,20 @@ class FileStorage::Impl {
   }
 
   void gauges(StorageStats& s) const {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     s.stored_keys = index_.size();
     s.stored_bytes = total_bytes_;
     s.capacity_bytes = capacity_;
   }
 
   std::uint64_t capacity() const {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return capacity_;
   }
   // The capacity a record of `bytes` is held against: a capacity that follows the filesystem
   // and has shrunk below it is asked again first (space may have come back).
   std::uint64_t capacity_for(std::uint64_t bytes) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (capacity_from_disk_ && capacity_ != 0 && bytes > capacity_) {
       if (const std::uint64_t asked = disk_capacity_locked(); asked != 0) capacity_ = asked;
     }
@@ -327,7 +383,11 @@ class FileStorage::Impl {
     std::list<const std::string*>::iterator lru;
     std::uint64_t generation = 0;  // distinguishes a key re-inserted after it left the index
     std::uint32_t pins = 0;        // calls answering for this record now: never evicted
+    // Shared: the other instances' removals counted when the record was last known on disk
+    // (kUnconfirmed: never, e.g. indexed by the start's scan).
+    std::uint64_t confirmed = kUnconfirmed;
   };
+  static constexpr std::uint64_t kUnconfirmed = ~std::uint64_t{0};
   // A record a call pinned: unpinned when the call ends (if it is still the same record).
   struct Pin {
     std::string key;
@@ -339,7 +399,7 @@ class FileStorage::Impl {
     std::vector<Pin>& pins;
     ~Unpin() {
       if (pins.empty()) return;
-      std::lock_guard lock(impl.mu_);
+      MutexLock lock(impl.mu_);
       impl.unpin_locked(pins);
     }
   };
@@ -409,7 +469,7 @@ class FileStorage::Impl {
     const fs::path path = root_ / key;
     const std::uint64_t want = record_head_bytes(key) + dst.size();
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       auto it = index_.find(key);
       if (it == index_.end()) {
         if (!adopt_locked(key)) return IoResult::miss();
@@ -468,7 +528,7 @@ class FileStorage::Impl {
     const std::string& key = keys[i];
     const std::uint64_t bytes = record_head_bytes(key) + src.size();
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       if (indexed_locked(key)) {
         pin_locked(index_.find(key), pins);
         ++owner_.counters_.set_deduplicated;
@@ -530,7 +590,7 @@ class FileStorage::Impl {
   // caller retries.
   void make_room_after_enospc(std::uint64_t bytes) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       const std::uint64_t room =
           bytes * static_cast<std::uint64_t>(std::max(1, config_.io_threads) + 1);
       const std::uint64_t used = used_locked();  // shared: the root's total, as evict counts
@@ -561,7 +621,7 @@ class FileStorage::Impl {
     // far more than the disk needs whenever the thread lags.
     const std::uint64_t usable = total_bytes_ + free_bytes + trash_bytes_.load();
     std::uint64_t capacity = usable > reserve ? usable - reserve : 1;
-    if (usage_) {
+    if (usage_ && shared_now()) {
       // Shared: up to an equal share of what the root's records and the free space give (less
       // the reserve). Without it whoever filled the disk first would keep it: the others, held
       // to their own records plus a free space that stays at the reserve, could never grow. One
@@ -586,7 +646,7 @@ class FileStorage::Impl {
   IoResult publish(std::span<const std::string> keys, std::size_t i, const fs::path& tmp,
                    std::uint64_t bytes, std::vector<Pin>& pins) {
     const std::string& key = keys[i];
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = index_.find(key); it != index_.end()) {  // a concurrent writer got there first
       ::unlink(tmp.c_str());
       pin_locked(it, pins);
@@ -594,7 +654,10 @@ class FileStorage::Impl {
       return IoResult::ok();
     }
     const fs::path path = root_ / key;
-    // Shared with a capacity: never over another process's record (it is counted once).
+    // Read before the rename: a removal by another instance after the rename moves it.
+    const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
+    // Beside other instances (or where they may come): never over another process's record (it
+    // is counted once).
     int rc = usage_ != nullptr
                  ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE)
                  : ::rename(tmp.c_str(), path.c_str());
@@ -606,7 +669,7 @@ class FileStorage::Impl {
     if (rc != 0) {
       const int err = errno;
       ::unlink(tmp.c_str());
-      if (err == EEXIST && adopt_locked(key)) {  // another process stored it meanwhile
+      if (err == EEXIST && adopt_from_disk_locked(key)) {  // another process stored it meanwhile
         pin_locked(index_.find(key), pins);
         ++owner_.counters_.set_deduplicated;
         evict_locked();
@@ -614,8 +677,16 @@ class FileStorage::Impl {
       }
       return IoResult::error(errno_text("rename into", path, err));
     }
-    if (usage_ != nullptr) std::atomic_ref(usage_->count[0]).fetch_add(bytes);
-    pin_locked(insert_locked(key, bytes), pins);
+    if (usage_ != nullptr) {
+      std::atomic_ref(usage_->count[0]).fetch_add(bytes);
+      // After the rename: another instance that sees the count moved finds the record.
+      std::atomic_ref(usage_->count[2]).fetch_add(1);
+      ++own_publications_;
+      absent_.erase(key);
+    }
+    auto at = insert_locked(key, bytes);
+    at->second.confirmed = epoch;
+    pin_locked(at, pins);
     ++owner_.counters_.set_written;
     owner_.counters_.bytes_written += bytes - record_head_bytes(key);
     evict_locked();
@@ -623,7 +694,7 @@ class FileStorage::Impl {
   }
 
   Index::iterator insert_locked(std::string key, std::uint64_t bytes) {
-    auto [it, inserted] = index_.try_emplace(std::move(key), Entry{bytes, {}, 0, 0});
+    auto [it, inserted] = index_.try_emplace(std::move(key), Entry{bytes, {}, 0, 0, kUnconfirmed});
     if (!inserted) return it;  // indexed already: its place and size stay
     it->second.lru = lru_.insert(lru_.end(), &it->first);
     it->second.generation = ++generation_;
@@ -649,13 +720,13 @@ class FileStorage::Impl {
   // Evicts least recently used records until the total fits, never a pinned one. Pinned
   // records are the most recently used, so the walk from the oldest end meets few of them:
   // the cost is linear in what is evicted.
-  void evict_locked(bool recheck_disk = true) {
+  void evict_locked(bool recheck_disk = true) HICACHE_REQUIRES(mu_) {
     // A capacity that follows the filesystem is asked again before anything is evicted: space
     // another program freed (or took) since moves it. Shared, it is asked on every write (one
     // statvfs): the other instances move it all the time, and one that kept the figure of its
     // start would hold the disk while they shrink.
     if (recheck_disk && capacity_from_disk_ && capacity_ != 0 &&
-        (usage_ != nullptr || used_locked() > capacity_)) {
+        (shared_now() || used_locked() > capacity_)) {
       // A filesystem that cannot be asked this time (0) leaves the capacity as it was: 0 would
       // mean no bound, and no later write would ask again.
       if (const std::uint64_t asked = disk_capacity_locked(); asked != 0) capacity_ = asked;
@@ -678,7 +749,7 @@ class FileStorage::Impl {
 
   // Takes a record out of the index and moves its file to the trash. A file that cannot be moved
   // is skipped and counted: it stays on disk, out of the index, until the next start sees it.
-  void drop_locked(Index::iterator it, bool count_eviction) {
+  void drop_locked(Index::iterator it, bool count_eviction) HICACHE_REQUIRES(mu_) {
     const fs::path path = root_ / it->first;
     const std::uint64_t bytes = it->second.bytes;
     unindex_locked(it);
@@ -687,65 +758,125 @@ class FileStorage::Impl {
     if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
       ++owner_.counters_.eviction_failures;
     }
-    if (moved && usage_) std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
+    if (moved && usage_) {
+      std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
+      // After the rename, as publications are counted (see indexed_locked).
+      std::atomic_ref(usage_->count[3]).fetch_add(1);
+      ++own_removals_;
+    }
   }
 
-  // Shared mode with capacity_bytes: the bytes of every record in the root, kept by all the
-  // processes together in <root>/.usage (its first 8 bytes, mapped shared): each adds what it renames in
-  // and takes off what it renames out, and evicts while the sum is over the capacity. A start
-  // (which scans the directory) sets it to what it found, mending a process that died between a
-  // rename and its count.
-  // Every live instance holds a shared flock on .usage. One that finds no other alive (its
-  // exclusive try succeeds, taken before its scan) sets the count to what the scan found; one
-  // that starts beside live instances leaves it to them (its scan would undo the renames they
-  // count meanwhile).
-  // The second 8 bytes count the live instances (each adds itself once it holds its shared
-  // lock, the first one alone setting it to 1, and takes itself off at close; one that died
-  // leaves it high until a start finds no other alive).
+  // <root>/.usage: what the instances on one root share (every instance opens it).
+  // Its counts, mapped shared, 8 bytes each:
+  //  [0] the bytes of every record in the root: each instance adds what it renames in and takes
+  //      off what it renames out, and, shared with capacity_bytes, evicts while the sum is over
+  //      the capacity;
+  //  [1] the live instances: more than one makes an instance without a "shared" key shared;
+  //  [2] the records all of them published: an instance's memory of absent keys (absent_)
+  //      holds while the others' part of it stands still;
+  //  [3] the records all of them took out of the root: an index entry found on disk holds while
+  //      the others' part of it stands still.
+  // Its locks are open-file-description locks (fcntl F_OFD_SETLK: one per open of the file, so
+  // two instances in one process exclude each other too; a crash releases them; a lock converts
+  // between read and write atomically):
+  //  byte 0, for life: a read lock by every instance, a write lock by one opened with
+  //    "shared": false, so neither kind opens beside the other;
+  //  byte 1: a starting instance tries a write lock. Granted, no other is live: it scans, sets
+  //    [0] and [1] to what it found (mending an instance that died between a rename and its
+  //    count, or died counted), then converts to a read lock held for life. Refused, it waits for
+  //    a read lock (a lone starter finishing its start), then scans and adds itself to [1] (its
+  //    scan would undo the renames the others count meanwhile). At close a conversion to a write
+  //    lock that is granted proves the instance is the last one live.
   struct Usage {
     int fd = -1;
-    std::uint64_t* count = nullptr;  // [0]: bytes, [1]: live instances
-    bool alone = false;
-    bool counted = false;
+    std::uint64_t* count = nullptr;  // bytes, live instances, publications, removals
+    bool locked = false;   // the locks work on this filesystem (else never provably alone)
+    bool alone = false;    // no other instance was live at the start
+    bool counted = false;  // in [1]
     ~Usage() {
       if (counted) std::atomic_ref(count[1]).fetch_sub(1);
       if (count != nullptr) ::munmap(count, kUsageBytes);
-      if (fd >= 0) ::close(fd);  // releases the lock
+      if (fd >= 0) ::close(fd);  // releases the locks
     }
     void settle(std::uint64_t scanned) {
       if (alone) {
         std::atomic_ref(count[0]).store(scanned);
         std::atomic_ref(count[1]).store(1);
+        lock_byte(fd, F_RDLCK, 1, /*wait=*/true);  // a conversion: granted at once
+      } else {
+        std::atomic_ref(count[1]).fetch_add(1);
       }
-      // Blocks while a lone starter holds its exclusive lock: it resets the count first.
-      ::flock(fd, LOCK_SH);
-      if (!alone) std::atomic_ref(count[1]).fetch_add(1);
       counted = true;
     }
+    bool last_at_close() const { return locked && lock_byte(fd, F_WRLCK, 1, false) == 0; }
     std::uint64_t instances() const {
       return std::max<std::uint64_t>(1, std::atomic_ref(count[1]).load());
     }
   };
-  static constexpr std::size_t kUsageBytes = 16;
+  static constexpr std::size_t kUsageBytes = 32;
+  // Remembered absent keys (absent_) at most; beyond, the memory starts over.
+  static constexpr std::size_t kMaxAbsent = std::size_t{1} << 16;
+
+  // An open-file-description lock on byte `byte` of `fd`: 0, or the errno (EAGAIN or EACCES:
+  // another open holds a conflicting lock).
+  static int lock_byte(int fd, short type, off_t byte, bool wait) {
+    struct flock fl {};
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = byte;
+    fl.l_len = 1;
+    while (::fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) != 0) {
+      if (errno != EINTR) return errno;
+    }
+    return 0;
+  }
+
+  // Opens <root>/.usage and takes this instance's locks (see Usage): into usage_, or, for
+  // "shared": false, into exclusive_ (no counts). Throws IoError when the root is held by an
+  // instance of the other kind.
   void open_usage() {
     auto u = std::make_unique<Usage>();
+    const fs::path path = root_ / ".usage";
     u->fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (u->fd < 0) throw IoError(errno_text("file storage: open", root_ / ".usage", errno));
+    if (u->fd < 0) throw IoError(errno_text("file storage: open", path, errno));
+    if (config_.shared == false) {
+      const int err = lock_byte(u->fd, F_WRLCK, 0, false);
+      if (err == EAGAIN || err == EACCES) {
+        throw IoError(str_cat("file storage: root '", config_.root,
+                              "' is in use by another live instance, and this one was opened "
+                              "with \"shared\": false (the root to itself); leave \"shared\" "
+                              "unset to share the root"));
+      }
+      u->alone = true;  // (a filesystem without locks: the config's word is taken)
+      exclusive_ = std::move(u);
+      return;
+    }
     struct stat st {};
     if (::fstat(u->fd, &st) != 0 ||
         (st.st_size < static_cast<off_t>(kUsageBytes) && ::ftruncate(u->fd, kUsageBytes) != 0)) {
-      throw IoError(errno_text("file storage: size", root_ / ".usage", errno));
+      throw IoError(errno_text("file storage: size", path, errno));
     }
     void* p = ::mmap(nullptr, kUsageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, u->fd, 0);
-    if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", root_ / ".usage", errno));
+    if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", path, errno));
     u->count = static_cast<std::uint64_t*>(p);
-    u->alone = ::flock(u->fd, LOCK_EX | LOCK_NB) == 0;
+    const int err = lock_byte(u->fd, F_RDLCK, 0, false);
+    if (err == EAGAIN || err == EACCES) {
+      throw IoError(str_cat("file storage: root '", config_.root,
+                            "' is held by a live instance opened with \"shared\": false (it "
+                            "shares the root with no other instance)"));
+    }
+    u->locked = err == 0;
+    if (u->locked) {
+      u->alone = lock_byte(u->fd, F_WRLCK, 1, false) == 0;
+      if (!u->alone) u->locked = lock_byte(u->fd, F_RDLCK, 1, /*wait=*/true) == 0;
+    }
     usage_ = std::move(u);
   }
   // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
   // (a capacity that follows the filesystem counts this index's records plus the free space).
   std::uint64_t used_locked() const {
-    return usage_ && !capacity_from_disk_ ? std::atomic_ref(usage_->count[0]).load() : total_bytes_;
+    return usage_ && !capacity_from_disk_ && shared_now() ? std::atomic_ref(usage_->count[0]).load()
+                                                           : total_bytes_;
   }
 
   // A bad record (`seen`: the file it was read from) or a vanished one (nullptr): drop it from
@@ -753,7 +884,7 @@ class FileStorage::Impl {
   // new record stays). A record that vanished and is there again was written anew meanwhile
   // (evicted, then stored by another batch): it stays.
   void forget_if_same(const std::string& key, const struct stat* seen) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = index_.find(key);
     if (it == index_.end()) return;
     struct stat now {};
@@ -878,7 +1009,7 @@ class FileStorage::Impl {
     std::string buf;
     auto put = [&buf](std::uint64_t v) { buf.append(reinterpret_cast<const char*>(&v), 8); };
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       buf.reserve(24 + lru_.size() * 64);
       put(kSnapshotMagic);
       put(kSnapshotVersion);
@@ -916,7 +1047,7 @@ class FileStorage::Impl {
     // describe it wrongly after a crash. (Not synced: after a power loss that undoes the
     // removal, the background check of the next start reconciles the stale snapshot.)
     if (::unlinkat(root_fd_, kSnapshotName, 0) != 0) return false;
-    if (config_.shared) return false;
+    if (!alone_at_start()) return false;
     struct stat st {};
     if (::fstat(fd.fd, &st) != 0 || st.st_size < 32) return false;
     // Mapped, not read: the page cache's pages serve it without a fresh page (and its fault,
@@ -937,7 +1068,7 @@ class FileStorage::Impl {
         !get(version) || version != kSnapshotVersion || !get(count) || count > end / 17) {
       return false;
     }
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto fail = [&] {
       while (!index_.empty()) unindex_locked(index_.begin());
       keys.clear();
@@ -986,13 +1117,15 @@ class FileStorage::Impl {
       if (verify_stop_.load(std::memory_order_relaxed)) return;
       key = it->path().filename().string();
       if (!valid_key(key)) continue;  // .tmp, .trash, foreign files
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       struct stat st {};
       if (index_.count(key) != 0 || ::fstatat(root_fd_, key.c_str(), &st, 0) != 0 ||
           !S_ISREG(st.st_mode)) {
         continue;
       }
       auto at = insert_locked(key, static_cast<std::uint64_t>(st.st_size));
+      // The start counted only the snapshot's records in .usage.
+      if (usage_) std::atomic_ref(usage_->count[0]).fetch_add(at->second.bytes);
       lru_.splice(lru_.begin(), lru_, at->second.lru);
       evict_locked();
     }
@@ -1020,7 +1153,7 @@ class FileStorage::Impl {
     std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
       return std::tie(a.mtime.tv_sec, a.mtime.tv_nsec) < std::tie(b.mtime.tv_sec, b.mtime.tv_nsec);
     });
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     for (auto& f : found) insert_locked(f.key, f.bytes);
   }
 
@@ -1030,7 +1163,7 @@ class FileStorage::Impl {
   int root_fd_ = -1;
   std::atomic<std::uint64_t> seq_{0};
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   Index index_;
   std::list<const std::string*> lru_;  // index_'s keys; front: least recently used
   std::uint64_t generation_ = 0;  // under mu_
@@ -1048,7 +1181,14 @@ class FileStorage::Impl {
   bool trash_stop_ = false;
   std::thread trash_thread_;
   bool from_snapshot_ = false;
-  std::unique_ptr<Usage> usage_;  // shared mode: <root>/.usage, mapped
+  std::unique_ptr<Usage> usage_;      // <root>/.usage, mapped (none with "shared": false)
+  std::unique_ptr<Usage> exclusive_;  // "shared": false: its lock on .usage, no counts
+  // Shared: keys found absent on disk while the other instances' publications stood at
+  // absent_epoch_ (see adopt_locked); own_publications_: this instance's part of that count.
+  std::unordered_set<std::string> absent_ HICACHE_GUARDED_BY(mu_);
+  std::uint64_t absent_epoch_ HICACHE_GUARDED_BY(mu_) = 0;
+  std::uint64_t own_publications_ HICACHE_GUARDED_BY(mu_) = 0;
+  std::uint64_t own_removals_ HICACHE_GUARDED_BY(mu_) = 0;
   std::atomic<bool> verify_stop_{false};
   std::thread verify_thread_;  // checks a loaded snapshot against the directory
 };

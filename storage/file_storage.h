@@ -24,37 +24,49 @@
 //   taking the next key; a one-key batch runs in the caller. Disk full, permission denied or a removed directory are per-key errors, and the
 //   store keeps serving what still works (the .tmp/ and .trash/ folders are recreated on demand).
 //
-// - shared: several processes (engine instances) use one root. Each keeps its own index; a key
-//   its index lacks is looked up on disk (one fstatat) and adopted, so a page another instance
-//   stored is found. The processes stay within one capacity together: with capacity_bytes,
-//   the bytes of every record in the root are counted in <root>/.usage (mapped shared
-//   by all of them; a record is renamed in only where no other process's is, so it is counted
-//   once), and a process evicts its own least recently used records (written or adopted) while
-//   that sum is over the capacity (one whose records are all pinned leaves it over until
-//   another writes); a start with no other instance alive (a flock on .usage tells) resets the
-//   count to what its scan found. With the
+// - Several processes (engine instances, the TP ranks of an MLA model) may use one root. Every
+//   instance registers in <root>/.usage (a 32-byte file, mapped shared, and locked with
+//   open-file-description locks, which a crash releases): byte 0's lock tells an instance
+//   opened with "shared": false from the others, byte 1's tells whether a starting instance is
+//   alone, and the file counts the root's record bytes, the live instances, and the records any
+//   of them published and removed. An instance runs "shared" while another one is live (unless
+//   the config says which: `shared`, below), and answers from its own index while it is alone.
+//   Shared, each keeps its own index; a key its index lacks is looked up on disk (one fstatat)
+//   and adopted, so a page another instance stored is found. A key found absent is remembered
+//   (at most 64 Ki of them) until any other instance publishes a record: a repeated miss costs
+//   a lookup in memory, not a disk query (the publication count is in .usage; no polling).
+//   A key the index holds is confirmed on disk too (one fstatat) before exists or a put's
+//   deduplication trusts it, unless no other instance removed a record since it was last found
+//   there: another process may have evicted it. A record that vanished before or during a read
+//   is a miss (also one removed by hand, which no instance counts).
+//   The processes stay within one capacity together: with capacity_bytes,
+//   the bytes of every record in the root are counted in .usage (a record is renamed in only
+//   where no other process's is, so it is counted once), and a process evicts its own least
+//   recently used records (written or adopted) while that sum is over the capacity (one whose
+//   records are all pinned leaves it over until another writes); a start with no other
+//   instance alive resets the counts to what its scan found. With the
 //   capacity following the filesystem each keeps the reserve free, which bounds them together,
 //   and each may grow to an equal share (the root's records plus the free space, less the
 //   reserve, over the live instances counted in .usage): one below its share writes on into
 //   half the reserve at most and those above it evict their own on their next write, so the
 //   instance that filled the disk first does not keep it (while it sits idle, half the reserve
 //   stays free). The filesystem is asked on every write then (one statvfs, under the store's
-//   lock). An instance that died leaves the count high (smaller shares) until a start finds no
-//   other alive: a group whose crashed members are restarted while the others run keeps it high.
-//   An adoption evicts like a write does, but never a key of the same call. A key the index
-//   holds is confirmed on disk too (one fstatat) before exists or a put's deduplication trusts
-//   it: another process may have evicted it.
+//   lock). An instance that died leaves the live count high (the survivors stay shared, with
+//   smaller shares) until a start finds no other alive.
+//   An adoption evicts like a write does, but never a key of the same call. The index snapshot
+//   is written at close only by the last live instance (its lock on byte 1 proves it).
 //
 // - A write that meets ENOSPC although the store is within its capacity (another program filled
 //   the disk) shrinks the capacity to what fits, evicts least recently used records down to it
 //   (unlinked at once) and is tried once more.
 //
 // JSON: {"backend": "file", "root": "/path", "capacity_bytes": 0, "disk_reserve": 0.05,
-//        "durability": "none", "io_threads": 4, "shared": false}
+//        "durability": "none", "io_threads": 4, "shared": <unset>}
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -73,7 +85,11 @@ struct FileStorageConfig {
   double disk_reserve = 0.05;
   Durability durability = Durability::kNone;
   int io_threads = 4;
-  bool shared = false;  // other processes write to the same root (see above)
+  // Whether other processes use the root. Unset (the default): detected, see above: shared
+  // while another instance is live. true: always shared (a miss is asked of the disk even while
+  // alone). false: this instance is the root's only user: it refuses to open beside a live
+  // instance (IoError naming the root), and an instance started beside it refuses likewise.
+  std::optional<bool> shared;
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static FileStorageConfig from_json_text(std::string_view json_text);

@@ -99,6 +99,15 @@ class HiCacheStore(_Base):
             if n > 1:
                 fingerprint += f".{name}{r}of{n}"
         self._fingerprint = fingerprint
+        if self.is_mla and self.tp_size > 1 and storage.get("backend") == "file":
+            # Every rank of an MLA model reads the records rank 0 writes: the file store is
+            # shared (a rank opened before rank 0 writes must find them; docs/configuration.md).
+            if storage.get("shared") is False:
+                raise ValueError(
+                    "hicache: storage 'shared': false, but an MLA model under TP "
+                    f"(tp_size {self.tp_size}) shares its pages between the ranks' processes; "
+                    "leave 'shared' unset")
+            storage = dict(storage, shared=True)
         self.interface_v1 = bool(extra.get("interface_v1", False))
         self._store = _hicache.Store(json.dumps(storage))
         self._pool = None

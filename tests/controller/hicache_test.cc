@@ -182,6 +182,46 @@ TEST(HiCache, RanksOfAnMhaModelMeetOverGlooFromTheConfig) {
   EXPECT_EQ(first->storage_controller(), nullptr);
 }
 
+// Every TP rank of an MLA model reads the records rank 0 writes: HiCache opens a file store
+// shared (without a "shared" key) and refuses "shared": false, naming it, before it meets the
+// other ranks.
+TEST(HiCache, AFileStoreOfAnMlaModelUnderTpIsShared) {
+  TempDir dir, rendezvous;
+  fs::create_directories(rendezvous.path);
+  const auto config = [&](int rank, const std::string& shared) {
+    return HiCacheConfig::from_json_text(str_cat(
+        R"({"device": "host", "page_size": 4, "device_tokens": 64, "model": {"attention": "mla",
+        "layers": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8}, "tp_size": 2, "tp_rank": )",
+        rank, R"(, "tp_store_dir": ")", rendezvous.path.string(),
+        R"(", "tp_connect_timeout_ms": 20000, "storage": {"backend": "file", "root": ")",
+        dir.path.string(), R"(")", shared, "}}"));
+  };
+  const std::string e = error_of([&] { HiCache hc(config(0, R"(, "shared": false)")); });
+  EXPECT_NE(e.find("\"shared\": false"), std::string::npos) << e;
+  EXPECT_NE(e.find("MLA"), std::string::npos) << e;
+  std::unique_ptr<HiCache> other;
+  std::string other_error;
+  std::thread t([&] {
+    try {
+      other = std::make_unique<HiCache>(config(1, ""));
+    } catch (const std::exception& ex) {
+      other_error = ex.what();
+    }
+  });
+  std::unique_ptr<HiCache> first;
+  const std::string error = error_of([&] { first = std::make_unique<HiCache>(config(0, "")); });
+  t.join();
+  ASSERT_TRUE(first && other) << error << " / " << other_error;
+  for (HiCache* hc : {first.get(), other.get()}) {
+    const auto* file = dynamic_cast<const FileStorage*>(hc->storage());
+    ASSERT_NE(file, nullptr);
+    EXPECT_EQ(file->config().shared, true);
+  }
+  std::thread stop([&] { other->detach_storage(); });
+  first->detach_storage();
+  stop.join();
+}
+
 TEST(HiCache, RefusesCollectivesThatDisagreeWithTheConfig) {
   auto ranks = InProcessGroup::make_ranks(2);
   auto c = HiCacheConfig::from_json_text(config_json(""));  // tp_size 1

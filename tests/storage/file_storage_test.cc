@@ -86,9 +86,12 @@ class FileStorageTest : public ::testing::Test {
     return results;
   }
 
+  // Regular files in `dir`, but the store's own (.usage, .index: a key never starts with '.').
   std::size_t files_in(const fs::path& dir) {
     std::size_t n = 0;
-    for (const auto& e : fs::directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      n += e.is_regular_file() && e.path().filename().string().front() != '.' ? 1 : 0;
+    }
     return n;
   }
 
@@ -202,7 +205,9 @@ TEST_F(FileStorageTest, WarmRestartUsesTheSnapshotAndKeepsTheLruOrder) {
 }
 
 // A snapshot that does not check (a flipped byte, a cut, garbage) is never used: the store
-// scans, finds every record, and removes the bad snapshot. Shared mode never uses one.
+// scans, finds every record, and removes the bad snapshot. An instance that starts beside a live
+// one never uses one either (the other changes the directory), and only the last instance to close
+// writes one.
 TEST_F(FileStorageTest, ABadSnapshotFallsBackToTheScan) {
   const auto keys = make_keys("bad-snap", 6);
   { FileStorage s(config()); put(s, keys, 4096); }
@@ -226,12 +231,23 @@ TEST_F(FileStorageTest, ABadSnapshotFallsBackToTheScan) {
   damage([&] { fs::resize_file(snap, size - 3); });
   damage([&] { std::ofstream(snap, std::ios::trunc) << "not an index at all, but long enough"; });
   { FileStorage s(config()); }
-  auto c = config();
-  c.shared = true;
-  FileStorage shared(c);
-  EXPECT_FALSE(shared.started_from_snapshot());
-  EXPECT_FALSE(fs::exists(snap)) << "shared mode leaves a snapshot to go stale";
-  EXPECT_EQ(exists(shared, keys), keys.size());
+  const fs::path kept = root_.string() + ".index";
+  fs::copy_file(snap, kept, fs::copy_options::overwrite_existing);
+  auto first = std::make_unique<FileStorage>(config());
+  EXPECT_TRUE(first->started_from_snapshot());
+  fs::copy_file(kept, snap);  // as if written while `first` runs
+  fs::remove(kept);
+  {
+    auto c = config();
+    c.shared = true;
+    FileStorage beside(c);
+    EXPECT_FALSE(beside.started_from_snapshot());
+    EXPECT_FALSE(fs::exists(snap)) << "a snapshot beside a live instance goes stale";
+    EXPECT_EQ(exists(beside, keys), keys.size());
+  }
+  EXPECT_FALSE(fs::exists(snap)) << "an instance closed beside a live one wrote a snapshot";
+  first.reset();
+  EXPECT_TRUE(fs::exists(snap)) << "the last instance to close wrote no snapshot";
 }
 
 // A record removed while the store was closed: the snapshot still lists it; a read is a miss
@@ -366,16 +382,13 @@ TEST_F(FileStorageTest, AWriterKilledMidBatchLosesOnlyUnacknowledgedRecords) {
 }
 
 // Two stores on one root, as two engine instances: with `shared`, a page one writes after the
-// other started is found and read byte for byte; without it, the other's index never sees it.
+// other started is found and read byte for byte.
 TEST_F(FileStorageTest, SharedRootFindsPagesAnotherProcessWrote) {
   auto c = config();
   c.shared = true;
   FileStorage a(c), b(c);
-  auto unshared = config();
-  FileStorage blind(unshared);
   const auto keys = make_keys("sh", 6);
   put(a, keys, kPage);
-  EXPECT_EQ(exists(blind, keys), 0u) << "an unshared store is expected to know only its index";
   EXPECT_EQ(exists(b, keys), keys.size());
   for (const auto& r : get(b, keys, kPage)) EXPECT_TRUE(r.is_ok()) << r.reason;
   // Read without an exists query first, too.
@@ -407,7 +420,10 @@ TEST_F(FileStorageTest, SharedRootFindsPagesAnotherProcessWrote) {
   fs::remove(live_tmp);
   EXPECT_THROW(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": "yes"})"),
                InvalidArgument);
-  EXPECT_TRUE(FileStorageConfig::from_json_text(R"({"root": "/tmp/x", "shared": true})").shared);
+  auto shared_of = [](const char* json) { return FileStorageConfig::from_json_text(json).shared; };
+  EXPECT_EQ(shared_of(R"({"root": "/tmp/x", "shared": true})"), true);
+  EXPECT_EQ(shared_of(R"({"root": "/tmp/x", "shared": false})"), false);
+  EXPECT_FALSE(shared_of(R"({"root": "/tmp/x"})").has_value()) << "unset: detected";
 }
 
 TEST_F(FileStorageTest, CrashDebrisIsCleanedAndNotIndexed) {

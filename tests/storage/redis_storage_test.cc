@@ -26,6 +26,7 @@
 #include "storage/record.h"
 #include "storage/redis_cluster.h"
 #include "storage/redis_connection.h"
+#include "storage/peer_process.h"
 #include "storage/redis_test_servers.h"
 #include "transfer/errors.h"
 
@@ -344,6 +345,59 @@ bool start_replicated_cluster(testing::RedisCluster& c, std::string* error) {
   return c.start(3, /*cluster=*/true, error, /*replicas=*/1, kReplicatedNodeTimeoutMs);
 }
 
+// Two engine processes over one Redis (a server or a cluster): B, connected before A writes,
+// finds every page A stores and reads its bytes; a page A removes is a miss for B, never stale
+// bytes. Redis sees every writer: no flag and no detection are needed (issue 38).
+void expect_two_processes_see_each_others_records(
+    const std::function<std::unique_ptr<StorageBackend>()>& open) {
+  const auto keys = make_keys("two-proc", 4);
+  constexpr std::size_t kBytes = 64 << 10;
+  std::unique_ptr<StorageBackend> store;  // each child's own
+  // In a child: '+' when exists says `hits` and every read is what `want` says (1 the key's
+  // page, 0 a miss).
+  auto check = [&](std::size_t hits, const std::vector<int>& want) -> char {
+    if (store->batch_exists(keys) != hits) return '-';
+    std::vector<std::vector<std::byte>> pages(keys.size(), std::vector<std::byte>(kBytes));
+    std::vector<ByteSpan> spans;
+    for (auto& p : pages) spans.emplace_back(p);
+    const auto r = store->batch_get(keys, spans);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const bool right = want[i] == 1 ? r[i].is_ok() && holds_page_of(keys[i], pages[i])
+                                      : r[i].status == IoStatus::kMiss;
+      if (!right) return '-';
+    }
+    return '+';
+  };
+  testing::PeerProcess b([&](char c) -> char {
+    switch (c) {
+      case 'o': store = open(); return '+';
+      case '0': return store->batch_exists(keys) == 0 ? '+' : '-';
+      case 'n': return check(4, {1, 1, 1, 1});
+      case 'm': return check(1, {1, 0, 1, 1});
+      default: return '?';
+    }
+  });
+  ASSERT_EQ(b.ask('o'), '+');
+  ASSERT_EQ(b.ask('0'), '+');
+  testing::PeerProcess a([&](char c) -> char {
+    switch (c) {
+      case 'o': store = open(); return '+';
+      case 'w': {
+        const auto r = put(*store, keys, kBytes);
+        return std::all_of(r.begin(), r.end(), [](const IoResult& x) { return x.is_ok(); }) ? '+'
+                                                                                          : '-';
+      }
+      case 'r': return store->remove(keys[1]) ? '+' : '-';
+      default: return '?';
+    }
+  });
+  ASSERT_EQ(a.ask('o'), '+');
+  ASSERT_EQ(a.ask('w'), '+');
+  EXPECT_EQ(b.ask('n'), '+') << "B does not see (or misreads) the pages A wrote after B connected";
+  ASSERT_EQ(a.ask('r'), '+');
+  EXPECT_EQ(b.ask('m'), '+') << "B answers stale or wrong data for a page A removed";
+}
+
 // ---- one server ----
 
 class RedisStorageTest : public ServersSuite<testing::RedisServer, start_one_server> {
@@ -356,6 +410,10 @@ class RedisStorageTest : public ServersSuite<testing::RedisServer, start_one_ser
   }
   static int port() { return servers_->port(); }
 };
+
+TEST_F(RedisStorageTest, TwoProcessesSeeEachOthersRecords) {
+  expect_two_processes_see_each_others_records([] { return open_redis(port()); });
+}
 
 TEST_F(RedisStorageTest, RoundTripsByteForByte) {
   auto s = open_redis(port(), R"("connections": 3)");
@@ -1218,6 +1276,10 @@ class RedisClusterTest : public ServersSuite<testing::RedisCluster, start_cluste
   }
 
 };
+
+TEST_F(RedisClusterTest, TwoProcessesSeeEachOthersRecords) {
+  expect_two_processes_see_each_others_records([] { return open_cluster(cluster_->ports()); });
+}
 
 TEST_F(RedisClusterTest, KeySlotsMatchTheServer) {
   for (const std::string key : {"foo", "page-0", "ns.p64.tp0of1-abcdef", "{tag}x"}) {

@@ -1,6 +1,8 @@
 // Storage benchmarks (issue figures), each against a baseline measured in the same run:
 //   page keys: chained SHA-256 over 64-token pages (pages/s; target >= 1M/s);
 //   FileStorage batch_exists from the in-memory index (keys/s; target >= 1M/s);
+//   FileStorage batch_exists of absent keys beside another live instance (shared, detected:
+//   remembered absent, and asked of the disk) against the store alone (its index answers);
 //   FileStorage batch_set / batch_get of 8 MiB and 256 KiB pages (GB/s) against fio on the same
 //   directory: sequential 1 MiB blocks, buffered and O_DIRECT (target >= 0.8 of fio buffered);
 //   batch_set is also run in pairs with fio's write, each side after a sync (the ratio of record);
@@ -111,6 +113,108 @@ void BM_FileExists(benchmark::State& state) {
   fs::remove_all(dir);
 }
 BENCHMARK(BM_FileExists)->Unit(benchmark::kMillisecond);
+
+// The page keys of `pages` pages of consecutive token ids from `first_token`.
+std::vector<std::string> page_keys(std::size_t pages, std::int32_t first_token) {
+  PageKeyer keyer(bench_ns());
+  std::vector<std::int32_t> tokens(64 * pages);
+  std::iota(tokens.begin(), tokens.end(), first_token);
+  std::vector<std::string> keys;
+  keyer.keys(tokens, nullptr, keys);
+  return keys;
+}
+
+// batch_exists of 4096 stored keys in one batch. arg 0: the store alone (its index answers);
+// 1: beside another live instance (shared): each key was found on disk before and no instance
+// removed a record since (trusted, no disk query); 2: shared, after another instance removed a
+// record (each key asked of the disk again: one fstatat; the other instance stores and removes
+// one record before each iteration, untimed).
+void BM_FileExistsStored(benchmark::State& state) {
+  const int mode = static_cast<int>(state.range(0));
+  const fs::path dir = bench_dir() / "stored";
+  fs::remove_all(dir);
+  const FileStorageConfig config{.root = dir.string(), .io_threads = 0};
+  const std::vector<std::string> keys = page_keys(4096, 13);
+  std::vector<std::byte> page(512);
+  FileStorage store(config);
+  std::vector<ConstByteSpan> spans(keys.size(), ConstByteSpan(page));
+  store.batch_set(keys, spans);
+  std::unique_ptr<FileStorage> other;
+  if (mode != 0) other = std::make_unique<FileStorage>(config);
+  store.batch_exists(keys);  // found on disk once
+  std::size_t hits = 0;
+  std::int64_t removed = 0;
+  const std::vector<ConstByteSpan> one{ConstByteSpan(page)};
+  for (auto _ : state) {
+    if (mode == 2) {
+      state.PauseTiming();
+      const std::string victim = str_cat("removed-", removed++);
+      other->batch_set(std::span(&victim, 1), one);
+      other->remove(victim);
+      state.ResumeTiming();
+    }
+    hits += store.batch_exists(keys);
+  }
+  if (hits != state.iterations() * keys.size()) state.SkipWithError("a stored key was missed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * keys.size()));
+  other.reset();
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+BENCHMARK(BM_FileExistsStored)->Arg(0)->Arg(1)->Arg(2)->Repetitions(3)
+    ->Unit(benchmark::kMillisecond);
+
+// batch_exists of absent keys, one key per call (SGLang's prefix query stops at its first miss),
+// 4096 keys, over a root holding 1024 records. arg 0: the store alone (its index answers, no
+// disk query: the answer of a store that is not shared); 1: beside another live instance of the
+// same root (shared, detected), asked again: each key is remembered absent since its first
+// lookup; 2: shared, each key asked for the first time since the other instance published a
+// record (one fstatat each: the other instance stores one record before each iteration, untimed).
+void BM_FileExistsAbsent(benchmark::State& state) {
+  const int mode = static_cast<int>(state.range(0));
+  const fs::path dir = bench_dir() / "absent";
+  fs::remove_all(dir);
+  const FileStorageConfig config{.root = dir.string(), .io_threads = 0};
+  const std::vector<std::string> keys = page_keys(5120, 11);
+  const std::vector<std::string> stored(keys.begin(), keys.begin() + 1024);
+  const std::vector<std::string> absent(keys.begin() + 1024, keys.end());
+  std::vector<std::byte> page(512);
+  {
+    std::unique_ptr<FileStorage> store = std::make_unique<FileStorage>(config);
+    std::vector<ConstByteSpan> spans(stored.size(), ConstByteSpan(page));
+    store->batch_set(stored, spans);
+  }
+  FileStorage store(config);
+  std::unique_ptr<FileStorage> other;
+  if (mode != 0) other = std::make_unique<FileStorage>(config);
+  auto ask_all = [&] {
+    std::size_t hits = 0;
+    for (const std::string& k : absent) hits += store.batch_exists(std::span(&k, 1));
+    return hits;
+  };
+  if (mode == 1) ask_all();  // remembered from here on
+  std::size_t hits = 0;
+  std::int64_t published = 0;
+  const std::vector<ConstByteSpan> one{ConstByteSpan(page)};
+  for (auto _ : state) {
+    if (mode == 2) {
+      state.PauseTiming();
+      const std::vector<std::string> fresh{str_cat("published-", published++)};
+      other->batch_set(fresh, one);
+      state.ResumeTiming();
+    }
+    hits += ask_all();
+  }
+  if (hits != 0) state.SkipWithError("an absent key was reported present");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * absent.size()));
+  other.reset();
+  store.clear();
+  store.flush_trash();
+  fs::remove_all(dir);
+}
+BENCHMARK(BM_FileExistsAbsent)->Arg(0)->Arg(1)->Arg(2)->Repetitions(3)
+    ->Unit(benchmark::kMillisecond);
 
 // batch_set into a full store, every record evicting an older one: the cost per record must not
 // grow with the batch (arg: records per batch). 512-byte payloads, a store of 8192 records.
@@ -607,6 +711,30 @@ int main(int argc, char** argv) {
   if (ips.count("BM_FileExists")) {
     std::printf("file batch_exists, 4096 keys per batch: %.2f M keys/s (target >= 1)\n",
                 ips["BM_FileExists"] / 1e6);
+  }
+  auto stored = [](int mode) {
+    return str_cat("BM_FileExistsStored/", mode, "/repeats:3_median");
+  };
+  if (ips.count(stored(0)) && ips.count(stored(1)) && ips.count(stored(2))) {
+    const double alone = ips[stored(0)];
+    std::printf("file batch_exists of 4096 stored keys (medians of 3): alone %.2f M keys/s; "
+                "shared, nothing removed since found %.2f M/s, ratio %.2f; shared, after another "
+                "instance removed a record %.2f M/s, ratio %.2f\n",
+                alone / 1e6, ips[stored(1)] / 1e6, ips[stored(1)] / alone, ips[stored(2)] / 1e6,
+                ips[stored(2)] / alone);
+  }
+  auto absent = [](int mode) {
+    return str_cat("BM_FileExistsAbsent/", mode, "/repeats:3_median");
+  };
+  if (ips.count(absent(0)) && ips.count(absent(1)) && ips.count(absent(2))) {
+    const double alone = ips[absent(0)];
+    const double remembered = ips[absent(1)];
+    const double first = ips[absent(2)];
+    std::printf("file batch_exists of an absent key (one per call, medians of 3): alone (the "
+                "index answers) %.2f M/s; shared (another instance live), remembered absent "
+                "%.2f M/s, ratio %.2f; shared, first ask after another instance published "
+                "%.2f M/s, ratio %.2f\n",
+                alone / 1e6, remembered / 1e6, remembered / alone, first / 1e6, first / alone);
   }
   if (ips.count("BM_FileEvictingSet/16/real_time") && ips.count("BM_FileEvictingSet/4096/real_time")) {
     const double small = 1e6 / ips["BM_FileEvictingSet/16/real_time"];
