@@ -554,7 +554,9 @@ wl::StackConfig stack_config(const Settings& s, const std::string& tier,
   if (tier == "file") {
     json store = mine != nullptr ? *mine : json{{"backend", "file"}};
     store["root"] = storage_root;
-    if (!store.contains("shared")) store["shared"] = s.instances * s.tp > 1;
+    // Several processes on the root: shared. One: the store detects whether it is alone (an
+    // explicit false would take the root to itself and refuse a second bench on it).
+    if (!store.contains("shared") && s.instances * s.tp > 1) store["shared"] = true;
     h["storage"] = store;
   } else if (tier == "redis") {
     if (s.redis.empty() && mine == nullptr) {

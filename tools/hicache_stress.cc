@@ -404,8 +404,9 @@ bool setup_store(const Settings& s, Store& store) {
     // On the tmpfs the store's capacity follows the filesystem (its free space less the
     // reserve), and the ballast makes the disk fill under it: real ENOSPC, evictions and
     // shrinks. Without a tmpfs the store sits on the machine's disk: a fixed capacity then.
-    // Under --tp every rank's process opens the root: shared, as FileStorage asks of that.
-    nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}, {"shared", s.tp > 1}};
+    // Under --tp every rank's process opens the root: shared. Alone, the store detects it.
+    nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}};
+    if (s.tp > 1) file["shared"] = true;
     if (!tmpfs->mounted()) file["capacity_bytes"] = s.tmpfs_mb * 3 / 4 << 20;
     storage_json = file.dump();
     std::printf("[hicache-stress] file store on %s (%s)\n", store_root.c_str(),
