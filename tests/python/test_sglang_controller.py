@@ -30,7 +30,7 @@ from conftest import HostPool  # noqa: E402
 from test_sglang_store import sglang_keys  # noqa: E402
 
 from hicache.sglang import HiCacheController  # noqa: E402
-from hicache.sglang_controller import BackupAck, HiCacheDeviceError  # noqa: E402
+from hicache.sglang import BackupAck, HiCacheDeviceError  # noqa: E402
 import hicache  # noqa: E402
 
 P, L, H, D = 4, 3, 2, 8
@@ -1252,7 +1252,7 @@ def config_keys():
 
 
 def test_every_config_key_is_classified_for_the_drop_in():
-    from hicache.sglang_controller import _OWN_EFFECTIVE, _OWN_FROM_SGLANG, _OWN_RADIX
+    from hicache.sglang.controller import _OWN_EFFECTIVE, _OWN_FROM_SGLANG, _OWN_RADIX
     tables = [set(_OWN_EFFECTIVE), set(_OWN_FROM_SGLANG), set(_OWN_RADIX)]
     assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
     assert config_keys() == tables[0] | tables[1] | tables[2]
@@ -1276,7 +1276,7 @@ REFUSED = {"prefetch_policy": "wait_complete", "prefetch_timeout_base_ms": 10,
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
 def test_a_key_the_drop_in_cannot_honour_is_refused_naming_it(tmp_path, key):
-    from hicache.sglang_controller import _OWN_FROM_SGLANG, _OWN_RADIX
+    from hicache.sglang.controller import _OWN_FROM_SGLANG, _OWN_RADIX
     where = _OWN_RADIX.get(key) or _OWN_FROM_SGLANG[key]
     why = "radix cache" if key in _OWN_RADIX else "takes the value from SGLang"
     with pytest.raises(ValueError, match=f"'hicache.{key}'.*{re.escape(why)}.*{re.escape(where)}"):
@@ -1292,7 +1292,7 @@ EFFECTIVE_BAD = {"model_fingerprint": "", "metrics": 3, "metrics_port": -5,
 @pytest.mark.parametrize("key", sorted(EFFECTIVE_BAD))
 def test_a_key_the_drop_in_honours_reaches_hicaches_config(tmp_path, key):
     """The drop-in passes these on: a bad value is refused by the config parser, naming it."""
-    from hicache.sglang_controller import _OWN_EFFECTIVE
+    from hicache.sglang.controller import _OWN_EFFECTIVE
     assert set(EFFECTIVE_BAD) == set(_OWN_EFFECTIVE)
     with pytest.raises(ValueError, match=key):
         Driver("page_first", tmp_path / "l3", extra={key: EFFECTIVE_BAD[key]})

@@ -354,4 +354,4 @@ def test_it_subclasses_sglangs_interface_when_sglang_is_importable(tmp_path):
 
     import hicache.sglang
     if importlib.util.find_spec("sglang") is None:  # this process: no SGLang, a plain class
-        assert hicache.sglang._Base is object
+        assert hicache.sglang.store._Base is object

@@ -24,16 +24,14 @@ corrupt, truncated or foreign record is a miss (False), never bytes handed to SG
 import json
 import os
 
-from . import _hicache
+from .. import _hicache
 
 try:  # subclass SGLang's interface when SGLang is installed; work without it
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
 except Exception:  # noqa: BLE001 - any import failure means "no SGLang here"
     _Base = object
 
-from .sglang_controller import HiCacheController  # noqa: E402,F401 - the drop-in controller
-
-__all__ = ["HiCacheStore", "HiCacheController"]
+__all__ = ["HiCacheStore"]
 
 # Keys of the extra config that SGLang's dynamic loader and SGLang itself read (later releases
 # take the radix cache's out before the backend sees the extra config, earlier ones do not).

@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 
-from . import _hicache
+from .. import _hicache
 
 __all__ = ["HiCacheController", "HiCacheAck", "BackupAck", "HiCacheDeviceError", "get_hash_str"]
 
