@@ -678,14 +678,14 @@ def test_a_reset_mid_run_drops_everything_and_the_cache_serves_on(tmp_path):
 
 
 def written_and_evicted(d, node_id):
-    """One device page written through (its ack taken) and evicted: (device, host) slots."""
+    """One device page written through (its ack taken once its copy is done, as SGLang
+    2025-09's writing_check) and evicted: (device, host) slots."""
     c = d.ctrl
     dev = d.alloc.alloc(P)
     host = c.write(dev, node_id=node_id)
-    deadline = time.monotonic() + 30
-    while not c.ack_write_queue and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert c.ack_write_queue.pop(0).node_ids == [node_id]
+    ack = c.ack_write_queue.pop(0)
+    assert ack.node_ids == [node_id]
+    ack.finish_event.synchronize()
     assert c.evict_device(dev, host) == P
     return dev, host
 
@@ -922,15 +922,17 @@ def _call(fn, **kw):
 
 def expect_empty(q):
     """queue.Queue's get on an empty queue: block=False and get_nowait raise queue.Empty at
-    once, get(timeout=t) after waiting t."""
+    once, get(timeout=t) after waiting t, asleep (a wait that spun would use the CPU time it
+    waited)."""
     with pytest.raises(queue.Empty):
         q.get(block=False)
     with pytest.raises(queue.Empty):
         q.get_nowait()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     with pytest.raises(queue.Empty):
-        q.get(timeout=0.05)
-    assert time.monotonic() - t0 >= 0.05
+        q.get(timeout=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    assert time.process_time() - cpu0 < 0.1, "the wait polled"
     with pytest.raises(ValueError):
         q.get(timeout=-1)
 
@@ -943,6 +945,13 @@ def expect_queue_semantics(q, produce, expect):
     produce()
     thread.join(60)
     assert not thread.is_alive() and out == [expect() if callable(expect) else expect], out
+
+
+def test_without_a_store_the_storage_queues_wait_asleep(tmp_path):
+    d = Driver("page_first", tmp_path, storage=False)
+    for q in (d.ctrl.ack_backup_queue, d.ctrl.prefetch_revoke_queue):
+        expect_empty(q)
+    d.ctrl.close()
 
 
 def test_every_queue_gets_as_queue_queue_does(tmp_path):
