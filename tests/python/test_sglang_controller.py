@@ -537,6 +537,25 @@ class Driver:
         assert self.ctrl.mem_pool_host.available_size() + host * P == self.host.size
 
 
+    def release_all(self):
+        """Drops the whole tree as the radix cache's reset-free teardown would: device copies
+        evicted (or freed where never written), then host copies; every device slot is back
+        in the engine's allocator and every host page free."""
+        self.check_no_leak()
+        for node in list(self.nodes.values()):
+            if node.device is not None and node.backed_up:
+                assert self.ctrl.evict_device(node.device, node.host) == P
+            elif node.device is not None:
+                self.alloc.free(node.device)
+            node.device = None
+        for node in list(self.nodes.values()):
+            if node.host is not None:
+                assert self.ctrl.evict_host(node.host) == P
+        self.nodes.clear()
+        assert len(self.alloc.free_pages) == self.pool.size // P
+        assert self.ctrl.mem_pool_host.available_size() == self.host.size
+
+
 def requests(count, seed, families=5):
     """Requests that share prefixes: family f's tokens, cut at random page counts."""
     import random
@@ -559,6 +578,7 @@ def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count
     d.check_no_leak()
     first = dict(d.verified)
     nodes_1 = sorted(d.nodes)
+    d.release_all()
     d.ctrl.close()
     d2 = Driver(layout, root, mla, rank, tp_group, extra, shape=shape, policy=policy,
                 write_policy=write_policy, timeout_s=timeout_s)
@@ -566,7 +586,9 @@ def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count
         d2.serve(rid, tokens)
     d2.check_no_leak()
     second = dict(d2.verified)
-    summary = {"first": first, "second": second, "nodes_1": nodes_1, "nodes_2": sorted(d2.nodes),
+    nodes_2 = sorted(d2.nodes)
+    d2.release_all()
+    summary = {"first": first, "second": second, "nodes_1": nodes_1, "nodes_2": nodes_2,
                "written_back": d2.written_back, "cut_short": d2.cut_short,
                "prefetch_calls": d2.prefetch_calls, "revoked": d2.revoked}
     d2.ctrl.close()
