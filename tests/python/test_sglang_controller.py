@@ -295,7 +295,7 @@ class Driver:
             if node is None:
                 break
             if node.backed_up:
-                assert self.ctrl.evict_device(node.device, node.host) == P
+                assert self.evict_device_copy(node) == P
                 node.device = None
             elif self.write_policy == "write_back":  # write_backup(node, write_back=True)
                 host = self.ctrl.write(node.device, node_id=node.id)
@@ -315,9 +315,16 @@ class Driver:
             self.write_back_check()
             for node in write_back:
                 node.backed_up = True
-                assert self.ctrl.evict_device(node.device, node.host) == P
+                assert self.evict_device_copy(node) == P
                 node.device = None
             self.written_back += len(write_back)
+
+    def evict_device_copy(self, node):
+        """_evict_backuped: 2025-08 passes the host indices, later releases the device ones
+        only."""
+        if self.shape == "2025-08":
+            return self.ctrl.evict_device(node.device, node.host)
+        return self.ctrl.evict_device(node.device)
 
     def write_back_check(self):
         """writing_check(write_back=True): every write of the eviction acknowledged before the
@@ -710,6 +717,36 @@ def written_and_evicted(d, node_id):
     ack.finish_event.synchronize()
     assert c.evict_device(dev, host) == P
     return dev, host
+
+
+def test_evict_device_finds_the_host_copy_when_given_device_indices_only(tmp_path):
+    """SGLang's later radix caches call evict_device(node.value): the host copy is the one
+    write() made, or the one load() read from; a device page with neither is refused, naming
+    it, and nothing changes."""
+    d = Driver("page_first", tmp_path, storage=False)
+    c = d.ctrl
+    dev = d.alloc.alloc(2 * P)
+    host = c.write(dev, node_id=1)
+    c.ack_write_queue.pop(0).finish_event.synchronize()
+    assert c.evict_device(dev) == 2 * P
+    assert c.mem_pool_host.get_state(host) == ["backup", "backup"]
+    assert len(d.alloc.free_pages) == d.pool.size // P
+    dev2 = c.load(host[P:], node_id=2)
+    c.layer_done_counter.set_consumer(c.start_loading())
+    d.pool.get_key_buffer(L - 1)
+    assert c.ack_load_queue.get(timeout=30) == 2
+    stranger = d.alloc.alloc(P)
+    with pytest.raises(ValueError, match=f"device page {stranger[0].item() // P} has no host"):
+        c.evict_device(stranger)
+    with pytest.raises(ValueError, match="has no host"):
+        c.evict_device(dev)  # evicted already: its copy is forgotten
+    assert c.evict_device(dev2) == P
+    assert c.mem_pool_host.get_state(host) == ["backup", "backup"]
+    d.alloc.free(stranger)
+    assert c.evict_host(host) == 2 * P
+    assert len(d.alloc.free_pages) == d.pool.size // P
+    assert c.mem_pool_host.available_size() == d.host.size
+    c.close()
 
 
 def test_a_device_page_recomputed_after_eviction_is_synced_again(tmp_path):
