@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -41,8 +41,9 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    packages=["hicache"],
-    package_dir={"hicache": "python/hicache"},
+    # hicache and every subpackage under python/hicache (hicache.sglang, ...)
+    packages=find_packages("python", include=["hicache", "hicache.*"]),
+    package_dir={"": "python"},
     ext_modules=[Extension("hicache._hicache", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -130,13 +130,13 @@ class PyHiCache {
   // Runs drain(storage controller) (it appends what arrived and returns how many it holds)
   // until that is at least `n` or `timeout_s` passed, waiting on the controller's event signal
   // (which the storage controller notifies after every backup ack and revoke) without the GIL.
-  // Without a store: nothing, at once.
+  // Without a store nothing arrives: it waits out the timeout (when n > 0) all the same.
   template <typename Drain>
   void drain_waiting(HiCache& hc, std::size_t n, double timeout_s, Drain&& drain) {
     StorageController* sc = hc.storage_controller();
-    if (sc == nullptr) return;
     py::gil_scoped_release nogil;
-    wait_for(hc.controller().events(), n, timeout_s, [&] { return drain(*sc); });
+    wait_for(hc.controller().events(), n, timeout_s,
+             [&]() -> std::size_t { return sc == nullptr ? 0 : drain(*sc); });
   }
 
   // Device slots hicache handed back since the last call (engine_allocator mode; else none).

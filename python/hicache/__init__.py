@@ -12,6 +12,9 @@ The C++ library as a Python package:
     store.batch_set(["k1"], [tensor])      # per-key results: IoResult (ok / miss / error)
     store.batch_get(["k1"], [out_tensor])  # read in place, never copied on the way in
 
+Engine adapters are subpackages, imported on their own: hicache.sglang (SGLang's L3 backend
+HiCacheStore and the drop-in HiCacheController, docs/sglang.md).
+
 Configuration: the same JSON schema as the C++ library (docs/configuration.md), as a dict or a
 path to a JSON file. Bad configuration raises ValueError naming the key and the value; a store
 that cannot be opened raises RuntimeError; per-key I/O results are values, never exceptions.

@@ -35,6 +35,7 @@ pkg=$(find "$work/prefix" -path '*-packages/hicache/__init__.py' -print -quit)
 if [ -n "$pkg" ]; then
   PYTHONPATH=$(dirname "$(dirname "$pkg")") PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -c "
 import hicache, sys
+from hicache.sglang import HiCacheController, HiCacheStore  # the subpackage is installed
 with hicache.HiCache(sys.argv[1]) as c:
     assert c.store is not None and c.page_size == 16, c
 print('installed python package: ok')" "$work/hicache.json"

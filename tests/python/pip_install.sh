@@ -20,6 +20,7 @@ data = bytes(range(256)) * 64
 assert store.batch_set(["page"], [data])[0].ok
 out = bytearray(len(data))
 assert store.batch_get(["page"], [out])[0].ok and bytes(out) == data
-from hicache.sglang import HiCacheStore  # noqa: F401
+from hicache.sglang import HiCacheController, HiCacheStore  # noqa: F401 - the subpackage
+import hicache.sglang.controller, hicache.sglang.store  # noqa: E401,F401
 print("pip-installed package: ok")
 PY

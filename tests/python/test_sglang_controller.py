@@ -30,7 +30,7 @@ from conftest import HostPool  # noqa: E402
 from test_sglang_store import sglang_keys  # noqa: E402
 
 from hicache.sglang import HiCacheController  # noqa: E402
-from hicache.sglang_controller import BackupAck, HiCacheDeviceError  # noqa: E402
+from hicache.sglang import BackupAck, HiCacheDeviceError  # noqa: E402
 import hicache  # noqa: E402
 from hicache._testing import throwing_store  # noqa: E402
 
@@ -296,7 +296,7 @@ class Driver:
             if node is None:
                 break
             if node.backed_up:
-                assert self.ctrl.evict_device(node.device, node.host) == P
+                assert self.evict_device_copy(node) == P
                 node.device = None
             elif self.write_policy == "write_back":  # write_backup(node, write_back=True)
                 host = self.ctrl.write(node.device, node_id=node.id)
@@ -316,9 +316,16 @@ class Driver:
             self.write_back_check()
             for node in write_back:
                 node.backed_up = True
-                assert self.ctrl.evict_device(node.device, node.host) == P
+                assert self.evict_device_copy(node) == P
                 node.device = None
             self.written_back += len(write_back)
+
+    def evict_device_copy(self, node):
+        """_evict_backuped: 2025-08 passes the host indices, later releases the device ones
+        only."""
+        if self.shape == "2025-08":
+            return self.ctrl.evict_device(node.device, node.host)
+        return self.ctrl.evict_device(node.device)
 
     def write_back_check(self):
         """writing_check(write_back=True): every write of the eviction acknowledged before the
@@ -538,6 +545,25 @@ class Driver:
         assert self.ctrl.mem_pool_host.available_size() + host * P == self.host.size
 
 
+    def release_all(self):
+        """Drops the whole tree as the radix cache's reset-free teardown would: device copies
+        evicted (or freed where never written), then host copies; every device slot is back
+        in the engine's allocator and every host page free."""
+        self.check_no_leak()
+        for node in list(self.nodes.values()):
+            if node.device is not None and node.backed_up:
+                assert self.ctrl.evict_device(node.device, node.host) == P
+            elif node.device is not None:
+                self.alloc.free(node.device)
+            node.device = None
+        for node in list(self.nodes.values()):
+            if node.host is not None:
+                assert self.ctrl.evict_host(node.host) == P
+        self.nodes.clear()
+        assert len(self.alloc.free_pages) == self.pool.size // P
+        assert self.ctrl.mem_pool_host.available_size() == self.host.size
+
+
 def requests(count, seed, families=5):
     """Requests that share prefixes: family f's tokens, cut at random page counts."""
     import random
@@ -560,6 +586,7 @@ def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count
     d.check_no_leak()
     first = dict(d.verified)
     nodes_1 = sorted(d.nodes)
+    d.release_all()
     d.ctrl.close()
     d2 = Driver(layout, root, mla, rank, tp_group, extra, shape=shape, policy=policy,
                 write_policy=write_policy, timeout_s=timeout_s)
@@ -567,7 +594,9 @@ def run_phases(layout, root, mla=False, rank=0, tp_group=None, extra=None, count
         d2.serve(rid, tokens)
     d2.check_no_leak()
     second = dict(d2.verified)
-    summary = {"first": first, "second": second, "nodes_1": nodes_1, "nodes_2": sorted(d2.nodes),
+    nodes_2 = sorted(d2.nodes)
+    d2.release_all()
+    summary = {"first": first, "second": second, "nodes_1": nodes_1, "nodes_2": nodes_2,
                "written_back": d2.written_back, "cut_short": d2.cut_short,
                "prefetch_calls": d2.prefetch_calls, "revoked": d2.revoked}
     d2.ctrl.close()
@@ -679,16 +708,46 @@ def test_a_reset_mid_run_drops_everything_and_the_cache_serves_on(tmp_path):
 
 
 def written_and_evicted(d, node_id):
-    """One device page written through (its ack taken) and evicted: (device, host) slots."""
+    """One device page written through (its ack taken once its copy is done, as SGLang
+    2025-09's writing_check) and evicted: (device, host) slots."""
     c = d.ctrl
     dev = d.alloc.alloc(P)
     host = c.write(dev, node_id=node_id)
-    deadline = time.monotonic() + 30
-    while not c.ack_write_queue and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert c.ack_write_queue.pop(0).node_ids == [node_id]
+    ack = c.ack_write_queue.pop(0)
+    assert ack.node_ids == [node_id]
+    ack.finish_event.synchronize()
     assert c.evict_device(dev, host) == P
     return dev, host
+
+
+def test_evict_device_finds_the_host_copy_when_given_device_indices_only(tmp_path):
+    """SGLang's later radix caches call evict_device(node.value): the host copy is the one
+    write() made, or the one load() read from; a device page with neither is refused, naming
+    it, and nothing changes."""
+    d = Driver("page_first", tmp_path, storage=False)
+    c = d.ctrl
+    dev = d.alloc.alloc(2 * P)
+    host = c.write(dev, node_id=1)
+    c.ack_write_queue.pop(0).finish_event.synchronize()
+    assert c.evict_device(dev) == 2 * P
+    assert c.mem_pool_host.get_state(host) == ["backup", "backup"]
+    assert len(d.alloc.free_pages) == d.pool.size // P
+    dev2 = c.load(host[P:], node_id=2)
+    c.layer_done_counter.set_consumer(c.start_loading())
+    d.pool.get_key_buffer(L - 1)
+    assert c.ack_load_queue.get(timeout=30) == 2
+    stranger = d.alloc.alloc(P)
+    with pytest.raises(ValueError, match=f"device page {stranger[0].item() // P} has no host"):
+        c.evict_device(stranger)
+    with pytest.raises(ValueError, match="has no host"):
+        c.evict_device(dev)  # evicted already: its copy is forgotten
+    assert c.evict_device(dev2) == P
+    assert c.mem_pool_host.get_state(host) == ["backup", "backup"]
+    d.alloc.free(stranger)
+    assert c.evict_host(host) == 2 * P
+    assert len(d.alloc.free_pages) == d.pool.size // P
+    assert c.mem_pool_host.available_size() == d.host.size
+    c.close()
 
 
 def test_a_device_page_recomputed_after_eviction_is_synced_again(tmp_path):
@@ -923,15 +982,17 @@ def _call(fn, **kw):
 
 def expect_empty(q):
     """queue.Queue's get on an empty queue: block=False and get_nowait raise queue.Empty at
-    once, get(timeout=t) after waiting t."""
+    once, get(timeout=t) after waiting t, asleep (a wait that spun would use the CPU time it
+    waited)."""
     with pytest.raises(queue.Empty):
         q.get(block=False)
     with pytest.raises(queue.Empty):
         q.get_nowait()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     with pytest.raises(queue.Empty):
-        q.get(timeout=0.05)
-    assert time.monotonic() - t0 >= 0.05
+        q.get(timeout=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    assert time.process_time() - cpu0 < 0.1, "the wait polled"
     with pytest.raises(ValueError):
         q.get(timeout=-1)
 
@@ -944,6 +1005,13 @@ def expect_queue_semantics(q, produce, expect):
     produce()
     thread.join(60)
     assert not thread.is_alive() and out == [expect() if callable(expect) else expect], out
+
+
+def test_without_a_store_the_storage_queues_wait_asleep(tmp_path):
+    d = Driver("page_first", tmp_path, storage=False)
+    for q in (d.ctrl.ack_backup_queue, d.ctrl.prefetch_revoke_queue):
+        expect_empty(q)
+    d.ctrl.close()
 
 
 def test_every_queue_gets_as_queue_queue_does(tmp_path):
@@ -1253,7 +1321,7 @@ def config_keys():
 
 
 def test_every_config_key_is_classified_for_the_drop_in():
-    from hicache.sglang_controller import _OWN_EFFECTIVE, _OWN_FROM_SGLANG, _OWN_RADIX
+    from hicache.sglang.controller import _OWN_EFFECTIVE, _OWN_FROM_SGLANG, _OWN_RADIX
     tables = [set(_OWN_EFFECTIVE), set(_OWN_FROM_SGLANG), set(_OWN_RADIX)]
     assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
     assert config_keys() == tables[0] | tables[1] | tables[2]
@@ -1277,7 +1345,7 @@ REFUSED = {"prefetch_policy": "wait_complete", "prefetch_timeout_base_ms": 10,
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
 def test_a_key_the_drop_in_cannot_honour_is_refused_naming_it(tmp_path, key):
-    from hicache.sglang_controller import _OWN_FROM_SGLANG, _OWN_RADIX
+    from hicache.sglang.controller import _OWN_FROM_SGLANG, _OWN_RADIX
     where = _OWN_RADIX.get(key) or _OWN_FROM_SGLANG[key]
     why = "radix cache" if key in _OWN_RADIX else "takes the value from SGLang"
     with pytest.raises(ValueError, match=f"'hicache.{key}'.*{re.escape(why)}.*{re.escape(where)}"):
@@ -1293,7 +1361,7 @@ EFFECTIVE_BAD = {"model_fingerprint": "", "metrics": 3, "metrics_port": -5,
 @pytest.mark.parametrize("key", sorted(EFFECTIVE_BAD))
 def test_a_key_the_drop_in_honours_reaches_hicaches_config(tmp_path, key):
     """The drop-in passes these on: a bad value is refused by the config parser, naming it."""
-    from hicache.sglang_controller import _OWN_EFFECTIVE
+    from hicache.sglang.controller import _OWN_EFFECTIVE
     assert set(EFFECTIVE_BAD) == set(_OWN_EFFECTIVE)
     with pytest.raises(ValueError, match=key):
         Driver("page_first", tmp_path / "l3", extra={key: EFFECTIVE_BAD[key]})

@@ -5,6 +5,7 @@ import gc
 import hashlib
 import importlib
 import os
+import re
 import struct
 import subprocess
 import threading
@@ -281,6 +282,36 @@ def test_sglangs_dynamic_loader_constructs_it_from_the_extra_config(tmp_path, ho
     assert store.batch_exists(sglang_keys(list(range(4)), 4)) == 0
 
 
+@pytest.mark.parametrize("flag", [0, 1, True, False, None])
+def test_interface_v1_selects_sglangs_calls_and_both_are_served(tmp_path, host_pool, flag):
+    """SGLang reads interface_v1 to pick the zero-copy methods or the flat-page ones; the store
+    serves both on the same records whatever the flag (None: the key left out), and refuses a
+    value SGLang would not read as meant."""
+    def open_store(pool):
+        cfg = storage_config(tmp_path, interface_v1=flag)
+        if flag is None:
+            del cfg.extra_config["interface_v1"]
+        store = HiCacheStore(cfg, None)
+        store.register_mem_pool_host(pool)
+        return store
+    src = host_pool("page_first")
+    src.fill_random(3)
+    store = open_store(src)
+    keys = sglang_keys(list(range(2 * src.page_size)), src.page_size)
+    assert store.batch_set_v1(keys[:1], indices([1], src.page_size)) == [True]
+    assert store.batch_set(keys[1:], [src.get_data_page(2 * src.page_size)])
+    got = store.batch_get(keys[:1])[0]
+    assert same(got, src.get_data_page(src.page_size))
+    dst = host_pool("page_first")
+    assert store.batch_exists(keys) == 2
+    reader = open_store(dst)
+    assert reader.batch_get_v1(keys[1:], indices([5], dst.page_size)) == [True]
+    assert dst.page_bytes(5 * dst.page_size) == src.page_bytes(2 * src.page_size)
+    for bad in ("1", 2, -1, "yes"):
+        with pytest.raises(ValueError, match=f"'interface_v1' is {re.escape(repr(bad))}"):
+            HiCacheStore(storage_config(tmp_path, interface_v1=bad), None)
+
+
 def test_bad_settings_are_clear_errors(tmp_path, host_pool):
     with pytest.raises(ValueError, match="unknown extra_config key.*'?storag'?"):
         HiCacheStore(storage_config(tmp_path, storag={}), None)
@@ -323,4 +354,4 @@ def test_it_subclasses_sglangs_interface_when_sglang_is_importable(tmp_path):
 
     import hicache.sglang
     if importlib.util.find_spec("sglang") is None:  # this process: no SGLang, a plain class
-        assert hicache.sglang._Base is object
+        assert hicache.sglang.store._Base is object

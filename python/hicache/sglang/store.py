@@ -24,18 +24,19 @@ corrupt, truncated or foreign record is a miss (False), never bytes handed to SG
 import json
 import os
 
-from . import _hicache
+from .. import _hicache
 
 try:  # subclass SGLang's interface when SGLang is installed; work without it
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
 except Exception:  # noqa: BLE001 - any import failure means "no SGLang here"
     _Base = object
 
-from .sglang_controller import HiCacheController  # noqa: E402,F401 - the drop-in controller
+__all__ = ["HiCacheStore"]
 
-__all__ = ["HiCacheStore", "HiCacheController"]
-
-# Keys of the extra config that SGLang's dynamic loader and SGLang itself read; ignored here.
+# Keys of the extra config that SGLang's dynamic loader and SGLang itself read (later releases
+# take the radix cache's out before the backend sees the extra config, earlier ones do not).
+# interface_v1 tells SGLang which methods to call; HiCacheStore serves both, so it is only
+# checked to be a flag SGLang reads as meant.
 _SGLANG_KEYS = {
     "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
     "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
@@ -108,7 +109,12 @@ class HiCacheStore(_Base):
                     f"(tp_size {self.tp_size}) shares its pages between the ranks' processes; "
                     "leave 'shared' unset")
             storage = dict(storage, shared=True)
-        self.interface_v1 = bool(extra.get("interface_v1", False))
+        v1 = extra.get("interface_v1", 0)
+        if isinstance(v1, str) or v1 not in (0, 1):
+            raise ValueError(
+                f"hicache: extra_config 'interface_v1' is {v1!r}: 1 (or true) makes SGLang call "
+                "batch_get_v1 / batch_set_v1 (zero-copy), 0 (or false, or no key) batch_get / "
+                "batch_set with flat pages; HiCacheStore serves both on the same records")
         self._store = _hicache.Store(json.dumps(storage))
         self._pool = None
         self._prefix = None

@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 
-from . import _hicache
+from .. import _hicache
 
 __all__ = ["HiCacheController", "HiCacheAck", "BackupAck", "HiCacheDeviceError", "get_hash_str"]
 
@@ -675,6 +675,7 @@ class HiCacheController:
             self.mem_pool_device.register_layer_transfer_counter(self.layer_done_counter)
 
         self._failures = {}  # failed copies not yet raised: key -> message
+        self._host_copy = {}  # device page -> first host slot of its copy (write / load)
         self._loads_queued = 0
         self._prefetches = {}  # request id -> _Prefetch, until terminated or its revoke is read
         # Writes are acknowledged by a token of their own (hicache's write thread acks each op
@@ -809,9 +810,11 @@ class HiCacheController:
         _no_priority(priority, "write")
         self._sync_compute()
         token = next(self._write_tokens)
-        host = self._cache.write(_as_list(device_indices), token)
+        device = _as_list(device_indices)
+        host = self._cache.write(device, token)
         if host is None:
             return None
+        self._remember_host_copy(device, host)
         event = _CopyEvent(self, int(node_id))
         self._writes_in_flight[token] = event
         if node_id != 0:  # the reference acknowledges no op of node 0
@@ -828,16 +831,25 @@ class HiCacheController:
         if device_indices is None:
             return None
         self._sync_compute()
+        device = _as_list(device_indices)
         try:
-            queued = self._cache.load_into(host, _as_list(device_indices), int(node_id))
+            queued = self._cache.load_into(host, device, int(node_id))
         except Exception:
             self.mem_pool_device_allocator.free(device_indices)
             raise
         if not queued:
             self.mem_pool_device_allocator.free(device_indices)
             return None
+        self._remember_host_copy(device, host)
         self._loads_queued += 1
         return device_indices
+
+    def _remember_host_copy(self, device, host):
+        """Notes which host page holds the copy of each device page (written to it or loaded
+        from it), for evict_device(device_indices) without host indices."""
+        p = self.page_size
+        for i in range(0, len(device), p):
+            self._host_copy[device[i] // p] = host[i]
 
     def _sync_compute(self):
         """On a GPU, as SGLang's controller: the work queued so far on the compute stream
@@ -859,10 +871,27 @@ class HiCacheController:
             self.layer_done_counter._started(slot)
         return slot
 
-    def evict_device(self, device_indices, host_indices):
-        """Frees the device copy of pages whose host copy is synced (they become backup)."""
+    def evict_device(self, device_indices, host_indices=None):
+        """Frees the device copy of pages whose host copy is synced (they become backup).
+        Without host_indices (SGLang's later radix caches pass the device indices only) the
+        host copy is the one write() made or load() read from; a device page with neither is a
+        ValueError naming it."""
         device = _as_list(device_indices)
-        n = self._cache.evict_device(device, _as_list(host_indices))
+        p = self.page_size
+        if host_indices is None:
+            host = []
+            for slot in device:
+                start = self._host_copy.get(slot // p)
+                if start is None:
+                    raise ValueError(f"hicache: evict_device: device page {slot // p} has no "
+                                     "host copy (neither written by write() nor loaded by "
+                                     "load()); pass its host_indices")
+                host.append(start + slot % p)
+        else:
+            host = _as_list(host_indices)
+        n = self._cache.evict_device(device, host)
+        for slot in device[::p]:
+            self._host_copy.pop(slot // p, None)
         self._return_device_slots(device, device_indices)
         return n
 
@@ -1042,6 +1071,7 @@ class HiCacheController:
             event._state = f"the device -> host copy of node {event.node} was dropped by reset()"
         self.prefetch_tokens_occupied = 0
         self._prefetches.clear()  # their pages go with the host pool's clear()
+        self._host_copy.clear()
         self._failures.clear()
         self._loads_queued = 0
 
