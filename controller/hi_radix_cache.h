@@ -3,8 +3,8 @@
 //
 // Keys are token ids; every edge holds whole pages (page_size tokens). A node's KV may be on the
 // device (device slots), on the host (host slots), on both, or on neither (then the node is
-// gone: this version keeps no storage-only nodes; see the README). Per node: lock count, last
-// access, hit count.
+// gone: this version keeps no storage-only nodes; docs/architecture.md, "Tiers and the life of
+// a page", says why). Per node: lock count, last access, hit count.
 //
 // How an engine uses it, each step:
 //   check_events()                     drain the controller's acks (writes done, loads done)
