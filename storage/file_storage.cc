@@ -182,7 +182,7 @@ class FileStorage::Impl {
     // snapshot (one beside live instances would describe a directory they go on changing).
     if (!usage_ || usage_->last_at_close()) write_snapshot();
     {
-      std::lock_guard lock(trash_mu_);
+      MutexLock lock(trash_mu_);
       trash_stop_ = true;
     }
     trash_cv_.notify_all();
@@ -352,8 +352,8 @@ class FileStorage::Impl {
   bool from_snapshot() const { return from_snapshot_; }
 
   void flush_trash() {
-    std::unique_lock lock(trash_mu_);
-    trash_idle_cv_.wait(lock, [&] { return trash_pending_ == 0; });
+    MutexLock lock(trash_mu_);
+    while (trash_pending_ != 0) trash_mu_.wait(trash_idle_cv_);
   }
 
   void gauges(StorageStats& s) const {
@@ -608,7 +608,7 @@ class FileStorage::Impl {
   // disk_reserve of the filesystem (at least 1 MiB) left to everything else; at least 1 byte
   // (a filesystem already past its reserve leaves the store nothing). 0 (no bound) only when
   // the filesystem cannot be asked.
-  std::uint64_t disk_capacity_locked() const {
+  std::uint64_t disk_capacity_locked() const HICACHE_REQUIRES(mu_) {
     struct statvfs v {};
     if (::fstatvfs(root_fd_, &v) != 0) return 0;
     const auto total = static_cast<double>(v.f_blocks) * static_cast<double>(v.f_frsize);
@@ -693,7 +693,7 @@ class FileStorage::Impl {
     return IoResult::ok();
   }
 
-  Index::iterator insert_locked(std::string key, std::uint64_t bytes) {
+  Index::iterator insert_locked(std::string key, std::uint64_t bytes) HICACHE_REQUIRES(mu_) {
     auto [it, inserted] = index_.try_emplace(std::move(key), Entry{bytes, {}, 0, 0, kUnconfirmed});
     if (!inserted) return it;  // indexed already: its place and size stay
     it->second.lru = lru_.insert(lru_.end(), &it->first);
@@ -704,12 +704,12 @@ class FileStorage::Impl {
 
   // Pins a record for the call that owns `pins` and makes it the most recently used: a call
   // that answers for a record (stored, already there, adopted) keeps it until it returns.
-  void pin_locked(Index::iterator it, std::vector<Pin>& pins) {
+  void pin_locked(Index::iterator it, std::vector<Pin>& pins) HICACHE_REQUIRES(mu_) {
     ++it->second.pins;
     pins.push_back(Pin{it->first, it->second.generation});
     lru_.splice(lru_.end(), lru_, it->second.lru);
   }
-  void unpin_locked(std::vector<Pin>& pins) {
+  void unpin_locked(std::vector<Pin>& pins) HICACHE_REQUIRES(mu_) {
     for (const Pin& p : pins) {
       auto it = index_.find(p.key);
       if (it != index_.end() && it->second.generation == p.generation) --it->second.pins;
@@ -741,7 +741,7 @@ class FileStorage::Impl {
   }
 
   // Takes a record out of the index only (its file is gone already).
-  void unindex_locked(Index::iterator it) {
+  void unindex_locked(Index::iterator it) HICACHE_REQUIRES(mu_) {
     total_bytes_ -= it->second.bytes;
     lru_.erase(it->second.lru);
     index_.erase(it);
@@ -874,7 +874,7 @@ class FileStorage::Impl {
   }
   // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
   // (a capacity that follows the filesystem counts this index's records plus the free space).
-  std::uint64_t used_locked() const {
+  std::uint64_t used_locked() const HICACHE_REQUIRES(mu_) {
     return usage_ && !capacity_from_disk_ && shared_now() ? std::atomic_ref(usage_->count[0]).load()
                                                            : total_bytes_;
   }
@@ -937,7 +937,7 @@ class FileStorage::Impl {
 
   bool push_trash(fs::path to, std::uint64_t bytes) {
     {
-      std::lock_guard lock(trash_mu_);
+      MutexLock lock(trash_mu_);
       trash_queue_.push_back({std::move(to), bytes});
       ++trash_pending_;
       trash_bytes_ += bytes;
@@ -947,9 +947,9 @@ class FileStorage::Impl {
   }
 
   void trash_loop() {
-    std::unique_lock lock(trash_mu_);
+    UniqueLock lock(trash_mu_);
     while (true) {
-      trash_cv_.wait(lock, [&] { return trash_stop_ || !trash_queue_.empty(); });
+      while (!trash_stop_ && trash_queue_.empty()) trash_mu_.wait(trash_cv_);
       if (trash_stop_) return;
       auto [path, bytes] = std::move(trash_queue_.front());
       trash_queue_.pop_front();
@@ -1069,26 +1069,28 @@ class FileStorage::Impl {
       return false;
     }
     MutexLock lock(mu_);
-    auto fail = [&] {
-      while (!index_.empty()) unindex_locked(index_.begin());
-      keys.clear();
-      return false;
-    };
     index_.reserve(static_cast<std::size_t>(count));
     keys.reserve(static_cast<std::size_t>(count));
     for (std::uint64_t i = 0; i < count; ++i) {
       std::uint64_t len = 0, bytes = 0;
-      if (!get(len) || len > kMaxKeyBytes || end - at < len) return fail();
+      if (!get(len) || len > kMaxKeyBytes || end - at < len) return forget_snapshot_locked(keys);
       const std::string_view key(buf.data() + at, static_cast<std::size_t>(len));
       at += static_cast<std::size_t>(len);
-      if (!get(bytes) || bytes == 0 || !valid_key(key)) return fail();
+      if (!get(bytes) || bytes == 0 || !valid_key(key)) return forget_snapshot_locked(keys);
       const std::size_t before = index_.size();
       insert_locked(std::string(key), bytes);
-      if (index_.size() == before) return fail();  // a key twice: not a snapshot we wrote
+      if (index_.size() == before) return forget_snapshot_locked(keys);  // a key twice: not a snapshot we wrote
       keys.push_back(key);
     }
-    if (at != end) return fail();
+    if (at != end) return forget_snapshot_locked(keys);
     return true;
+  }
+
+  // Undoes a snapshot's partial load (see load_snapshot); false.
+  bool forget_snapshot_locked(std::vector<std::string_view>& keys) HICACHE_REQUIRES(mu_) {
+    while (!index_.empty()) unindex_locked(index_.begin());
+    keys.clear();
+    return false;
   }
 
   static bool valid_key(std::string_view key) {
@@ -1164,21 +1166,23 @@ class FileStorage::Impl {
   std::atomic<std::uint64_t> seq_{0};
 
   mutable Mutex mu_;
-  Index index_;
-  std::list<const std::string*> lru_;  // index_'s keys; front: least recently used
-  std::uint64_t generation_ = 0;  // under mu_
-  std::uint64_t capacity_ = 0;    // under mu_; 0: no bound
-  bool capacity_from_disk_ = false;
-  std::uint64_t total_bytes_ = 0;
+  Index index_ HICACHE_GUARDED_BY(mu_);
+  // index_'s keys; front: least recently used
+  std::list<const std::string*> lru_ HICACHE_GUARDED_BY(mu_);
+  std::uint64_t generation_ HICACHE_GUARDED_BY(mu_) = 0;
+  std::uint64_t capacity_ HICACHE_GUARDED_BY(mu_) = 0;  // 0: no bound
+  bool capacity_from_disk_ HICACHE_GUARDED_BY(mu_) = false;
+  std::uint64_t total_bytes_ HICACHE_GUARDED_BY(mu_) = 0;
 
   std::unique_ptr<boost::asio::thread_pool> pool_;
 
-  std::mutex trash_mu_;
+  Mutex trash_mu_;
   std::condition_variable trash_cv_, trash_idle_cv_;
-  std::deque<std::pair<fs::path, std::uint64_t>> trash_queue_;  // path, bytes (0: unknown)
+  // path, bytes (0: unknown)
+  std::deque<std::pair<fs::path, std::uint64_t>> trash_queue_ HICACHE_GUARDED_BY(trash_mu_);
   std::atomic<std::uint64_t> trash_bytes_{0};  // queued for unlinking: free space to come
-  std::size_t trash_pending_ = 0;
-  bool trash_stop_ = false;
+  std::size_t trash_pending_ HICACHE_GUARDED_BY(trash_mu_) = 0;
+  bool trash_stop_ HICACHE_GUARDED_BY(trash_mu_) = false;
   std::thread trash_thread_;
   bool from_snapshot_ = false;
   std::unique_ptr<Usage> usage_;      // <root>/.usage, mapped (none with "shared": false)
