@@ -71,6 +71,7 @@ else
       # library; it runs in the normal build above.
       say "running the test suite under $san"
       TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+        LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
         ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^install\.'
       # The stress tool under the sanitizer too: every fault for 30 s on the file store (only
       # its own sources compile here; the library is built already).
@@ -78,6 +79,7 @@ else
       cmake -S . -B "$dir" -DHICACHE_BUILD_TOOLS=ON >/dev/null
       cmake --build "$dir" -j "$jobs" --target hicache-stress
       TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+        LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
         "$dir/tools/hicache-stress" --seconds 30 --no-progress --seed 3
     done
     dir="$build_dir-fuzz"
