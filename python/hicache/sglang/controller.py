@@ -24,167 +24,43 @@ and slots hicache frees (evict_device) go back to it. The host pool's allocator 
 become hicache's: the host pool object's `alloc`, `free`, `available_size`, `clear` and state
 methods are rebound to hicache's host pool, so the radix cache and the controller share one
 allocator with strict page states (a wrong transition raises, naming the page).
+
+Beside it in the subpackage: _config.py (the extra config's keys, checked), _hashes.py
+(get_hash_str and the token id checks), _queues.py (the ack queues, their events and
+LayerDoneCounter); this module exports their public names.
 """
 
-import collections
-import hashlib
 import itertools
 import json
 import os
-import queue
-import re
-import struct
-import threading
 import time
 
 from .. import _hicache
+from ._config import (  # noqa: F401 - tests/python read the tables from this module
+    _OWN_EFFECTIVE,
+    _OWN_EXTRA_KEY,
+    _OWN_FROM_SGLANG,
+    _OWN_RADIX,
+    _SGLANG_RADIX_EXTRA_KEYS,
+    _WRITE_POLICIES,
+    _dtype_name,
+    _own_config,
+    _tp_of,
+)
+from ._hashes import _as_list, _digest_hex, _token_ids, get_hash_str
+from ._queues import (
+    _DONE,
+    BackupAck,
+    HiCacheAck,
+    HiCacheDeviceError,
+    LayerDoneCounter,
+    _AckQueue,
+    _CopyEvent,
+    _Feed,
+    _ReleaseQueue,
+)
 
 __all__ = ["HiCacheController", "HiCacheAck", "BackupAck", "HiCacheDeviceError", "get_hash_str"]
-
-_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-_OWN_EXTRA_KEY = "hicache"  # extra-config object merged into the HiCache config (tp_store_dir, ...)
-_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8",
-           "float8_e5m2": "fp8", "uint8": "fp8"}
-# A blocking wait without a timeout waits in slices of this many seconds (each ends early when
-# what it waits for arrives), so that close() on another thread is never held up for ever.
-_WAIT_SLICE_S = 60.0
-
-# Keys of the extra config's "hicache" object, by what becomes of them in the drop-in. Every key
-# of the HiCache config schema (docs/configuration.md) and its SGLang aliases is in exactly one
-# table (a test checks it against config_reference()).
-# Effective: hicache's own machinery behind the drop-in reads them.
-_OWN_EFFECTIVE = {
-    "model_fingerprint": "the L3 key namespace (a new revision never reads old pages)",
-    "metrics": "whether the components register metrics",
-    "metrics_port": "the /metrics HTTP server",
-    "metrics_bind": "the /metrics HTTP server's address",
-    "tp_store_dir": "where the TP ranks' Gloo groups meet (TP above 1)",
-    "tp_hostname": "the address this rank's Gloo group listens on",
-    "tp_timeout_ms": "how long an agreement between the TP ranks may take",
-    "tp_connect_timeout_ms": "how long the TP ranks' rendezvous may take",
-    "queue_capacity": "the C++ queues' capacity",
-    "layer_slots": "load batches in flight (the layer counter's slots)",
-    "kernel_max_blocks": "CUDA blocks of the kernel io path",
-    "storage_batch_pages": "pages per storage call",
-}
-# Refused: the drop-in takes them from SGLang (a second value could only disagree).
-_OWN_FROM_SGLANG = {
-    "device": "the device of SGLang's KV tensors",
-    "page_size": "--page-size",
-    "device_tokens": "SGLang's device pool (the rows of its k_buffer / kv_buffer)",
-    "model": "SGLang's device pool (its tensors' shapes and dtype)",
-    "host_ratio": "--hicache-ratio / --hicache-size (SGLang's host pool)",
-    "host_bytes": "--hicache-ratio / --hicache-size (SGLang's host pool)",
-    "host_tokens": "--hicache-ratio / --hicache-size (SGLang's host pool)",
-    "hicache_ratio": "--hicache-ratio (SGLang's host pool)",
-    "hicache_size": "--hicache-size (SGLang's host pool)",
-    "host_layout": "--hicache-mem-layout",
-    "hicache_mem_layout": "--hicache-mem-layout",
-    "io_backend": "--hicache-io-backend",
-    "hicache_io_backend": "--hicache-io-backend",
-    "write_policy": "--hicache-write-policy",
-    "hicache_write_policy": "--hicache-write-policy",
-    "host_tier": "--enable-hierarchical-cache (the drop-in always has SGLang's host pool)",
-    "storage": "--hicache-storage-backend and --hicache-storage-backend-extra-config",
-    "hicache_storage_backend": "--hicache-storage-backend",
-    "hicache_storage_backend_extra_config": "--hicache-storage-backend-extra-config",
-    "model_name": "--served-model-name",
-    "prefetch_threshold_tokens": "the extra config's prefetch_threshold",
-    "tp_rank": "SGLang's tp_group",
-    "tp_size": "SGLang's tp_group",
-}
-# Refused: decisions of the radix cache, which is SGLang's when the drop-in runs.
-_OWN_RADIX = {
-    "prefetch_policy": "--hicache-storage-prefetch-policy",
-    "hicache_storage_prefetch_policy": "--hicache-storage-prefetch-policy",
-    "prefetch_timeout_base_ms": "the extra config's prefetch_timeout_base (seconds)",
-    "prefetch_timeout_per_page_ms": "the extra config's prefetch_timeout_per_ki_token (seconds)",
-    "prefetch_timeout_cap_ms": "the extra config's prefetch_timeout_base and "
-                               "prefetch_timeout_per_ki_token (SGLang's radix cache times its "
-                               "prefetches)",
-    "prefetch_budget_tokens": "SGLang's radix cache, which reserves the prefetch pages itself "
-                              "(prefetch_rate_limited() caps them at 0.8 x (host - device))",
-    "eviction_policy": "--radix-eviction-policy",
-    "write_through_threshold": "SGLang's radix cache (1 under write_through, 2 under "
-                               "write_through_selective)",
-    "load_back_min_tokens": "SGLang's radix cache (its load_back_threshold)",
-    "recompute_seconds_per_token": "nowhere: SGLang's radix cache always loads a host hit",
-    "demote_low_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
-    "demote_high_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
-}
-# Keys of SGLang's own radix cache in the extra config (SGLang reads them; later releases take
-# them out before the controller sees the extra config, earlier ones pass them through).
-_SGLANG_RADIX_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base",
-                            "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
-
-
-def _own_config(own):
-    """The "hicache" object's keys, checked: a key the drop-in cannot honour is refused with
-    the reason and where SGLang sets it instead."""
-    if not isinstance(own, dict):
-        raise ValueError(f"hicache: extra config '{_OWN_EXTRA_KEY}' must be an object of "
-                         f"HiCache config keys, not {own!r}")
-    for key in own:
-        if key in _OWN_FROM_SGLANG:
-            raise ValueError(
-                f"hicache: extra config key '{_OWN_EXTRA_KEY}.{key}' is not accepted by the "
-                f"drop-in controller: it takes the value from SGLang ({_OWN_FROM_SGLANG[key]})")
-        if key in _OWN_RADIX:
-            raise ValueError(
-                f"hicache: extra config key '{_OWN_EXTRA_KEY}.{key}' has no effect in the drop-in "
-                "controller: it is a decision of the radix cache, which is SGLang's here; set it "
-                f"in SGLang: {_OWN_RADIX[key]}")
-    return own  # other keys: effective ones, or unknown ones the config parser names
-
-
-_HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}\Z")
-
-
-def _digest_hex(value, what):
-    """A page hash (SGLang's get_hash_str), lower case; ValueError naming anything else."""
-    if not isinstance(value, str) or not _HEX_DIGEST.match(value):
-        raise ValueError(f"hicache: {what} {value!r} is not a page hash (64 hex digits, as "
-                         "get_hash_str returns)")
-    return value.lower()
-
-
-def _u32(token):
-    try:
-        value = int(token)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value != token or not 0 <= value < 1 << 32:
-        raise ValueError(f"hicache: token id {token!r} is not an integer in [0, 2^32)")
-    return value
-
-
-def get_hash_str(token_ids, prior_hash=None):
-    """SGLang's page hash (its hicache_storage.get_hash_str): the lowercase hex SHA-256 of the
-    prior page's digest bytes (none when prior_hash is None or empty) followed by each token
-    id as 4-byte little-endian unsigned (both ids of an EAGLE bigram tuple). ValueError names a
-    token outside [0, 2^32) or a prior that is not a page hash."""
-    hasher = hashlib.sha256()
-    if prior_hash:
-        hasher.update(bytes.fromhex(_digest_hex(prior_hash, "prior_hash")))
-    ids = list(token_ids)
-    try:
-        hasher.update(struct.pack(f"<{len(ids)}I", *ids))
-    except (struct.error, TypeError):  # a tuple, a bad id: one by one, naming the bad one
-        for token in ids:
-            for one in (token if isinstance(token, tuple) else (token,)):
-                hasher.update(_u32(one).to_bytes(4, "little"))
-    return hasher.hexdigest()
-
-
-def _token_ids(tokens, what):
-    """A list of int token ids (SGLang passes lists, or a RadixKey with .token_ids)."""
-    tokens = getattr(tokens, "token_ids", tokens)
-    ids = _as_list(tokens)
-    for token in ids:
-        if isinstance(token, tuple):
-            raise ValueError(f"hicache: {what}: EAGLE bigram token {token!r}; the drop-in's L3 "
-                             "paths take plain token ids")
-    return ids
 
 
 def _no_priority(priority, call):
@@ -194,319 +70,6 @@ def _no_priority(priority, call):
         raise ValueError(f"hicache: {call}(priority={priority!r}): the drop-in controller takes no "
                          "priority (writes run in call order, loads as one batch per "
                          "start_loading()); pass None")
-
-
-class HiCacheDeviceError(RuntimeError):
-    """A copy between device and host memory failed: the bytes are not to be used."""
-
-
-class _DoneEvent:
-    """An event that has completed: a load ack's events (a load is acknowledged once its copy
-    completed) and every ack's start_event."""
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-
-_DONE = _DoneEvent()
-HiCacheAck = collections.namedtuple("HiCacheAck", "start_event finish_event node_ids")
-BackupAck = collections.namedtuple("BackupAck", "id completed_tokens")
-
-
-class _Feed:
-    """One kind of completion hicache's C++ threads report (write or load acks, backup acks,
-    revokes). `drain(n, timeout_s)` moves what arrived out of C++, waiting without the GIL on
-    the controller's event signal until n arrived or the timeout passed; `deliver(items)`
-    records them. One thread drains at a time: another that waits meanwhile sleeps on a
-    condition the drainer notifies, so no thread waits for an arrival another one took."""
-
-    def __init__(self, drain, deliver):
-        self._drain = drain
-        self._deliver = deliver
-        self._cv = threading.Condition()
-        self._draining = False
-
-    def poll(self):
-        """Records what arrived so far; never blocks (while another thread drains, that one
-        records it)."""
-        with self._cv:
-            if not self._draining:
-                self._deliver(self._drain(0, 0.0))
-
-    def wait(self, ready, timeout=None):
-        """Records arrivals until ready() or `timeout` seconds (None: no limit); ready()."""
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        with self._cv:
-            while not ready():
-                left = _WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                if self._draining:
-                    self._cv.wait(left)
-                    continue
-                self._draining = True
-                self._cv.release()
-                try:
-                    items = self._drain(1, min(left, _WAIT_SLICE_S))
-                finally:
-                    self._cv.acquire()
-                    self._draining = False
-                    self._cv.notify_all()
-                self._deliver(items)
-            return True
-
-
-class _CopyEvent:
-    """The finish_event of a write ack (the ack is in ack_write_queue as soon as write()
-    returns, as in SGLang 2025-09): query() says whether hicache's write thread finished the
-    copy, synchronize() / wait() wait for it without the GIL. A copy that failed raises
-    HiCacheDeviceError (its host pages were freed), as does one that reset() dropped."""
-
-    __slots__ = ("_controller", "node", "_state")
-
-    def __init__(self, controller, node):
-        self._controller = controller
-        self.node = node
-        self._state = None  # None: in flight; True: done; a message: failed or dropped
-
-    def _settled(self):
-        return self._state is not None
-
-    def _result(self):
-        if self._state is None:
-            return False
-        if self._state is True:
-            return True
-        self._controller._failures.pop(self, None)  # raised here: not again by the queue
-        raise HiCacheDeviceError(f"hicache: {self._state}: those bytes are not to be used")
-
-    def query(self):
-        if self._state is None:
-            self._controller._write_feed.poll()
-        return self._result()
-
-    def synchronize(self):
-        if self._state is None:
-            self._controller._write_feed.wait(self._settled)
-        self._result()
-
-    def wait(self, stream=None):
-        """The copy is waited for on the host: once it returns the bytes are in host memory,
-        which orders them before any later work on any stream."""
-        self.synchronize()
-
-
-class _AckQueue:
-    """A list of acks (SGLang's later releases iterate, pop and slice it) that also answers as
-    a queue.Queue (qsize, empty, get, get_nowait: the 2025 releases). The list holds every ack
-    posted; the queue view sees only those whose copy is done (`done(item)`), and get() returns
-    `unwrap(item)`. Every read first records what the C++ side reported since (`feed`), then
-    raises a failure `check` finds (after the good acks are in the list). get(block=True,
-    timeout=t) waits up to t without the GIL, then raises queue.Empty, as queue.Queue does."""
-
-    def __init__(self, feed, unwrap=lambda item: item, done=lambda item: True,
-                 check=lambda: None):
-        self._feed = feed
-        self._unwrap = unwrap
-        self._done = done
-        self._check = check
-        self._items = []
-
-    def _refresh(self):
-        self._feed.poll()
-        self._check()
-        return self._items
-
-    # list
-    def __len__(self):
-        return len(self._refresh())
-
-    def __iter__(self):
-        return iter(list(self._refresh()))
-
-    def __getitem__(self, i):
-        return self._refresh()[i]
-
-    def __delitem__(self, i):
-        del self._items[i]
-
-    def __bool__(self):
-        return len(self) > 0
-
-    def pop(self, i=-1):
-        return (self._items or self._refresh()).pop(i)  # what was counted is there already
-
-    def append(self, item):
-        self._items.append(item)
-
-    def clear(self):
-        self._items.clear()
-
-    # queue.Queue
-    def _first_done(self):
-        return next((i for i, item in enumerate(self._items) if self._done(item)), None)
-
-    def qsize(self):
-        self._refresh()
-        return sum(1 for item in self._items if self._done(item))
-
-    def empty(self):
-        return self.qsize() == 0
-
-    def get(self, block=True, timeout=None):
-        if timeout is not None and timeout < 0:
-            raise ValueError("'timeout' must be a non-negative number")
-        self._refresh()
-        if self._first_done() is None and block:
-            self._feed.wait(lambda: self._first_done() is not None, timeout)
-            self._check()
-        i = self._first_done()
-        if i is None:
-            raise queue.Empty
-        return self._unwrap(self._items.pop(i))
-
-    def get_nowait(self):
-        return self.get(block=False)
-
-
-class _ReleaseQueue:
-    """host_mem_release_queue: the drop-in frees released host pages at once, so nothing is
-    ever queued here. qsize() is 0; get() raises queue.Empty, after waiting `timeout` seconds
-    (without the GIL) as queue.Queue would; a blocking get() without a timeout raises at once,
-    since nothing can arrive to end it."""
-
-    def qsize(self):
-        return 0
-
-    def empty(self):
-        return True
-
-    def __len__(self):
-        return 0
-
-    def __iter__(self):
-        return iter(())
-
-    def get(self, block=True, timeout=None):
-        if timeout is not None and timeout < 0:
-            raise ValueError("'timeout' must be a non-negative number")
-        if block and timeout is None:
-            raise queue.Empty("hicache: host_mem_release_queue never holds anything (the "
-                              "drop-in frees released host pages at once)")
-        if block:
-            threading.Event().wait(timeout)
-        raise queue.Empty
-
-    def get_nowait(self):
-        return self.get(block=False)
-
-    def clear(self):
-        pass
-
-
-class LayerDoneCounter:
-    """SGLang's LayerDoneCounter over hicache's: the device pool's get_key_buffer(layer) calls
-    wait_until(layer), which returns once that layer of the consumer's load batch is in device
-    memory (without the GIL), and raises HiCacheDeviceError when the batch failed, was dropped
-    by reset() or never started. A batch holds a slot of hicache's counter until its consumer
-    waited for the last layer or set another consumer, or until every slot is taken and a new
-    batch starts (SGLang's ring of producer slots never blocks the scheduler); hicache hands a
-    slot to a new batch only once the old one's copies are all done, and a consumer of a batch
-    whose slot moved on finds its layers in place. Slots carry a generation, so a consumer never
-    releases or waits for a later batch in the same slot."""
-
-    def __init__(self, controller, num_layers, num_slots):
-        self._c = controller
-        self.num_layers = num_layers
-        self.num_counters = num_slots
-        self._lock = threading.Lock()
-        self._next_gen = 1
-        self._live = {}  # slot -> the generation of the batch started in it (until reset)
-        self._held = collections.deque()  # (slot, gen) not released by their consumer, oldest first
-        self._void = set()  # (slot, gen) dropped by reset()
-        self._consumer = None  # (slot, gen)
-        self.producer_index = -1
-
-    @property
-    def consumer_index(self):
-        return -1 if self._consumer is None else self._consumer[0]
-
-    def _release(self, entry):
-        with self._lock:
-            if entry not in self._held:
-                return
-            self._held.remove(entry)
-        self._c._cache.release_loading(entry[0])
-
-    def _make_room(self):
-        with self._lock:
-            oldest = self._held[0] if len(self._held) >= self.num_counters else None
-        if oldest is not None:
-            self._release(oldest)
-
-    def _started(self, slot):
-        with self._lock:
-            gen, self._next_gen = self._next_gen, self._next_gen + 1
-            self._live[slot] = gen
-            self._held.append((slot, gen))
-        self.producer_index = slot
-
-    def _forget(self):
-        with self._lock:
-            self._void.update(self._live.items())  # the controller's reset voided every batch
-            self._live.clear()
-            self._held.clear()
-        self._consumer = None
-        self.producer_index = -1
-
-    def next_producer(self):
-        """SGLang 2025's ready_to_load_host_cache() calls this, then sets load_cache_event: the
-        loads queued since the last batch start now, and their slot is returned (-1: none)."""
-        return self._c.start_loading()
-
-    def update_producer(self):
-        return self.producer_index
-
-    def set_consumer(self, index):
-        previous = self._consumer
-        with self._lock:
-            self._consumer = None if index < 0 else (index, self._live.get(index, 0))
-        if previous is not None and previous != self._consumer:
-            self._release(previous)
-
-    def wait_until(self, threshold):
-        consumer = self._consumer
-        if consumer is None:
-            return
-        slot, gen = consumer
-        with self._lock:
-            void = gen == 0 or consumer in self._void
-            moved_on = self._live.get(slot) != gen  # a later batch has the slot: ours is done
-        if void:
-            raise HiCacheDeviceError(
-                f"hicache: load batch {slot} was dropped by reset() or never started; its bytes "
-                "are not in device memory")
-        if not moved_on and not self._c._cache.wait_layer(slot, int(threshold)):
-            raise HiCacheDeviceError(
-                f"hicache: layer {threshold} of load batch {slot} failed or the controller "
-                "stopped: its bytes are not in device memory")
-        if threshold >= self.num_layers - 1:
-            self._release(consumer)
-
-    def reset(self):
-        pass  # the producer side is hicache's own
-
-
-def _as_list(indices):
-    if hasattr(indices, "tolist"):
-        return indices.tolist()
-    return list(indices)
 
 
 def _tensor(values, like=None):
@@ -529,22 +92,6 @@ class _SlotTable:
         if len(slots) == p:
             return self._rows[slots[0] // p].clone()  # a copy: the caller may change it
         return self._rows[[s // p for s in slots[::p]]].flatten()
-
-
-def _dtype_name(dtype):
-    text = str(dtype)
-    text = text[len("torch."):] if text.startswith("torch.") else text
-    if text not in _DTYPES:
-        raise ValueError(f"hicache: KV dtype {dtype} is not supported (valid: "
-                         f"{', '.join(sorted(_DTYPES))})")
-    return _DTYPES[text]
-
-
-def _tp_of(tp_group):
-    if tp_group is None:
-        return 0, 1
-    import torch.distributed as dist
-    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
 class _Prefetch:
