@@ -142,6 +142,10 @@ class FileStorage::Impl {
       ::close(root_fd_);
       throw;
     }
+    if (usage_) {
+      MutexLock lock(mu_);
+      removals_at_open_ = foreign_removals_locked();
+    }
     // Crash debris: half-written temporaries and records evicted but not yet unlinked.
     // (Beside a live instance, its temporaries are its writes in progress; only those of
     // processes that are gone are debris.)
@@ -213,12 +217,15 @@ class FileStorage::Impl {
   // instance has removed a record since this one was last found there: another process may
   // have evicted it, and a stale entry would answer "stored" for a record that is gone (a
   // prefetch planned for nothing, a backup deduplicated and never written).
+  // Alone again after another instance removed records (it was live for a while): those
+  // records may still be in this index, so the same confirmation holds until each entry is found
+  // on disk once; with nothing removed since this instance opened, the index is the truth.
   bool indexed_locked(const std::string& key) HICACHE_REQUIRES(mu_) {
     auto it = index_.find(key);
     if (it == index_.end()) return false;
-    if (!shared_now()) return true;
     // Read before the disk is asked, as in adopt_locked: a removal after this read moves it.
     const std::uint64_t epoch = usage_ ? foreign_removals_locked() : kUnconfirmed;
+    if (!shared_now() && (usage_ == nullptr || epoch == removals_at_open_)) return true;
     if (it->second.confirmed == epoch && epoch != kUnconfirmed) return true;
     struct stat st {};
     if (::fstatat(root_fd_, key.c_str(), &st, 0) == 0) {
@@ -1193,6 +1200,9 @@ class FileStorage::Impl {
   std::uint64_t absent_epoch_ HICACHE_GUARDED_BY(mu_) = 0;
   std::uint64_t own_publications_ HICACHE_GUARDED_BY(mu_) = 0;
   std::uint64_t own_removals_ HICACHE_GUARDED_BY(mu_) = 0;
+  // foreign_removals_locked() when this instance opened, read before its index was built: an
+  // index entry can be stale only once the count has moved past it.
+  std::uint64_t removals_at_open_ HICACHE_GUARDED_BY(mu_) = 0;
   std::atomic<bool> verify_stop_{false};
   std::thread verify_thread_;  // checks a loaded snapshot against the directory
 };

@@ -178,6 +178,24 @@ TEST_F(FileStorageSharedTest, AStoreAloneAgainAnswersFromItsIndex) {
   EXPECT_EQ(read(c, keys), (std::vector<int>{1, 0})) << "a foreign record is a miss";
 }
 
+// Alone again after the other instance removed a record that this one had indexed: the entry is
+// asked of the disk once more, so the store neither reports the record stored nor deduplicates a
+// write of it into nothing (a backup that would never be written).
+TEST_F(FileStorageSharedTest, AloneAgainAfterAnotherInstanceRemovedARecordTheIndexIsCheckedOnce) {
+  FileStorage b(config());
+  const auto keys = make_keys("gone", 2);
+  {
+    FileStorage a(config());
+    ASSERT_TRUE(put(a, keys));
+    ASSERT_EQ(b.batch_exists(keys), keys.size());  // adopted into b's index
+    ASSERT_TRUE(a.remove(keys[0]));
+  }
+  EXPECT_EQ(b.batch_exists(keys), 0u) << "alone again, b still listed the removed record";
+  ASSERT_TRUE(put(b, keys));
+  EXPECT_EQ(read(b, keys), std::vector<int>(keys.size(), 1)) << "the write was deduplicated away";
+  EXPECT_EQ(b.batch_exists(keys), keys.size());
+}
+
 // Shared, an indexed record is asked of the disk again only after another instance took a record
 // out of the root: B trusts what it found while nothing was removed, asks again after A's
 // removal, and finds the removed record gone. A record deleted behind every instance's back (by
