@@ -528,9 +528,14 @@ class Driver:
         return node
 
     def settle(self):
-        """Drains every outstanding ack."""
+        """Drains every outstanding ack. Under TP this is scheduler steps that every rank takes
+        together, as SGLang's ranks do: check_events makes collective calls, so a rank whose
+        own acks are in (loads complete at each rank's pace) keeps stepping until every rank's
+        are; the ranks agree on whether to step again and on giving up."""
         deadline = time.monotonic() + 60
-        while (self.writing or self.loading or self.backups) and time.monotonic() < deadline:
+        while self.agreed(int(bool(self.writing or self.loading or self.backups)), "max"):
+            if self.agreed(int(time.monotonic() >= deadline), "max"):
+                break
             self.check_events()
             time.sleep(0.001)
         assert not (self.writing or self.loading or self.backups)
