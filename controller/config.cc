@@ -47,6 +47,24 @@ std::chrono::milliseconds as_ms(const json& v) { return std::chrono::millisecond
 
 bool is_device_name(std::string_view s) { return s == "auto" || s == "host" || s == "cuda"; }
 
+// kv_events.media: "GPU,CPU_PINNED" -> the four flags.
+void set_media(KvEventsConfig& c, std::string_view text) {
+  c.gpu = c.cpu_pinned = c.disk = c.external = false;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string_view m = text.substr(at, comma - at);
+    bool* flag = m == "GPU"          ? &c.gpu
+                 : m == "CPU_PINNED" ? &c.cpu_pinned
+                 : m == "DISK"       ? &c.disk
+                 : m == "EXTERNAL"   ? &c.external
+                                     : nullptr;
+    if (flag == nullptr || *flag) throw InvalidArgument("not a medium, or one named twice");
+    *flag = true;
+    at = comma + 1;
+  }
+}
+
 // The one table. Defaults are JSON text, applied through the same setters as a user's values.
 const std::vector<Key>& keys() {
   using T = ConfigType;
@@ -261,6 +279,63 @@ const std::vector<Key>& keys() {
         "the address the metrics server listens on (loopback: only this host scrapes)", "", ""},
        -kInf, kInf, false,
        [](Draft& d, const json& v) { d.c.metrics_bind = v.get<std::string>(); }},
+      {{"kv_events.endpoint", "kv-events", T::kString, R"("")",
+        "a ZeroMQ endpoint (tcp://*:5557 binds, tcp://HOST:PORT connects) | empty (off)",
+        "publish KV events (what the cache holds per tier) for a KV-aware router",
+        "--kv-events-config", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.kv_events.endpoint = v.get<std::string>(); }},
+      {{"kv_events.replay_endpoint", "kv-events-replay", T::kString, R"("")",
+        "a ZeroMQ endpoint to bind | empty (no replay)",
+        "where a subscriber that missed batches asks for them again", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.kv_events.replay_endpoint = v.get<std::string>(); }},
+      {{"kv_events.topic", "kv-events-topic", T::kString, R"("")", "any text",
+        "the topic (first frame) of every event message", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { d.c.kv_events.topic = v.get<std::string>(); }},
+      {{"kv_events.media", "kv-events-media", T::kString, R"("GPU,CPU_PINNED,DISK,EXTERNAL")",
+        "a comma-separated subset of GPU, CPU_PINNED, DISK, EXTERNAL",
+        "the tiers whose events are published (DISK: a file store, EXTERNAL: Redis)", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) { set_media(d.c.kv_events, v.get<std::string>()); }},
+      {{"kv_events.dialect", "kv-events-dialect", T::kString, R"("sglang")", "sglang | vllm",
+        "vllm: the host is \"CPU\" and BlockStored carries lora_name, as vLLM's events", "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         const auto s = v.get<std::string>();
+         if (s != "sglang" && s != "vllm") throw InvalidArgument("not a dialect");
+         d.c.kv_events.vllm_dialect = s == "vllm";
+       }},
+      {{"kv_events.encoding", "kv-events-encoding", T::kString, R"("array")", "array | map",
+        "events as tagged arrays (every router decodes them) or as maps with a type key", "",
+        ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         const auto s = v.get<std::string>();
+         if (s != "array" && s != "map") throw InvalidArgument("not an encoding");
+         d.c.kv_events.map_encoding = s == "map";
+       }},
+      {{"kv_events.dp_rank", "kv-events-dp-rank", T::kInteger, "-1", "-1 (nil) | >= 0",
+        "the data-parallel rank every batch names (its third field)", "", ""},
+       -1, kMaxInt32, false,
+       [](Draft& d, const json& v) {
+         const std::int64_t r = as_int(v);
+         d.c.kv_events.attn_dp_rank = r < 0 ? std::nullopt : std::optional<std::int64_t>(r);
+       }},
+      {{"kv_events.publish_rank", "kv-events-publish-rank", T::kInteger, "0", "[0, tp_size)",
+        "the one TP rank that publishes (the ranks' trees agree)", "", ""},
+       0, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.kv_events_publish_rank = as_int32(v); }},
+      {{"kv_events.replay_batches", "kv-events-replay-batches", T::kInteger, "10000",
+        "[1, 1048576]", "batches kept for replay", "", ""},
+       1, 1 << 20, false,
+       [](Draft& d, const json& v) { d.c.kv_events.replay_batches = as_int(v); }},
+      {{"kv_events.queue_batches", "kv-events-queue-batches", T::kInteger, "10000",
+        "[1, 1048576]", "batches waiting for the publisher's thread before one is dropped", "",
+        ""},
+       1, 1 << 20, false,
+       [](Draft& d, const json& v) { d.c.kv_events.queue_batches = as_int(v); }},
       {{"tp_connect_timeout_ms", "tp-connect-timeout-ms", T::kInteger, "120000", ">= 1",
         "the rendezvous of every rank (ranks start seconds apart)", "", ""},
        1, kMaxInt32, false, [](Draft& d, const json& v) { d.c.tp.connect_timeout = as_ms(v); }},
@@ -585,13 +660,13 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
   }
   std::set<std::string> given;
   for (const auto& [name, value] : root.items()) {
-    if (name == "model") {
+    if (name == "model" || name == "kv_events") {
       if (!value.is_object()) {
-        throw InvalidArgument(str_cat("config: key 'model' is ", value.dump(),
+        throw InvalidArgument(str_cat("config: key '", name, "' is ", value.dump(),
                                       "; it must be a JSON object"));
       }
       for (const auto& [inner, v] : value.items()) {
-        const std::string full = str_cat("model.", inner);
+        const std::string full = str_cat(name, ".", inner);
         const Key* k = find_key(full);
         if (k == nullptr) throw InvalidArgument(unknown_key_error(full));
         apply(d, *k, v);
@@ -600,7 +675,9 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
       continue;
     }
     const Key* k = find_key(name);
-    if (k == nullptr || name.rfind("model.", 0) == 0) throw InvalidArgument(unknown_key_error(name));
+    if (k == nullptr || name.rfind("model.", 0) == 0 || name.rfind("kv_events.", 0) == 0) {
+      throw InvalidArgument(unknown_key_error(name));
+    }
     apply(d, *k, value);
     given.insert(name);
   }
@@ -616,6 +693,15 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
     }
   };
   require("model.layers", "the model's layer count");
+  if (given.count("kv_events.endpoint") == 0 || d.c.kv_events.endpoint.empty()) {
+    for (const std::string& key : given) {
+      if (key.rfind("kv_events.", 0) == 0 && key != "kv_events.endpoint") {
+        throw InvalidArgument(str_cat("config: key '", key,
+                                      "' is set, but kv_events.endpoint is not: no KV events are "
+                                      "published; give the endpoint or leave the key out"));
+      }
+    }
+  }
   require("device_tokens", "the device KV pool's size in tokens");
   const DType dtype = parse_dtype(d.dtype);
   const auto page = static_cast<std::int32_t>(d.page_size);
@@ -700,6 +786,10 @@ void HiCacheConfig::validate() const {
   if (metrics_port < -1 || metrics_port > 65535) {
     throw InvalidArgument(str_cat("config: metrics_port ", metrics_port,
                                   " is outside [-1, 65535] (-1: off, 0: a free port)"));
+  }
+  if (kv_events_publish_rank < 0 || kv_events_publish_rank >= tp.size) {
+    throw InvalidArgument(str_cat("config: kv_events.publish_rank ", kv_events_publish_rank,
+                                  " is outside [0, tp_size ", tp.size, ")"));
   }
   if (model_name.empty() || model_fingerprint.empty()) {
     throw InvalidArgument(str_cat("config: model_name '", model_name, "' and model_fingerprint '",

@@ -19,6 +19,7 @@
 
 #include "controller/hi_radix_cache.h"
 #include "controller/hicache_controller.h"
+#include "controller/kv_events.h"
 #include "controller/storage_controller.h"
 #include "pools/host_kv_pool.h"
 #include "pools/kv_geometry.h"
@@ -55,6 +56,10 @@ struct HiCacheConfig {
   bool metrics = true;  // false: nothing registered, no op timing on the hot path
   int metrics_port = -1;
   std::string metrics_bind = "127.0.0.1";
+  // KV events for routers (controller/kv_events.h): off while the endpoint is empty. Only
+  // `kv_events_publish_rank` publishes.
+  KvEventsConfig kv_events;
+  int kv_events_publish_rank = 0;
 
   // Parses and validates a JSON object; throws InvalidArgument naming the key and value.
   static HiCacheConfig from_json_text(std::string_view text);

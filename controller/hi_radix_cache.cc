@@ -8,7 +8,9 @@
 #include "controller/radix/agreement.h"
 #include "controller/radix/eviction.h"
 #include "controller/radix/ghost_set.h"
+#include "controller/kv_events.h"
 #include "controller/radix/l3_paths.h"
+#include "controller/radix/tier_events.h"
 #include "controller/radix/tree.h"
 #include "transfer/errors.h"
 
@@ -31,6 +33,16 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
 }  // namespace
 
 // What the L3 paths ask of the cache: the coordinator's own tree edits, locks and host room.
+namespace {
+
+// Where a store's records are, as the KV events name it: a file store's on a local disk, the
+// others' in a server (Redis, Redis Cluster).
+KvMedium l3_medium(const StorageBackend& store) {
+  return store.name() == "file" ? KvMedium::kDisk : KvMedium::kExternal;
+}
+
+}  // namespace
+
 class HiRadixCache::L3Hooks final : public radix::L3Paths::Cache {
  public:
   explicit L3Hooks(HiRadixCache& cache) : c_(cache) {}
@@ -46,6 +58,9 @@ class HiRadixCache::L3Hooks final : public radix::L3Paths::Cache {
   void refresh(Node* node) override { c_.refresh(node); }
   void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local) override {
     c_.apply_backup_ack(id, agreed, local);
+  }
+  std::uint64_t l3_removal_clock() const override {
+    return c_.tier_events_ ? c_.tier_events_->l3_clock() : 0;
   }
 
  private:
@@ -133,14 +148,48 @@ void HiRadixCache::reset() {
   *arrived_ = radix::ArrivedAcks{};
   acks_.clear();
   ghost_->clear();
+  if (tier_events_) tier_events_->tree_dropped();
   index_->clear();
   tree_->clear();
   device_pool_.allocator().reset();
   host_pool_.reset();
   ++events_.resets;
+  if (tier_events_) tier_events_->publish();
 }
 
-void HiRadixCache::refresh(Node* node) { index_->refresh(node); }
+void HiRadixCache::refresh(Node* node) {
+  index_->refresh(node);
+  if (tier_events_) tier_events_->observe(node);
+}
+
+void HiRadixCache::publish_kv_events(KvEventPublisher& publisher) {
+  if (tier_events_) throw StateError("publish_kv_events: the cache publishes KV events already");
+  if (stats().nodes != 0) {
+    throw InvalidArgument("publish_kv_events: the tree is not empty; call it before inserting");
+  }
+  l3_->keep_digests(page_size_);
+  tier_events_ = std::make_unique<radix::TierEvents>(publisher, *tree_, page_size_);
+  if (const StorageController* s = l3_->storage()) {
+    tier_events_->attach_l3(l3_->key_prefix(), l3_medium(s->storage()));
+  }
+}
+
+std::vector<std::int64_t> HiRadixCache::held_block_hashes(bool device) const {
+  std::vector<std::int64_t> out;
+  if (!tier_events_) return out;
+  tree_->for_each_node([&](Node* n) {
+    const bool held = device ? !n->device.empty() && n->load_op == 0
+                             : !n->host.empty() && n->write_op == 0;
+    if (!held) return;
+    for (const PageDigest& d : n->digests) out.push_back(kv_block_hash(d));
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void HiRadixCache::l3_records_removed(std::span<const std::string> keys) {
+  if (tier_events_) tier_events_->l3_removed(keys);
+}
 
 HiRadixCache::Node* HiRadixCache::add_leaf(Node* parent, std::span<const std::int32_t> key,
                                            std::string_view identity) {
@@ -174,6 +223,7 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   m->write_op = node->write_op;
   m->load_op = node->load_op;
   m->evict_after_write = node->evict_after_write;
+  m->announced = node->announced;  // the same pages, announced where they were
   if (node->backup_op != 0) pending_->backups[node->backup_op].nodes.push_back(m);
   if (node->write_op != 0) pending_->writes[node->write_op].nodes.push_back(m);
   if (node->load_op != 0) pending_->loads[node->load_op].nodes.push_back(m);
@@ -498,7 +548,9 @@ void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t
   for (Node* n : nodes) {
     n->backup_op = 0;
     const auto own = static_cast<std::int64_t>(n->key().size()) / page_size_;
+    const std::int64_t was = n->stored_pages;
     n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
+    if (tier_events_) tier_events_->l3_stored(n, was, n->stored_pages, taken->l3_clock);
     pages = std::max<std::int64_t>(0, pages - own);
     refresh(n);
   }
@@ -521,6 +573,10 @@ bool HiRadixCache::wait_for_events(std::uint64_t seen,
 void HiRadixCache::check_events() {
   apply_events();
   demote();
+  if (tier_events_) {
+    if (pending_->backups.empty()) tier_events_->l3_forget_removals();
+    tier_events_->publish();
+  }
   // The device allocator is the main loop's: its occupancy is published here for a scrape.
   const auto& a = device_pool_.allocator();
   device_used_tokens_.set(static_cast<double>(a.capacity_tokens() - a.free_tokens()));
@@ -551,6 +607,7 @@ void HiRadixCache::remove_leaf(Node* node) {
   ghost_->remember(
       radix::GhostSet::parent_name(parent->id, parent == tree_->root(), node->identity), node->id,
       node->key(), page_size_);
+  if (tier_events_) tier_events_->observe(node);  // what it held goes with it
   tree_->remove_leaf(node);  // freed here
   refresh(parent);           // may be a leaf now
 }
@@ -663,7 +720,12 @@ void HiRadixCache::release_aborted_request(const std::string& request_id) {
 
 std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefetches.size(); }
 
-void HiRadixCache::detach_storage() { l3_->detach(); }
+void HiRadixCache::detach_storage() {
+  l3_->detach();
+  if (!tier_events_) return;
+  tier_events_->detach_l3();
+  tier_events_->publish();
+}
 
 void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace& keys) {
   if (l3_->attached()) throw StateError("attach_storage: L3 is attached already");
@@ -676,9 +738,15 @@ void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace
                                   " differs from the pools' ", page_size_));
   }
   l3_->attach(storage, std::move(keyer), controller_.events());
+  if (tier_events_) tier_events_->attach_l3(l3_->key_prefix(), l3_medium(storage.storage()));
 }
 
-void HiRadixCache::forget_stored_pages() { l3_->forget_stored_pages(); }
+void HiRadixCache::forget_stored_pages() {
+  l3_->forget_stored_pages();
+  if (!tier_events_) return;
+  tier_events_->l3_cleared();
+  tier_events_->publish();
+}
 
 std::string HiRadixCache::describe() const {
   std::string out;

@@ -70,7 +70,10 @@ struct ArrivedAcks;
 class Agreement;
 class CostRule;
 class L3Paths;
+class TierEvents;
 }  // namespace radix
+
+class KvEventPublisher;
 
 struct RadixCacheConfig {
   // false: a device-only prefix cache (no hierarchy; the baseline hicache-bench --compare
@@ -274,6 +277,23 @@ class HiRadixCache {
   // The store was emptied: the tree forgets which of its pages it held.
   void forget_stored_pages();
 
+  // KV events (controller/kv_events.h): from now on the pages the tree holds on the device and
+  // on the host, and those its backups made durable in L3, are published through `publisher`
+  // (it outlives the cache), one batch per check_events(), reset() and detach_storage(). Call
+  // it before the first insert (InvalidArgument otherwise, and StateError when called twice;
+  // nothing changes then). Under TP, call it on the one rank that publishes: the trees agree.
+  void publish_kv_events(KvEventPublisher& publisher);
+  // The store removed these records (its LRU, a corrupt record, a clear): the removal of those
+  // the events announced in L3 is published at once. Thread-safe (a store's threads call it);
+  // nothing without KV events or L3.
+  void l3_records_removed(std::span<const std::string> keys);
+
+  // The block hashes (kv_block_hash of each page's digest) of the pages the tree holds on the
+  // device (`device`: KV there, no load in flight) or on the host (a synced copy, no write in
+  // flight), sorted: what a KV-event subscriber must have rebuilt, computed from the nodes, not
+  // from what was announced. Empty without KV events (no digests). For tests and tools.
+  std::vector<std::int64_t> held_block_hashes(bool device) const;
+
   RadixCacheStats stats() const;
   // stats().evictable_device_tokens without the rest: what evict_device can free, for a
   // scheduler weighing each admission (O(1), a running total).
@@ -338,6 +358,7 @@ class HiRadixCache {
   std::unique_ptr<radix::CostRule> cost_;
   std::unique_ptr<L3Hooks> l3_hooks_;
   std::unique_ptr<radix::L3Paths> l3_;
+  std::unique_ptr<radix::TierEvents> tier_events_;  // null: no KV events
   // What happened, counted where it happens (the main loop) and read by a scrape on any thread.
   radix::CacheEvents events_;
   Gauge device_used_tokens_;

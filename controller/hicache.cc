@@ -148,18 +148,26 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
       if (storage_controller_) storage_controller_->register_metrics(*metrics_, rank);
       if (storage_) storage_->register_metrics(*metrics_, rank);
     }
+    if (!config_.kv_events.endpoint.empty() && config_.tp.rank == config_.kv_events_publish_rank) {
+      kv_events_ = std::make_unique<KvEventPublisher>(config_.kv_events,
+                                                      config_.metrics ? metrics_.get() : nullptr);
+      cache_->publish_kv_events(*kv_events_);
+      observe_removals();
+    }
     if (config_.metrics_port >= 0) {
       metrics_server_ =
           std::make_unique<MetricsServer>(*metrics_, config_.metrics_bind, config_.metrics_port);
     }
   } catch (...) {
     stop();
+    if (storage_) storage_->set_removal_observer({});
     throw;
   }
 }
 
 HiCache::~HiCache() {
   stop();
+  if (storage_) storage_->set_removal_observer({});  // a shared store outlives the cache
   cache_.reset();  // each part forgets its metrics as it goes
   storage_controller_.reset();
   controller_.reset();
@@ -187,6 +195,7 @@ void HiCache::detach_storage() {
   if (!storage_controller_) return;
   cache_->detach_storage();
   storage_controller_.reset();  // forgets its metrics
+  if (storage_) storage_->set_removal_observer({});
   if (storage_) storage_->unregister_metrics();
   storage_.reset();
 }
@@ -270,11 +279,18 @@ void HiCache::attach_agreed(std::shared_ptr<StorageBackend> store, std::exceptio
   collectives_.backup = back;
   storage_ = std::move(store);
   storage_controller_ = std::move(controller);
+  observe_removals();
   if (config_.metrics) {
     const MetricLabels rank = {{"tp_rank", std::to_string(config_.tp.rank)}};
     storage_controller_->register_metrics(*metrics_, rank);
     storage_->register_metrics(*metrics_, rank);
   }
+}
+
+void HiCache::observe_removals() {
+  if (!kv_events_ || !storage_) return;
+  storage_->set_removal_observer(
+      [cache = cache_.get()](std::span<const std::string> keys) { cache->l3_records_removed(keys); });
 }
 
 void HiCache::clear_storage() {

@@ -31,6 +31,7 @@
 #include "controller/config.h"
 #include "controller/hi_radix_cache.h"
 #include "controller/hicache_controller.h"
+#include "controller/kv_events.h"
 #include "controller/metrics_server.h"
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
@@ -99,6 +100,8 @@ class HiCache {
   const HiCacheCollectives& collectives() const { return collectives_; }
   // The namespace every page key of this cache carries (also without L3).
   const KeyNamespace& key_namespace() const { return ns_; }
+  // The KV event publisher (config kv_events), or null: off, or not the publishing TP rank.
+  KvEventPublisher* kv_events() { return kv_events_.get(); }
   // Every component's counters, gauges and histograms (hicache_*), with tp_rank as a label.
   MetricsRegistry& metrics() { return *metrics_; }
   // The port /metrics is served on, or -1 without a metrics server (metrics_port -1).
@@ -139,10 +142,13 @@ class HiCache {
   std::unique_ptr<HostKVPool> host_pool_;
   std::unique_ptr<HiCacheController> controller_;
   std::unique_ptr<StorageController> storage_controller_;
+  std::unique_ptr<KvEventPublisher> kv_events_;  // outlives the cache that publishes through it
   std::unique_ptr<HiRadixCache> cache_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
   int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
+  // The store's removals go to the KV events (L3 records that left), when both are on.
+  void observe_removals();
   // A Gloo group of this rank's TP ranks named after the namespace and `role`.
   std::unique_ptr<Collective> make_tp_group(const std::string& role) const;
   // attach_storage after the store was opened (or `error`, when it could not be): agreed over

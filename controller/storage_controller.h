@@ -183,6 +183,8 @@ class StorageController {
   StorageController(const StorageController&) = delete;
   StorageController& operator=(const StorageController&) = delete;
 
+  StorageBackend& storage() const { return storage_; }
+
   // Queues the backup of the pages of `host_slots` (whole pages, in order) under `keys`, one per
   // page. Returns the op id, or nothing when the queue is full or stopped. Throws
   // InvalidArgument (nothing queued) when the slots are not whole pages of this pool or the

@@ -748,7 +748,9 @@ class FileStorage::Impl {
   }
 
   // Takes a record out of the index only (its file is gone already).
+  // Every record leaving the index goes here: the removal observer hears of it.
   void unindex_locked(Index::iterator it) HICACHE_REQUIRES(mu_) {
+    owner_.note_removed(std::span(&it->first, 1));
     total_bytes_ -= it->second.bytes;
     lru_.erase(it->second.lru);
     index_.erase(it);

@@ -237,6 +237,7 @@ class RedisStorage::Impl {
       std::string del_arena;
       std::vector<Request> dels = key_requests(bad, "DEL", del_arena);
       execute(dels);
+      owner_.note_removed(bad);
     }
     return results;
   }
@@ -365,6 +366,7 @@ class RedisStorage::Impl {
     execute(reqs);
     if (reqs[0].outcome != Outcome::kInteger || reqs[0].integer == 0) return false;
     ++owner_.counters_.removes;
+    owner_.note_removed(std::span(&key, 1));
     return true;
   }
 

@@ -36,6 +36,17 @@ std::string StorageStats::to_json() const {
   return j.dump();
 }
 
+void StorageBackend::set_removal_observer(RemovalObserver observer) {
+  MutexLock lock(observer_mu_);
+  removal_observer_ = std::move(observer);
+}
+
+void StorageBackend::note_removed(std::span<const std::string> keys) const {
+  if (keys.empty()) return;
+  MutexLock lock(observer_mu_);
+  if (removal_observer_) removal_observer_(keys);
+}
+
 // Keys some batch of this process is storing right now, with the outcome once known.
 // The keys batch_set is writing now, so that a second writer of a key waits for the first
 // instead of writing the same record again.

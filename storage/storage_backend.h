@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "transfer/metrics.h"
+#include "transfer/mutex.h"
 
 namespace hicache {
 
@@ -104,6 +106,14 @@ class StorageBackend {
   // Removes every record of this store.
   virtual void clear() = 0;
 
+  // Told the key of every record the store takes out: its LRU's evictions, remove(), clear()
+  // (the file store; Redis's FLUSHDB names no keys), a corrupt record dropped, and (the file
+  // store) a record another instance removed, once this one notices. Called on the thread that
+  // removed it, possibly with the store's lock held: it must be quick and must not call the
+  // store. One observer at a time; an empty function removes it. Thread-safe.
+  using RemovalObserver = std::function<void(std::span<const std::string> keys)>;
+  void set_removal_observer(RemovalObserver observer);
+
   StorageStats stats() const;
   // Registers the store's counters (keys per operation and result, bad records, bytes,
   // evictions) and its size in `registry`, labelled with `labels` and backend=name(), until
@@ -125,6 +135,8 @@ class StorageBackend {
                                              std::span<const ConstByteSpan> src) = 0;
   // Backends with a size gauge override this.
   virtual void fill_gauges(StorageStats& /*stats*/) const {}
+  // Tells the removal observer (see set_removal_observer).
+  void note_removed(std::span<const std::string> keys) const;
 
   // Counters the backends bump.
   struct Counters {
@@ -138,6 +150,8 @@ class StorageBackend {
  private:
   class Inflight;
   std::unique_ptr<Inflight> inflight_;
+  mutable Mutex observer_mu_;
+  RemovalObserver removal_observer_ HICACHE_GUARDED_BY(observer_mu_);
 };
 
 // Builds a backend from a JSON object: {"backend": "file", ...} or {"backend": "redis", ...}.

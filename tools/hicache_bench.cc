@@ -270,7 +270,7 @@ void set_cache_key(Settings& s, std::string_view key, const json& value) {
 
 // A key a HiCacheConfig JSON takes at its top level (SGLang's names included).
 bool is_cache_json_key(std::string_view key) {
-  if (key == "model") return true;
+  if (key == "model" || key == "kv_events") return true;
   for (const auto& k : hicache::config_keys()) {
     if (k.key == key && key.find('.') == std::string_view::npos) return true;
   }

@@ -34,6 +34,7 @@ struct PendingOps {
   struct Op {
     Node* holder = nullptr;
     std::vector<Node*> nodes;
+    std::uint64_t l3_clock = 0;  // backups: TierEvents::l3_clock() when it was queued
   };
   std::unordered_map<NodeId, Op> writes, loads, backups;
   // Backups in flight when the store was cleared: whatever they complete counts as nothing.

@@ -31,17 +31,27 @@ void L3Paths::reset() {
   revoked_.clear();
 }
 
+void L3Paths::keep_digests(std::int32_t page_size) {
+  KeyNamespace ns{.model = "kv-events", .fingerprint = "none", .dtype = "none",
+                  .layout = "none", .page_size = page_size};
+  digest_keyer_ = std::make_unique<PageKeyer>(ns);
+  tree_.for_each_node([this](Node* n) {
+    if (n->digests.empty()) set_digests(n);
+  });
+}
+
 void L3Paths::set_digests(Node* node) {
-  if (!keyer_) return;
+  PageKeyer* keyer = keyer_ ? keyer_.get() : digest_keyer_.get();
+  if (keyer == nullptr) return;
   const bool under_root = node->parent == tree_.root();
   std::optional<PageDigest> seed;
-  if (under_root && !node->identity.empty()) seed = keyer_->identity_seed(node->identity);
+  if (under_root && !node->identity.empty()) seed = keyer->identity_seed(node->identity);
   const PageDigest* prior =
       under_root ? (seed ? &*seed : nullptr)
                  : (node->parent->digests.empty() ? nullptr : &node->parent->digests.back());
   std::vector<std::string> keys;
   node->digests.clear();
-  keyer_->keys(node->key(), prior, keys, &node->digests);
+  keyer->keys(node->key(), prior, keys, &node->digests);
 }
 
 void L3Paths::backup_node(Node* node) {
@@ -57,12 +67,13 @@ void L3Paths::backup_node(Node* node) {
   std::vector<std::string> keys;
   keys.reserve(node->digests.size());
   for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
+  const std::uint64_t clock = cache_.l3_removal_clock();  // before the store can take it
   const auto id = storage_->write_storage(node->host, std::move(keys));
   if (!id) return;  // backup queue full: the node stays host-only, L1/L2 unaffected
   node->backup_op = *id;
   cache_.lock(node);
   cache_.refresh(node);
-  pending_.backups[*id] = PendingOps::Op{node, {node}};
+  pending_.backups[*id] = PendingOps::Op{node, {node}, clock};
 }
 
 std::int64_t L3Paths::local_prefetch_bps() const {

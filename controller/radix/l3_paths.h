@@ -48,6 +48,9 @@ class L3Paths {
     virtual void refresh(Node* node) = 0;
     // Applies a backup's ack (agreed and local values as in ArrivedAcks).
     virtual void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local) = 0;
+    // The KV events' L3 removal clock (TierEvents::l3_clock; 0 without events), read as a
+    // backup is queued.
+    virtual std::uint64_t l3_removal_clock() const = 0;
 
    protected:
     ~Cache() = default;
@@ -71,8 +74,10 @@ class L3Paths {
   void reset();
 
   // The digests that chain `node`'s page keys after its parent's (or its identity's seed).
-  // Nothing without L3.
+  // Nothing without L3, unless keep_digests() was called (the KV events name pages by them).
   void set_digests(Node* node);
+  // Every node gets its digests from now on, with L3 or without (sets those it lacks).
+  void keep_digests(std::int32_t page_size);
   // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
   // (by the backups in flight); the node stays locked until the ack. Nothing without L3.
   void backup_node(Node* node);
@@ -101,6 +106,8 @@ class L3Paths {
   // The storage controller's read bandwidth so far (CostRule::kUnmeasured: none, or no L3).
   std::int64_t local_prefetch_bps() const;
   const StorageController* storage() const { return storage_; }
+  // The namespace prefix of the page keys. REQUIRES: attached().
+  const std::string& key_prefix() const { return keyer_->prefix(); }
 
  private:
   // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
@@ -118,6 +125,8 @@ class L3Paths {
   HostKVPool& host_pool_;
   StorageController* storage_ = nullptr;
   std::unique_ptr<PageKeyer> keyer_;
+  // keep_digests(): chains digests without L3 (a digest does not depend on the namespace).
+  std::unique_ptr<PageKeyer> digest_keyer_;
   std::int64_t reserved_tokens_ = 0;    // host tokens held by prefetches in flight
   std::vector<BackupAck> backup_acks_;  // reused
   std::vector<std::string> revoked_;    // reused

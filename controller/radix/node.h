@@ -5,7 +5,8 @@
 //   tiers (the coordinator, hi_radix_cache.cc, and the L3 paths, l3_paths.h)
 //                          device, host, write_op, load_op, backup_op, digests, stored_pages,
 //                          evict_after_write;
-//   eviction (eviction.h)  device_children, passed_over, indexed.
+//   eviction (eviction.h)  device_children, passed_over, indexed;
+//   KV events (tier_events.h) announced.
 // A node and its key are one allocation (make()): the key's tokens follow the node, so a lookup
 // fetches both from the node's address at once. The fields match_prefix reads of a child it
 // passes come first: one cache line (the node is aligned to one) in a tree too large for the
@@ -172,6 +173,10 @@ struct alignas(64) Node {
   std::int64_t stored_pages = 0;     // tiers: leading pages known to be in L3
   bool evict_after_write = false;    // tiers: write_back frees the device copy on the ack
   bool passed_over = false;          // eviction: evict_device keeps it this call (out of the index)
+  // KV events: the tiers its pages were last announced on (a split copies it to both halves).
+  struct Announced {
+    bool device = false, host = false;
+  } announced;
   std::int64_t device_children = 0;  // eviction: children with KV on the device
   // eviction: what the node added to the indexes and totals at its last refresh.
   struct Indexed {

@@ -11,12 +11,13 @@
 
 namespace hicache::workload {
 
-// Sets `key` (a schema key; "model.layers" goes inside "model") to `value` in `cache`.
+// Sets `key` (a schema key; "model.layers" goes inside "model", "kv_events.topic" inside
+// "kv_events") to `value` in `cache`.
 inline void set_cache_key(nlohmann::json& cache, std::string_view key,
                           const nlohmann::json& value) {
-  constexpr std::string_view kModel = "model.";
-  if (key.starts_with(kModel)) {
-    cache["model"][std::string(key.substr(kModel.size()))] = value;
+  const std::size_t dot = key.find('.');
+  if (dot != std::string_view::npos) {
+    cache[std::string(key.substr(0, dot))][std::string(key.substr(dot + 1))] = value;
   } else {
     cache[std::string(key)] = value;
   }
