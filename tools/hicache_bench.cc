@@ -97,6 +97,7 @@ struct Settings {
   // output
   std::string report, plot;
   bool progress = true;
+  std::string kv_events_view;
 };
 
 // The main job's cache: a small synthetic model on the host emulation (every page verified by
@@ -216,6 +217,9 @@ const std::vector<Option>& options() {
       STR_OPT(report, "write the JSON report here"),
       STR_OPT(plot, "write an SVG plot here (TTFT per round, hit rate per tier)"),
       BOOL_OPT(progress, "progress on stderr (true; --no-progress turns it off)"),
+      STR_OPT(kv_events_view,
+              "with --kv-events, one configuration and one process: write here, at the end, "
+              "the block hashes the cache holds per tier (JSON), to check a subscriber's view"),
   };
   return kOptions;
 }
@@ -404,6 +408,13 @@ Settings parse(int argc, char** argv) {
       }
     }
     wl::refuse_tool_owned_tp_keys(s.cache, s.tp);
+    if (!s.kv_events_view.empty() &&
+        (s.compare || s.instances > 1 || s.tp > 1 || !s.cache.contains("kv_events") ||
+         !s.cache["kv_events"].contains("endpoint"))) {
+      throw InvalidArgument(str_cat("--kv-events-view '", s.kv_events_view,
+                                    "' needs --kv-events, one configuration (no --compare) and "
+                                    "one process (no --instances, no --tp)"));
+    }
     for (const char* alias : {"hicache_storage_backend", "hicache_storage_backend_extra_config"}) {
       if (s.cache.contains(alias)) {
         throw InvalidArgument(
@@ -603,10 +614,33 @@ void announce_metrics(wl::EngineStack& stack, const std::string& label) {
   }
 }
 
+// --kv-events-view: what the cache holds per tier at the end, as a subscriber should have it.
+void write_kv_events_view(wl::EngineStack& stack, const std::string& path) {
+  hicache::HiCache& hc = stack.hicache();
+  json view = {{"GPU", hc.cache().held_block_hashes(true)},
+               {"CPU_PINNED", hc.cache().held_block_hashes(false)},
+               {"key_prefix", hc.key_namespace().prefix()},
+               {"published_batches", hc.kv_events() ? hc.kv_events()->published_batches() : 0},
+               {"dropped_batches", hc.kv_events() ? hc.kv_events()->dropped_batches() : 0}};
+  std::ofstream out(path);
+  out << view.dump() << "\n";
+  if (!out) throw std::runtime_error(str_cat("--kv-events-view: cannot write '", path, "'"));
+}
+
+void announce_kv_events(wl::EngineStack& stack, const std::string& label) {
+  if (hicache::KvEventPublisher* p = stack.hicache().kv_events()) {
+    std::printf("[hicache-bench] %s: KV events to %s%s%s\n", label.c_str(), p->endpoint().c_str(),
+                p->replay_endpoint().empty() ? "" : ", replay at ",
+                p->replay_endpoint().c_str());
+    std::fflush(stdout);
+  }
+}
+
 wl::InstanceResult run_single(const Settings& s, const wl::StackConfig& config,
                               const std::vector<wl::PlannedRequest>& plan, const std::string& label) {
   wl::EngineStack stack(config);
   announce_metrics(stack, label);
+  announce_kv_events(stack, label);
   std::vector<int> all(plan.size());
   for (std::size_t i = 0; i < plan.size(); ++i) all[i] = static_cast<int>(i);
   wl::Runner runner(stack, plan, all, run_options(s, label, 1));
@@ -616,6 +650,7 @@ wl::InstanceResult run_single(const Settings& s, const wl::StackConfig& config,
   const double duration = r.duration_s;
   r = runner.result();  // counters after the flush (backups included), the run's duration
   r.duration_s = duration;
+  if (!s.kv_events_view.empty()) write_kv_events_view(stack, s.kv_events_view);
   return r;
 }
 

@@ -6,6 +6,8 @@
 #include "transfer/errors.h"
 
 #include <fstream>
+#include <optional>
+#include <tuple>
 #include <sstream>
 
 namespace hicache {
@@ -227,6 +229,20 @@ TEST(ConfigSchema, TheStructDefaultsAreTheSchemaDefaults) {
   EXPECT_EQ(parsed.metrics, built.metrics);
   EXPECT_EQ(parsed.metrics_port, built.metrics_port);
   EXPECT_EQ(parsed.metrics_bind, built.metrics_bind);
+  const HiCacheConfig events = parse_with(R"("kv_events": {"endpoint": "tcp://*:5557"})");
+  const KvEventsConfig& pe = events.kv_events;
+  const KvEventsConfig& be = built.kv_events;
+  EXPECT_EQ(parsed.kv_events.endpoint, be.endpoint);
+  EXPECT_EQ(pe.replay_endpoint, be.replay_endpoint);
+  EXPECT_EQ(pe.topic, be.topic);
+  EXPECT_EQ(std::tuple(pe.gpu, pe.cpu_pinned, pe.disk, pe.external),
+            std::tuple(be.gpu, be.cpu_pinned, be.disk, be.external));
+  EXPECT_EQ(pe.vllm_dialect, be.vllm_dialect);
+  EXPECT_EQ(pe.map_encoding, be.map_encoding);
+  EXPECT_EQ(pe.attn_dp_rank, be.attn_dp_rank);
+  EXPECT_EQ(pe.replay_batches, be.replay_batches);
+  EXPECT_EQ(pe.queue_batches, be.queue_batches);
+  EXPECT_EQ(events.kv_events_publish_rank, built.kv_events_publish_rank);
   EXPECT_EQ(parsed.geometry.page_size, 64);
   EXPECT_EQ(parsed.geometry.dtype, DType::kFloat16);
 }
@@ -241,6 +257,10 @@ TEST(ConfigSchema, EveryKeyNamesItselfWhenGivenTheWrongType) {
     if (key.rfind("model.", 0) == 0) {
       doc = str_cat(R"({"device_tokens": 128, "model": {"layers": 2, "kv_heads": 1, "head_dim": 8, ")",
                     key.substr(6), R"(": )", wrong, "}}");
+    } else if (key.rfind("kv_events.", 0) == 0) {
+      doc = str_cat("{", kModel, R"(, "kv_events": {)",
+                    key == "kv_events.endpoint" ? "" : R"("endpoint": "tcp://*:5557", )", R"(")",
+                    key.substr(10), R"(": )", wrong, "}}");
     } else {
       doc = str_cat("{", kModel, R"(, ")", key, R"(": )", wrong, "}");
     }
@@ -252,6 +272,65 @@ TEST(ConfigSchema, EveryKeyNamesItselfWhenGivenTheWrongType) {
           << e.what();
     }
   }
+}
+
+TEST(HiCacheConfig, ParsesTheKvEventsKeys) {
+  const HiCacheConfig c = parse_with(R"("tp_size": 2, "tp_store_dir": "/tmp/x",
+      "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://*:5558",
+      "topic": "kv", "media": "GPU,DISK", "dialect": "vllm", "encoding": "map", "dp_rank": 3,
+      "publish_rank": 1, "replay_batches": 7, "queue_batches": 9})");
+  const KvEventsConfig& e = c.kv_events;
+  EXPECT_EQ(e.endpoint, "tcp://127.0.0.1:5557");
+  EXPECT_EQ(e.replay_endpoint, "tcp://*:5558");
+  EXPECT_EQ(e.topic, "kv");
+  EXPECT_EQ(std::tuple(e.gpu, e.cpu_pinned, e.disk, e.external),
+            std::tuple(true, false, true, false));
+  EXPECT_TRUE(e.vllm_dialect);
+  EXPECT_TRUE(e.map_encoding);
+  EXPECT_EQ(e.attn_dp_rank, std::optional<std::int64_t>(3));
+  EXPECT_EQ(c.kv_events_publish_rank, 1);
+  EXPECT_EQ(e.replay_batches, 7);
+  EXPECT_EQ(e.queue_batches, 9);
+  // The defaults: every medium, SGLang's dialect and arrays, no DP rank, rank 0 publishes.
+  const HiCacheConfig d = parse_with(R"("kv_events": {"endpoint": "tcp://*:5557"})");
+  EXPECT_TRUE(d.kv_events.gpu && d.kv_events.cpu_pinned && d.kv_events.disk &&
+              d.kv_events.external);
+  EXPECT_FALSE(d.kv_events.vllm_dialect || d.kv_events.map_encoding);
+  EXPECT_EQ(d.kv_events.attn_dp_rank, std::nullopt);
+  EXPECT_EQ(d.kv_events_publish_rank, 0);
+  EXPECT_TRUE(parse_with("").kv_events.endpoint.empty());  // off unless given
+}
+
+TEST(HiCacheConfig, KvEventsKeysAreRefusedNamingTheKey) {
+  const auto err = [](const std::string& inner) {
+    return error_of(str_cat(R"("kv_events": {"endpoint": "tcp://*:5557", )", inner, "}"));
+  };
+  for (const char* media : {R"("TAPE")", R"("GPU,GPU")", R"("GPU,")", R"("")"}) {
+    const std::string e = err(str_cat(R"("media": )", media));
+    EXPECT_NE(e.find(str_cat("key 'kv_events.media' is ", media)), std::string::npos) << e;
+  }
+  EXPECT_NE(err(R"("dialect": "trtllm")").find("key 'kv_events.dialect' is \"trtllm\""),
+            std::string::npos);
+  EXPECT_NE(err(R"("encoding": "json")").find("key 'kv_events.encoding' is \"json\""),
+            std::string::npos);
+  EXPECT_NE(err(R"("dp_rank": -2)").find("key 'kv_events.dp_rank' is -2"), std::string::npos);
+  EXPECT_NE(err(R"("replay_batches": 0)").find("key 'kv_events.replay_batches' is 0"),
+            std::string::npos);
+  EXPECT_NE(err(R"("queue_batches": 0)").find("key 'kv_events.queue_batches' is 0"),
+            std::string::npos);
+  EXPECT_NE(err(R"("publish_rank": 1)").find("kv_events.publish_rank 1 is outside [0, tp_size 1)"),
+            std::string::npos);
+  EXPECT_NE(err(R"("colour": 1)").find("unknown key 'kv_events.colour'"), std::string::npos);
+  // Nothing parsed and ignored: a kv_events key without the endpoint (or with an empty one).
+  for (const char* doc : {R"("kv_events": {"topic": "kv"})",
+                          R"("kv_events": {"endpoint": "", "media": "GPU"})"}) {
+    const std::string e = error_of(doc);
+    EXPECT_NE(e.find("is set, but kv_events.endpoint is not"), std::string::npos) << e;
+  }
+  EXPECT_NE(error_of(R"("kv_events": "tcp://*:5557")").find("key 'kv_events' is"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"("kv_events.endpoint": "tcp://*:5557")").find("unknown key"),
+            std::string::npos);
 }
 
 TEST(ConfigSchema, UnknownKeysSuggestTheNearestKnownOne) {
