@@ -12,6 +12,7 @@ set(HICACHE_PUBLIC_HEADERS
   controller/hicache.h          # HiCache: the front door (owns everything below)
   controller/config.h           # HiCacheConfig: the one schema (from_json_text / from_json_file)
   controller/hi_radix_cache.h   # HiRadixCache: what the engine's scheduler drives
+  controller/kv_events.h        # KvEventPublisher: tier-tagged KV events for routers (ZeroMQ)
   storage/storage_backend.h     # StorageBackend (a store of one's own), make_storage
   storage/file_storage.h        # FileStorage and its config
   storage/redis_storage.h       # RedisStorage (+ cluster) and its config

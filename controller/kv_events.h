@@ -18,18 +18,24 @@
 // Replay (ZeroMQ ROUTER, optional): a request [identity, b"", 8-byte big-endian start sequence]
 // is answered with one [identity, b"", seq, payload] per buffered batch from `start` on, then
 // the end marker [identity, b"", 0xff x 8, b""]. A malformed request (not two frames after the
-// identity, or a sequence that is not 8 bytes) is answered with [identity, b"", b"", error text]
-// and changes nothing.
+// identity, a delimiter that is not empty, or a sequence that is not 8 bytes) is answered with
+// [identity, b"", b"", error text] and changes nothing. A start older than the buffer gets what
+// the buffer still holds. The ROUTER queues up to replay_batches + 2 messages per client, so
+// one replay at a time per client always arrives whole.
 //
 // Sequence numbers start at 0 and grow by 1 per batch. A batch the queue had no room for keeps
 // its number and is counted as dropped: a subscriber sees the gap, asks for a replay, and a
 // replay that skips the number tells it the batch is lost (the replay buffer never held it).
-// A subscriber that was only slow (ZeroMQ dropped for it at the high-water mark) gets every
-// batch still in the replay buffer back.
+// A batch whose events were all filtered out (media not published) is not a batch: it takes no
+// number, so a gap always means a lost batch. A subscriber that was only slow (ZeroMQ dropped
+// for it at the high-water mark) gets every batch still in the replay buffer back.
 //
 // Threads: publish() may be called from any thread and never blocks (a bounded queue in front
-// of the publisher's own thread, which owns both sockets). The destructor sends what is queued,
-// then stops the thread.
+// of the publisher's own thread, which owns both sockets, encodes the batches and answers
+// replays; it sleeps in zmq_poll on the ROUTER and an eventfd that publish() signals). The
+// destructor sends what is queued, then stops the thread; the sockets then linger at most 1 s
+// for slow peers. An exception on the thread is caught, counted
+// (hicache_kv_event_errors_total) and logged to stderr; the thread goes on.
 #pragma once
 
 #include <cstdint>
@@ -69,39 +75,50 @@ struct KvBlockRemoved {
 struct KvAllBlocksCleared {};
 using KvEvent = std::variant<KvBlockStored, KvBlockRemoved, KvAllBlocksCleared>;
 
+// Endpoints are ZeroMQ's ("tcp://host:port", "ipc://path", "inproc://name"); a tcp port is
+// 0..65535 (0 or * bind a free port; a connected endpoint needs a real one).
 struct KvEventsConfig {
   std::string endpoint;         // PUB; "tcp://*:5557" binds (wildcard, ipc, inproc), else connects
   std::string replay_endpoint;  // ROUTER, always binds; empty: no replay
   std::string topic;            // the first frame of every message
   // Which media are published (the others' events are not sent); all four by default.
+  // AllBlocksCleared has no medium and is always sent.
   bool gpu = true, cpu_pinned = true, disk = true, external = true;
   bool vllm_dialect = false;  // vLLM's names: "CPU" for the host, lora_name in BlockStored
   bool map_encoding = false;  // events as maps ("type" first) instead of tagged arrays
   std::optional<std::int64_t> attn_dp_rank;  // the batch's third field; nil when unset
-  std::int64_t replay_batches = 10000;       // batches kept for replay
-  std::int64_t queue_batches = 10000;        // batches waiting for the thread before drops
+  std::int64_t replay_batches = 10000;       // batches kept for replay (>= 0)
+  std::int64_t queue_batches = 10000;        // batches waiting for the thread before drops (>= 1)
 };
 
+// The medium's name on the wire; throws InvalidArgument for a value outside the enum.
 std::string_view kv_medium_name(KvMedium medium, bool vllm_dialect);
 
 class KvEventPublisher {
  public:
   // Binds or connects the sockets (on the calling thread, so a bad endpoint throws
-  // InvalidArgument naming it) and starts the thread. Registers its metrics in `registry` when
-  // given (hicache_kv_event_batches_total{outcome=published|dropped},
-  // hicache_kv_events_total{type}, hicache_kv_event_queue_batches).
+  // InvalidArgument naming it; so do an empty endpoint and sizes out of range) and starts the
+  // thread. Registers its metrics in `registry` when given, which must outlive the publisher
+  // (hicache_kv_event_batches_total{outcome=published|dropped}, hicache_kv_events_total{type}
+  // (sent events, type as on the wire), hicache_kv_event_queue_batches,
+  // hicache_kv_event_errors_total).
   KvEventPublisher(KvEventsConfig config, MetricsRegistry* registry = nullptr);
   ~KvEventPublisher();
   KvEventPublisher(const KvEventPublisher&) = delete;
   KvEventPublisher& operator=(const KvEventPublisher&) = delete;
 
   // One batch, stamped now. Events of media not published are left out; an empty batch is not
-  // sent. Never blocks; a full queue drops the batch (counted; its number stays a gap).
+  // sent and takes no number. Never blocks; a full queue drops the batch (counted; its number
+  // stays a gap). Throws InvalidArgument, publishing nothing, for a BlockStored whose block_size
+  // is below 1 or whose token_ids are not block_hashes.size() * block_size, or a medium outside
+  // the enum.
   void publish(std::vector<KvEvent> events);
   // Blocks until every batch published before the call is sent (tests; shutdown).
   void flush();
 
-  // The endpoints as bound (a "tcp://127.0.0.1:0" request names the port the system chose).
+  // The endpoints as ZeroMQ reports them (ZMQ_LAST_ENDPOINT): a port 0 or * request names the
+  // port the system chose, and a wildcard reads as its address ("tcp://*:0" ->
+  // "tcp://0.0.0.0:41234", which a local client can connect to). Empty: no replay.
   std::string endpoint() const;
   std::string replay_endpoint() const;
   const KvEventsConfig& config() const { return config_; }
@@ -110,10 +127,20 @@ class KvEventPublisher {
   std::uint64_t dropped_batches() const { return dropped_.value(); }
 
  private:
+  friend class KvEventPublisherTestPeer;
   struct Impl;
   KvEventsConfig config_;
   Counter published_, dropped_;
   std::unique_ptr<Impl> impl_;
+};
+
+// Tests only (tests/controller/kv_events_test.cc): hold(true) keeps the publisher's thread off
+// its queue, so batches wait (and overflow) until hold(false); replays are still answered, and
+// flush() waits for hold(false). The destructor sends the queue even while held. Costs
+// publish() nothing.
+class KvEventPublisherTestPeer {
+ public:
+  static void hold(KvEventPublisher& publisher, bool held);
 };
 
 }  // namespace hicache

@@ -27,20 +27,35 @@ packages=(build-essential cmake ninja-build ccache pkg-config
   prometheus  # promtool and a real server for the /metrics tests
   python3-dev python3-pybind11 pybind11-dev python3-torch python3-pytest  # the Python package
   python3-setuptools python3-pip  # pip install --no-build-isolation . (tests/python)
+  libzmq3-dev cppzmq-dev python3-zmq python3-msgpack  # KV events (controller/kv_events.h)
   clang)      # libFuzzer for the fuzz targets (tests/fuzz)
 
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
   say "installing ${#missing[@]} missing Debian packages: ${missing[*]}"
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
   say "all ${#packages[@]} Debian packages present"
+fi
+
+# msgpack-cxx (header-only) is unpacked, not installed: Debian's libmsgpack-cxx-dev depends on
+# libboost-dev (1.74), which conflicts with libboost1.81-dev. CMake looks for it there
+# (HICACHE_MSGPACK_PREFIX in cmake/HicacheDependencies.cmake) when the system has no msgpack.hpp.
+msgpack_prefix=/opt/hicache-deps/msgpack-cxx
+if [ ! -e /usr/include/msgpack.hpp ] && [ ! -e "$msgpack_prefix/usr/include/msgpack.hpp" ]; then
+  say "unpacking libmsgpack-cxx-dev into $msgpack_prefix"
+  deb_dir=$(mktemp -d) && chmod 755 "$deb_dir"  # readable by apt's _apt user
+  (cd "$deb_dir" && apt-get download -q libmsgpack-cxx-dev) ||
+    { $sudo apt-get update -q && (cd "$deb_dir" && apt-get download -q libmsgpack-cxx-dev); }
+  $sudo mkdir -p "$msgpack_prefix"
+  $sudo dpkg-deb -x "$deb_dir"/libmsgpack-cxx-dev_*.deb "$msgpack_prefix"
+  rm -rf "$deb_dir"
 fi
 
 say "configuring $build_dir (CUDA is compiled when /usr/local/cuda is present)"
@@ -70,7 +85,8 @@ else
       # The install test builds an uninstrumented consumer, which cannot load an instrumented
       # library; it runs in the normal build above.
       say "running the test suite under $san"
-      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+        ASAN_OPTIONS="detect_leaks=1" \
         LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
         ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^install\.'
       # The stress tool under the sanitizer too: every fault for 30 s on the file store (only
@@ -78,7 +94,8 @@ else
       say "hicache-stress under $san (30 s, every fault)"
       cmake -S . -B "$dir" -DHICACHE_BUILD_TOOLS=ON >/dev/null
       cmake --build "$dir" -j "$jobs" --target hicache-stress
-      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ASAN_OPTIONS="detect_leaks=1" \
+      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+        ASAN_OPTIONS="detect_leaks=1" \
         LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" \
         "$dir/tools/hicache-stress" --seconds 30 --no-progress --seed 3
     done
