@@ -607,7 +607,7 @@ void HiRadixCache::remove_leaf(Node* node) {
   ghost_->remember(
       radix::GhostSet::parent_name(parent->id, parent == tree_->root(), node->identity), node->id,
       node->key(), page_size_);
-  if (tier_events_) tier_events_->observe(node);  // what it held goes with it
+  if (tier_events_) tier_events_->leaving(node);  // what it held goes with it
   tree_->remove_leaf(node);  // freed here
   refresh(parent);           // may be a leaf now
 }

@@ -617,6 +617,7 @@ void announce_metrics(wl::EngineStack& stack, const std::string& label) {
 // --kv-events-view: what the cache holds per tier at the end, as a subscriber should have it.
 void write_kv_events_view(wl::EngineStack& stack, const std::string& path) {
   hicache::HiCache& hc = stack.hicache();
+  if (hc.kv_events() != nullptr) hc.kv_events()->flush();  // every batch of the run is out
   json view = {{"GPU", hc.cache().held_block_hashes(true)},
                {"CPU_PINNED", hc.cache().held_block_hashes(false)},
                {"key_prefix", hc.key_namespace().prefix()},

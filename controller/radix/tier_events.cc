@@ -29,6 +29,17 @@ std::int64_t TierEvents::parent_hash(const Node* node) const {
   return kv_block_hash(node->parent->digests.back());
 }
 
+void TierEvents::leaving(Node* node) {
+  const auto pages = static_cast<std::int64_t>(node->digests.size());
+  if (node->announced.device) {
+    queued_.emplace_back(KvBlockRemoved{block_hashes(node, 0, pages), KvMedium::kGpu});
+  }
+  if (node->announced.host) {
+    queued_.emplace_back(KvBlockRemoved{block_hashes(node, 0, pages), KvMedium::kCpuPinned});
+  }
+  node->announced = {};
+}
+
 void TierEvents::observe(Node* node) {
   if (node == tree_.root()) return;
   const auto pages = static_cast<std::int64_t>(node->key().size()) / page_size_;

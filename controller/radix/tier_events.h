@@ -39,6 +39,9 @@ class TierEvents {
   // announced, and the removal of what it announced and no longer holds. REQUIRES: the node's
   // digests are set (one per page).
   void observe(Node* node);
+  // `node` leaves the tree (whatever slots it still names go with it): the removal of what it
+  // announced.
+  void leaving(Node* node);
   // A backup's ack: `node`'s pages [from, to) are durable in L3 (the ranks agreed); queued
   // unless the store removed one of them since the backup was queued (`queued_at`, an
   // l3_clock() reading): a page is never announced in L3 after its removal was.
