@@ -1345,7 +1345,8 @@ REFUSED = {"prefetch_policy": "wait_complete", "prefetch_timeout_base_ms": 10,
            "hicache_write_policy": "write_back", "host_tier": False,
            "storage": {"backend": "file", "root": "/tmp/x"}, "hicache_storage_backend": "file",
            "hicache_storage_backend_extra_config": {}, "model_name": "m",
-           "prefetch_threshold_tokens": 8, "tp_rank": 0, "tp_size": 1}
+           "prefetch_threshold_tokens": 8, "tp_rank": 0, "tp_size": 1,
+           "kv_events": {"endpoint": "tcp://*:5557"}}
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

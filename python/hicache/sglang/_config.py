@@ -69,6 +69,8 @@ _OWN_RADIX = {
     "recompute_seconds_per_token": "nowhere: SGLang's radix cache always loads a host hit",
     "demote_low_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
     "demote_high_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
+    "kv_events": "--kv-events-config (SGLang's radix cache publishes the KV events of the tree "
+                 "it owns)",
 }
 # Keys of SGLang's own radix cache in the extra config (SGLang reads them; later releases take
 # them out before the controller sees the extra config, earlier ones pass them through).
