@@ -18,6 +18,7 @@
 #include <zmq_addon.hpp>
 
 #include "controller/hicache.h"
+#include "storage/file_storage.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -232,6 +233,73 @@ TEST(KvEventsCache, ASubscriberRebuildsWhatTheCacheHoldsOnEveryTier) {
   check("after reset");
   EXPECT_TRUE(view.held["GPU"].empty());
   EXPECT_TRUE(view.held["CPU_PINNED"].empty());
+}
+
+// A file store whose every batch stores its first page only: the rest fail.
+class FirstPageOnly final : public StorageBackend {
+ public:
+  explicit FirstPageOnly(const std::string& root) : inner_(FileStorageConfig{.root = root}) {}
+  std::string_view name() const override { return "first-page-only"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return inner_.batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_.remove(key); }
+  void clear() override { inner_.clear(); }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    return inner_.batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    std::vector<IoResult> out = inner_.batch_set(keys.first(1), src.first(1));
+    out.resize(keys.size(), IoResult::error("injected failure"));
+    return out;
+  }
+
+ private:
+  FileStorage inner_;
+};
+
+// The illegal twin of an L3 announcement: a backup that failed is never announced. Each backup
+// stores its first page only; the subscriber's L3 blocks are exactly the records on disk (one per
+// backed-up node), never the pages whose writes failed. The store is not a file store by name:
+// its records are EXTERNAL.
+TEST(KvEventsCache, AFailedBackupIsNeverAnnouncedInL3) {
+  TempDir l3;
+  auto store = std::make_shared<FirstPageOnly>(l3.path.string());
+  HiCacheParts parts;
+  parts.storage = store;
+  HiCache hc(HiCacheConfig::from_json_text(
+                 R"({"device": "host", "page_size": 4, "device_tokens": 64, "host_ratio": 2,
+          "model": {"attention": "mha", "layers": 2, "kv_heads": 1, "head_dim": 8},
+          "kv_events": {"endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0",
+                        "topic": "kv"}})"),
+             std::move(parts));
+  Subscriber sub(*hc.kv_events());
+  View view;
+  HiRadixCache& cache = hc.cache();
+  for (int r = 0; r < 3; ++r) {
+    std::vector<std::int32_t> tokens(12);
+    for (int i = 0; i < 12; ++i) tokens[i] = 100000 * r + i;
+    auto slots = hc.device_pool().allocator().alloc(12);
+    ASSERT_TRUE(slots);
+    ASSERT_EQ(cache.insert(tokens, *slots), 0);
+  }
+  for (int i = 0; i < 4000 && cache.stats().backups_in_flight + cache.stats().writes_in_flight +
+                                      (i == 0 ? 1 : 0) > 0; ++i) {
+    const std::uint64_t seen = cache.event_seq();
+    cache.check_events();
+    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  }
+  hc.kv_events()->flush();
+  sub.catch_up(view);
+  const std::set<std::int64_t> disk = disk_blocks(l3.path, hc.key_namespace().prefix());
+  EXPECT_EQ(disk.size(), 3u);  // one page of each of the three nodes
+  EXPECT_EQ(view.held["EXTERNAL"], disk);
+  EXPECT_TRUE(view.held["DISK"].empty());
+  EXPECT_EQ(view.held["CPU_PINNED"].size(), 9u);  // the host holds all nine pages
 }
 
 // The one rank that publishes: with two TP ranks and kv_events.publish_rank 1, rank 1 has a
