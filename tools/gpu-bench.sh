@@ -12,7 +12,9 @@
 #   libboost1.81-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
 #   libbenchmark1debian libhiredis-dev libhiredis0.14 libgloo-dev libgloo0 libssl-dev libssl3
 #   libxxhash-dev libxxhash0 liburing-dev liburing2 libibverbs1 libnl-3-200 libnl-route-3-200
-#   pkgconf pkgconf-bin libpkgconf3      (about 16 MiB; .deps/ is ignored by git)
+#   pkgconf pkgconf-bin libpkgconf3 libzmq3-dev libzmq5 cppzmq-dev libsodium23 libsodium-dev
+#   libpgm-5.3-0 libpgm-dev libnorm1 libnorm-dev libmsgpack-cxx-dev
+#   (about 20 MiB; .deps/ is ignored by git; the ZeroMQ part is untested on a device machine)
 # then there:  for f in .deps/*.deb; do dpkg -x $f /tmp/deps; done
 #              DEPS_PREFIX=/tmp/deps bash tools/gpu-bench.sh
 set -euo pipefail
