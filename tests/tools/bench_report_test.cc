@@ -317,6 +317,29 @@ TEST(HicacheBench, BadSettingsExitWithUsageAndNameTheValue) {
   }
 }
 
+// --kv-events-view needs the events and one process running one configuration; a bad
+// kv_events key is refused naming it, before anything runs.
+TEST(HicacheBench, KvEventsFlagsAreCheckedBeforeTheRun) {
+  for (const std::string& flags :
+       {std::string("--kv-events-view /tmp/v.json"),
+        std::string("--kv-events tcp://*:0 --kv-events-view /tmp/v.json --compare"),
+        std::string("--kv-events tcp://*:0 --kv-events-view /tmp/v.json --tp 2")}) {
+    const BenchRun r = run_bench(kTiny + flags);
+    EXPECT_EQ(r.status, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("--kv-events-view '/tmp/v.json' needs --kv-events, one configuration"),
+              std::string::npos)
+        << r.output;
+  }
+  BenchRun r = run_bench(kTiny + "--kv-events tcp://*:0 --kv-events-media TAPE");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("key 'kv_events.media' is \"TAPE\""), std::string::npos) << r.output;
+  r = run_bench(kTiny + "--kv-events-topic kv");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("'kv_events.topic' is set, but kv_events.endpoint is not"),
+            std::string::npos)
+      << r.output;
+}
+
 // --metrics-port: the cache's /metrics is served while the workload runs (0: a free port, which
 // the bench prints); a port out of range is refused before anything runs, naming the key.
 TEST(HicacheBench, MetricsPortServesTheCachesMetricsAndABadOneIsRefused) {
