@@ -56,7 +56,7 @@ TEST(MetricsRegistry, RendersCountersGaugesAndHistogramsInTheExpositionFormat) {
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.001\"} 1\n"
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.01\"} 2\n"
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"+Inf\"} 3\n"
-            "hicache_test_seconds_sum{dir=\"a\\\"b\"} 7.0054999999999996\n"
+            "hicache_test_seconds_sum{dir=\"a\\\"b\"} 7.0055\n"
             "hicache_test_seconds_count{dir=\"a\\\"b\"} 3\n");
   const json j = json::parse(r.json_text());
   EXPECT_EQ(j["hicache_test_total"]["series"][0]["value"], 42);
@@ -98,6 +98,127 @@ TEST(MetricsRegistry, AScopeForgetsWhatItRegisteredWhenItGoes) {
   EXPECT_EQ(r.value("gone_total", {{"tp_rank", "3"}, {"x", "y"}}), -1);
   EXPECT_EQ(r.prometheus_text().find("gone_total"), std::string::npos);
   EXPECT_NE(r.prometheus_text().find("kept_total 0"), std::string::npos);
+}
+
+// An alias series shows the sum of the series it selects under another name and labels, with
+// the source series' other labels carried; it follows them (nothing is copied at registration).
+TEST(MetricsRegistry, AnAliasShowsTheSeriesItSelectsUnderAnotherNameAndLabels) {
+  MetricsRegistry r;
+  Counter device, host, storage, other_rank;
+  Gauge used;
+  Histogram latency({0.01, 0.1});
+  device += 3;
+  host += 5;
+  storage += 7;
+  other_rank += 100;
+  used.set(0.25);
+  latency.observe(0.005);
+  latency.observe(0.05);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "device"}}, device, this);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "host"}}, host, this);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "storage"}}, storage, this);
+  r.add("src_total", "h", {{"tp_rank", "1"}, {"tier", "host"}}, other_rank, this);
+  r.add("src_ratio", "g", {{"tp_rank", "0"}, {"tier", "host"}}, used, this);
+  r.add("src_seconds", "s", {{"tp_rank", "0"}, {"dir", "in"}}, latency, this);
+  using T = MetricsRegistry::Type;
+  r.add_alias("eng:hits_total", "Hits", T::kCounter, {{"mode", "device_hit"}}, "src_total",
+              {{{"tier", "device"}}}, this);
+  r.add_alias("eng:hits_total", "Hits", T::kCounter, {{"mode", "below"}}, "src_total",
+              {{{"tier", "host"}}, {{"tier", "storage"}}}, this);
+  r.add_alias("eng:usage_perc", "Usage", T::kGauge, {}, "src_ratio", {{{"tier", "host"}}}, this);
+  r.add_alias("eng:seconds", "Seconds", T::kHistogram, {}, "src_seconds", {{{"dir", "in"}}}, this);
+  const std::string text = r.prometheus_text();
+  const std::string aliases = text.substr(text.find("# HELP eng:hits_total"));
+  EXPECT_EQ(aliases,
+            "# HELP eng:hits_total Hits\n"
+            "# TYPE eng:hits_total counter\n"
+            "eng:hits_total{tp_rank=\"0\",mode=\"device_hit\"} 3\n"
+            "eng:hits_total{tp_rank=\"0\",mode=\"below\"} 12\n"
+            "eng:hits_total{tp_rank=\"1\",mode=\"below\"} 100\n"
+            "# HELP eng:usage_perc Usage\n"
+            "# TYPE eng:usage_perc gauge\n"
+            "eng:usage_perc{tp_rank=\"0\"} 0.25\n"
+            "# HELP eng:seconds Seconds\n"
+            "# TYPE eng:seconds histogram\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"0.01\"} 1\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"0.1\"} 2\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"+Inf\"} 2\n"
+            "eng:seconds_sum{tp_rank=\"0\"} 0.055\n"
+            "eng:seconds_count{tp_rank=\"0\"} 2\n");
+  // The source moves, the alias with it; the JSON snapshot and value() show aliases too.
+  host += 1;
+  EXPECT_EQ(r.value("eng:hits_total", {{"tp_rank", "0"}, {"mode", "below"}}), 13);
+  EXPECT_EQ(r.value("eng:seconds", {{"tp_rank", "0"}}), 2) << "a histogram's count";
+  EXPECT_EQ(r.value("eng:hits_total", {{"mode", "below"}}), -1) << "tp_rank is carried";
+  const json j = json::parse(r.json_text());
+  EXPECT_EQ(j["eng:hits_total"]["type"], "counter");
+  EXPECT_EQ(j["eng:hits_total"]["series"][1]["value"], 13);
+  EXPECT_EQ(j["eng:hits_total"]["series"][1]["labels"]["mode"], "below");
+  EXPECT_EQ(j["eng:seconds"]["series"][0]["buckets"][1][1], 2);
+  EXPECT_EQ(j["eng:usage_perc"]["type"], "gauge");
+}
+
+TEST(MetricsRegistry, AnAliasOfAnAbsentFamilyShowsNothingUntilItExistsAndGoesWithItsOwner) {
+  MetricsRegistry r;
+  using T = MetricsRegistry::Type;
+  int alias_owner = 0;
+  r.add_alias("eng:later_total", "h", T::kCounter, {}, "later_total", {{}}, &alias_owner);
+  EXPECT_EQ(r.prometheus_text(), "") << "no family to show yet";
+  EXPECT_EQ(r.json_text(), "{}");
+  EXPECT_EQ(r.value("eng:later_total"), -1);
+  {
+    Counter c;
+    c += 9;
+    MetricsScope scope;
+    scope.attach(r, {{"tp_rank", "2"}});
+    scope.add("later_total", "h", {}, c);
+    EXPECT_EQ(r.value("eng:later_total", {{"tp_rank", "2"}}), 9);
+  }
+  EXPECT_EQ(r.prometheus_text(), "") << "the source went with its scope";
+  r.forget(&alias_owner);
+  Counter again;
+  r.add("later_total", "h", {}, again, this);
+  EXPECT_EQ(r.prometheus_text().find("eng:later_total"), std::string::npos) << "forgotten";
+}
+
+TEST(MetricsRegistry, AliasesRefuseBadNamesClashesAndAnotherType) {
+  MetricsRegistry r;
+  using T = MetricsRegistry::Type;
+  Counter c;
+  Gauge g;
+  r.add("src_total", "h", {}, c, this);
+  r.add("ratio", "h", {}, g, this);
+  const auto expect_error = [&](auto&& call, const std::string& naming) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming " << naming;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(naming), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { r.add_alias("1bad", "h", T::kCounter, {}, "src_total", {{}}, this); }, "1bad");
+  expect_error(
+      [&] {
+        r.add_alias("a:ok", "h", T::kCounter, {{"bad-l", "x"}}, "src_total", {{}}, this);
+      },
+      "bad-l");
+  expect_error([&] { r.add_alias("a:ok", "h", T::kCounter, {}, "src_total", {}, this); },
+               "selects no series");
+  expect_error([&] { r.add_alias("src_total", "h", T::kCounter, {}, "ratio", {{}}, this); },
+               "'src_total' is a family's name");
+  expect_error([&] { r.add_alias("a:ok", "h", T::kCounter, {}, "ratio", {{}}, this); },
+               "its source 'ratio' is a gauge");
+  r.add_alias("a:ok", "h", T::kCounter, {{"k", "v"}}, "src_total", {{}}, this);
+  expect_error(
+      [&] {
+        r.add_alias("a:ok", "h", T::kCounter, {{"k", "v"}}, "src_total", {{}}, this);
+      },
+      "registered already");
+  expect_error([&] { r.add_alias("a:ok", "other", T::kCounter, {}, "src_total", {{}}, this); },
+               "exists as a counter with help 'h'");
+  expect_error([&] { r.add("a:ok", "h", {}, c, this); }, "an alias family's name");
+  EXPECT_EQ(r.value("a:ok", {{"k", "v"}}), 0) << "the refusals changed nothing";
+  EXPECT_EQ(r.value("a:ok", {}), -1);
 }
 
 TEST(MetricsRegistry, ScrapesWhileCountersRunAreConsistent) {
