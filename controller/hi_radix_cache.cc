@@ -413,6 +413,7 @@ void HiRadixCache::drop_device(Node* node) {
     controller_.evict_device(node->device, node->host);
   } else {
     device_pool_.allocator().free(node->device);
+    events_.dropped_device_tokens += n;
   }
   node->device.clear();
   refresh(node);
@@ -427,6 +428,9 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
   // this the device could fill up with inner nodes that nothing ever frees.
   std::int64_t freed = 0, scheduled = 0;  // scheduled: write-back evictions freed on the ack
   std::vector<Node*> passed_over;         // host full and a subtree below: kept this call
+  const bool timed = metrics_.attached();  // metrics off: no clock read on this path
+  const auto started =
+      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   while (freed + scheduled < tokens) {
     Node* n = index_->next_victim(radix::Tier::kDevice);
     if (n == nullptr) break;
@@ -457,6 +461,10 @@ std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
   for (Node* n : passed_over) {
     n->passed_over = false;
     refresh(n);
+  }
+  if (timed && freed + scheduled > 0) {
+    events_.device_eviction_seconds.observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
   return freed;
 }
@@ -783,6 +791,17 @@ void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labe
   const auto host_capacity = static_cast<double>(host_pool_.capacity_tokens());
   metrics_.add_gauge_fn(kCapacity, kCapacityHelp, {{"tier", "host"}},
                         [host_capacity] { return host_capacity; });
+  constexpr const char* kUsage = "hicache_pool_usage_ratio";
+  constexpr const char* kUsageHelp = "Token slots in use over token slots per tier (0 to 1)";
+  const Gauge* device_used = &device_used_tokens_;
+  metrics_.add_gauge_fn(kUsage, kUsageHelp, {{"tier", "device"}}, [device_used, device_capacity] {
+    return device_capacity > 0 ? device_used->value() / device_capacity : 0;
+  });
+  metrics_.add_gauge_fn(kUsage, kUsageHelp, {{"tier", "host"}}, [host, host_capacity] {
+    return host_capacity > 0
+               ? static_cast<double>(host->capacity_tokens() - host->free_tokens()) / host_capacity
+               : 0;
+  });
 }
 
 std::int64_t HiRadixCache::evictable_device_tokens() const {

@@ -155,6 +155,15 @@ class HiRadixCache {
   // Registers the cache's event counters (tokens matched per tier, loaded back, prefetched,
   // evicted; misses by reason; failures) in `registry` until destroyed or registered again.
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
+  // The engine reports one prefill (SGLang's scheduler does so per prefill batch): of its
+  // prompt tokens, how many were on the device, loaded back from the host, brought from L3 by
+  // a prefetch (then loaded back), and computed. Counted in hicache_prefill_tokens_total by
+  // source and hicache_prefill_hit_ratio. InvalidArgument naming a negative count (nothing
+  // counted).
+  void record_prefill(std::int64_t device_tokens, std::int64_t host_tokens,
+                      std::int64_t storage_tokens, std::int64_t computed_tokens) {
+    events_.record_prefill(device_tokens, host_tokens, storage_tokens, computed_tokens);
+  }
 
   // Cache identity (`identity` below): what besides the tokens decides a page's KV, such as a
   // LoRA adapter, a cache salt or a tenant (SGLang's extra_key, vLLM's cache_salt). Sequences
@@ -238,7 +247,10 @@ class HiRadixCache {
   // Prefetches from L3 the whole pages of `tokens` that follow `node`'s prefix (`tokens` starts
   // right after it). When the host pool has less free than that, host-only pages are evicted
   // first (LRU/LFU) to make room. `node` stays locked until the prefetch ends. False when there is
-  // no storage, nothing to fetch, or the request id is in use. `identity` is the request's (it
+  // no storage, nothing to fetch, or the request id is in use, and when it is declined: its
+  // pages are fewer than the prefetch threshold (no hit could reach it), reading them would
+  // cost more than recomputing, the queue or the prefetch budget is full, or the host has no
+  // room (each counted in hicache_prefetch_outcomes_total). `identity` is the request's (it
   // matters when `node` is the root: deeper nodes carry theirs).
   bool prefetch_from_storage(const std::string& request_id, Node* node,
                              std::span<const std::int32_t> tokens, std::string_view identity = {});

@@ -3,6 +3,7 @@
 #include <exception>
 #include <nlohmann/json.hpp>
 
+#include "controller/metrics_aliases.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -147,6 +148,8 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
       cache_->register_metrics(*metrics_, rank);
       if (storage_controller_) storage_controller_->register_metrics(*metrics_, rank);
       if (storage_) storage_->register_metrics(*metrics_, rank);
+      // SGLang's, vLLM's and LMCache's names; model_name as SGLang's series carry it.
+      register_engine_metric_aliases(*metrics_, this, {{"model_name", config_.model_name}});
     }
     if (!config_.kv_events.endpoint.empty() && config_.tp.rank == config_.kv_events_publish_rank) {
       kv_events_ = std::make_unique<KvEventPublisher>(config_.kv_events,

@@ -528,6 +528,14 @@ void HiCacheController::register_metrics(MetricsRegistry& registry, MetricLabels
   constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
   metrics_.add(kBytes, kBytesHelp, write, bytes_written_);
   metrics_.add(kBytes, kBytesHelp, load, bytes_loaded_);
+  // Whole tokens move: bytes over the bytes of a token are tokens, exactly.
+  const auto token_bytes = static_cast<double>(device_pool_.geometry().token_bytes());
+  metrics_.add_counter_fn(kTokensMetric, kTokensHelp, write, [this, token_bytes] {
+    return static_cast<double>(bytes_written_.value()) / token_bytes;
+  });
+  metrics_.add_counter_fn(kTokensMetric, kTokensHelp, load, [this, token_bytes] {
+    return static_cast<double>(bytes_loaded_.value()) / token_bytes;
+  });
   constexpr const char* kLatency = "hicache_op_latency_seconds";
   constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
   metrics_.add(kLatency, kLatencyHelp, write, write_latency_);

@@ -282,11 +282,20 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
       spans[i] = slot;
     }
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const auto results = storage_.batch_set(
       std::span<const std::string>(op.keys).subspan(begin, n), spans);
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
   std::int64_t ok = 0;
   while (ok < static_cast<std::int64_t>(n) && results[ok].is_ok()) ++ok;
   written_bytes_ += ok * static_cast<std::int64_t>(page_bytes);
+  backup_batch_pages_.observe(static_cast<double>(n));
+  if (ok > 0 && ns > 0) {  // bytes per nanosecond: GB/s
+    backup_gbps_.observe(static_cast<double>(ok) * static_cast<double>(page_bytes) /
+                         static_cast<double>(ns));
+  }
   if (ok < static_cast<std::int64_t>(n)) {
     error = str_cat("page ", begin + ok, " (key '", op.keys[begin + ok], "'): ",
                     to_string(results[ok].status), " ", results[ok].reason);
@@ -361,7 +370,11 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   }
   std::int64_t agreed_hit[1] = {hit_pages};
   if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
-  if (agreed_hit[0] * page_size_ < config_.prefetch_threshold_tokens) {
+  const std::int64_t hit_tokens = std::max<std::int64_t>(agreed_hit[0], 0) * page_size_;
+  hit_tokens_ += hit_tokens;
+  if (hit_tokens < config_.prefetch_threshold_tokens) {
+    ++(hit_tokens == 0 ? revoked_full_miss_ : revoked_insufficient_);
+    unfulfilled_below_threshold_ += hit_tokens;
     revoke(op);
     return;
   }
@@ -396,6 +409,8 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
       op.slots_.clear();
     }
     op.budget_.release();
+    ++revoked_host_capacity_;
+    unfulfilled_host_capacity_ += want;
     revoke(op);
     return;
   }
@@ -482,13 +497,17 @@ void StorageController::read_pages(PrefetchOperation& op) {
       const auto t0 = std::chrono::steady_clock::now();
       const auto results = storage_.batch_get(
           std::span<const std::string>(op.keys_).subspan(begin, n), spans);
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - t0)
+                          .count();
       while (ok < n && results[ok].is_ok()) ++ok;
+      prefetch_batch_pages_.observe(static_cast<double>(n));
       if (ok > 0) {
-        read_ns_ += static_cast<std::int64_t>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                                 t0)
-                .count());
+        read_ns_ += static_cast<std::int64_t>(ns);
         read_bytes_ += static_cast<std::int64_t>(ok * page_bytes);
+        if (ns > 0) {  // bytes per nanosecond: GB/s
+          prefetch_gbps_.observe(static_cast<double>(ok * page_bytes) / static_cast<double>(ns));
+        }
       }
       if (ok < n) {
         error = str_cat("page ", begin + ok, " (key '", op.keys_[begin + ok], "'): ",
@@ -629,6 +648,36 @@ void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels
                         [this] { return static_cast<double>(backup_queue_.size()); });
   metrics_.add_gauge_fn("hicache_queue_depth", "Ops waiting in a queue", {{"queue", "prefetch"}},
                         [this] { return static_cast<double>(prefetch_queue_.size()); });
+  // Whole pages move: bytes over the bytes of a token are tokens, exactly.
+  const auto token_bytes = static_cast<double>(host_.geometry().token_bytes());
+  metrics_.add_counter_fn(
+      kTokensMetric, kTokensHelp, {{"direction", "l2_to_l3"}},
+      [this, token_bytes] { return static_cast<double>(written_bytes_.value()) / token_bytes; });
+  metrics_.add_counter_fn(
+      kTokensMetric, kTokensHelp, {{"direction", "l3_to_l2"}},
+      [this, token_bytes] { return static_cast<double>(read_bytes_.value()) / token_bytes; });
+  constexpr const char* kPages = "hicache_storage_batch_pages";
+  constexpr const char* kPagesHelp = "Pages asked of the store per call, by direction";
+  metrics_.add(kPages, kPagesHelp, {{"direction", "l2_to_l3"}}, backup_batch_pages_);
+  metrics_.add(kPages, kPagesHelp, {{"direction", "l3_to_l2"}}, prefetch_batch_pages_);
+  constexpr const char* kGbps = "hicache_storage_batch_bandwidth_gbps";
+  constexpr const char* kGbpsHelp =
+      "GB/s (1e9 bytes/s) of the pages a store call moved, per call, by direction";
+  metrics_.add(kGbps, kGbpsHelp, {{"direction", "l2_to_l3"}}, backup_gbps_);
+  metrics_.add(kGbps, kGbpsHelp, {{"direction", "l3_to_l2"}}, prefetch_gbps_);
+  metrics_.add("hicache_prefetch_hit_tokens_total",
+               "Tokens of the L3 hits every rank agreed on (before the threshold)", {},
+               hit_tokens_);
+  metrics_.add(kPrefetchOutcomesMetric, kPrefetchOutcomesHelp,
+               {{"outcome", "revoked_insufficient"}}, revoked_insufficient_);
+  metrics_.add(kPrefetchOutcomesMetric, kPrefetchOutcomesHelp, {{"outcome", "revoked_full_miss"}},
+               revoked_full_miss_);
+  metrics_.add(kPrefetchOutcomesMetric, kPrefetchOutcomesHelp,
+               {{"outcome", "revoked_host_capacity"}}, revoked_host_capacity_);
+  metrics_.add(kPrefetchUnfulfilledMetric, kPrefetchUnfulfilledHelp,
+               {{"reason", "below_threshold"}}, unfulfilled_below_threshold_);
+  metrics_.add(kPrefetchUnfulfilledMetric, kPrefetchUnfulfilledHelp, {{"reason", "host_capacity"}},
+               unfulfilled_host_capacity_);
 }
 
 }  // namespace hicache

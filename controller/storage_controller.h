@@ -344,6 +344,15 @@ class StorageController {
   Counter failed_ops_, read_bytes_, read_ns_, written_bytes_;
   Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
   Histogram backup_latency_, prefetch_latency_;
+  // The agreed L3 hits (tokens) and, of the revoked ones, why: below the threshold (a full
+  // miss or some pages), or some rank without host room (all of the hit unfulfilled).
+  Counter hit_tokens_, unfulfilled_below_threshold_, unfulfilled_host_capacity_;
+  Counter revoked_insufficient_, revoked_full_miss_, revoked_host_capacity_;
+  // Per storage call: the pages it was asked for, and GB/s (1e9 bytes/s) of those it moved.
+  Histogram backup_batch_pages_{std::vector<double>{1, 5, 10, 50, 100}};
+  Histogram prefetch_batch_pages_{std::vector<double>{1, 5, 10, 50, 100}};
+  Histogram backup_gbps_{std::vector<double>{0.1, 0.5, 1, 5, 10, 50, 100}};
+  Histogram prefetch_gbps_{std::vector<double>{0.1, 0.5, 1, 5, 10, 50, 100}};
   MetricsScope metrics_;  // after what it registers: it goes first
   Mutex idle_mu_;
   std::condition_variable idle_cv_;

@@ -1,8 +1,10 @@
 #include "transfer/metrics.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <variant>
 
 #include "transfer/errors.h"
@@ -27,9 +29,11 @@ std::string number(double v) {
   if (v == std::floor(v) && std::fabs(v) < 1e15) {
     return std::to_string(static_cast<long long>(v));
   }
+  // The shortest text that reads back as `v` (0.1, not 0.10000000000000001): a bucket's le
+  // label then reads as other exporters write it, so a dashboard's le="0.1" selects it.
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+  return std::string(buf, end);
 }
 
 std::string escape(std::string_view s, bool quotes) {
@@ -134,17 +138,93 @@ struct MetricsRegistry::Series {
   }
 };
 
-struct MetricsRegistry::Family {
+struct MetricsRegistry::AliasSeries {
+  MetricLabels labels;
+  std::string source;
+  std::vector<MetricLabels> selects;
+  const void* owner = nullptr;
+};
+
+template <typename S>
+struct MetricsRegistry::FamilyOf {
   std::string name, help;
   Type type;
-  std::vector<Series> series;
+  std::vector<S> series;
 };
+
+// One series as a scrape reads it: a value, or a histogram's buckets (bounds set).
+struct MetricsRegistry::Sample {
+  MetricLabels labels;
+  double value = 0;
+  const std::vector<double>* bounds = nullptr;  // a histogram's; valid while mu_ is held
+  std::vector<std::uint64_t> counts;            // per bucket, not cumulative
+  double sum = 0;
+
+  static Sample of(const Series& s) {
+    Sample out{s.labels};
+    if (const auto* h = std::get_if<const Histogram*>(&s.source)) {
+      out.bounds = &(*h)->bounds();
+      out.counts = (*h)->counts();
+      out.sum = (*h)->sum();
+    } else {
+      out.value = s.scalar();
+    }
+    return out;
+  }
+  // A counter's or gauge's value; a histogram's count.
+  double scalar() const {
+    if (bounds == nullptr) return value;
+    return static_cast<double>(std::accumulate(counts.begin(), counts.end(), std::uint64_t{0}));
+  }
+  // Adds `other` (same kind); false when the histograms' bounds differ (nothing added).
+  bool add(const Sample& other) {
+    if (bounds == nullptr) {
+      value += other.value;
+      return true;
+    }
+    if (other.bounds == nullptr || *other.bounds != *bounds) return false;
+    for (std::size_t i = 0; i < counts.size(); ++i) counts[i] += other.counts[i];
+    sum += other.sum;
+    return true;
+  }
+};
+
+namespace {
+
+bool has_key(const MetricLabels& labels, std::string_view key) {
+  return std::any_of(labels.begin(), labels.end(), [&](const auto& kv) { return kv.first == key; });
+}
+
+bool includes(const MetricLabels& labels, const MetricLabels& pairs) {
+  return std::all_of(pairs.begin(), pairs.end(), [&](const auto& p) {
+    return std::find(labels.begin(), labels.end(), p) != labels.end();
+  });
+}
+
+}  // namespace
 
 MetricsRegistry::MetricsRegistry() = default;
 MetricsRegistry::~MetricsRegistry() = default;
 
+const MetricsRegistry::Family* MetricsRegistry::find_family(std::string_view name) const {
+  for (const auto& f : families_) {
+    if (f->name == name) return f.get();
+  }
+  return nullptr;
+}
+
+const MetricsRegistry::AliasFamily* MetricsRegistry::find_alias(std::string_view name) const {
+  for (const auto& a : aliases_) {
+    if (a->name == name) return a.get();
+  }
+  return nullptr;
+}
+
 MetricsRegistry::Family& MetricsRegistry::family(std::string_view name, std::string_view help,
                                                  Type type) {
+  if (find_alias(name) != nullptr) {
+    throw InvalidArgument(str_cat("metrics: '", name, "' is an alias family's name"));
+  }
   for (auto& f : families_) {
     if (f->name != name) continue;
     if (f->type != type || f->help != help) {
@@ -204,49 +284,130 @@ void MetricsRegistry::add_gauge_fn(std::string_view name, std::string_view help,
   add_series(name, help, Type::kGauge, Series{std::move(labels), owner, std::move(read)});
 }
 
+void MetricsRegistry::add_alias(std::string_view name, std::string_view help, Type type,
+                                MetricLabels labels, std::string_view source,
+                                std::vector<MetricLabels> selects, const void* owner) {
+  if (!valid_name(name, false)) throw InvalidArgument(str_cat("metrics: bad name '", name, "'"));
+  if (!valid_name(source, false)) {
+    throw InvalidArgument(str_cat("metrics: alias '", name, "': bad source name '", source, "'"));
+  }
+  if (selects.empty()) {
+    throw InvalidArgument(str_cat("metrics: alias '", name, label_text(labels),
+                                  "' selects no series of '", source, "'"));
+  }
+  for (const auto& [k, v] : labels) {
+    if (!valid_name(k, true) || (type == Type::kHistogram && k == "le")) {
+      throw InvalidArgument(str_cat("metrics: bad label name '", k, "' on '", name, "'"));
+    }
+  }
+  for (const MetricLabels& select : selects) {
+    for (const auto& [k, v] : select) {
+      if (!valid_name(k, true)) {
+        throw InvalidArgument(
+            str_cat("metrics: alias '", name, "': bad label name '", k, "' in a select"));
+      }
+    }
+  }
+  MutexLock lock(mu_);
+  if (find_family(name) != nullptr) {
+    throw InvalidArgument(str_cat("metrics: alias '", name, "' is a family's name"));
+  }
+  if (const Family* src = find_family(source); src != nullptr && src->type != type) {
+    throw InvalidArgument(str_cat("metrics: alias '", name, "' is a ", type_name(type),
+                                  " but its source '", source, "' is a ", type_name(src->type)));
+  }
+  AliasFamily* family = nullptr;
+  for (auto& a : aliases_) {
+    if (a->name == name) family = a.get();
+  }
+  if (family == nullptr) {
+    aliases_.push_back(
+        std::make_unique<AliasFamily>(AliasFamily{std::string(name), std::string(help), type, {}}));
+    family = aliases_.back().get();
+  } else if (family->type != type || family->help != help) {
+    throw InvalidArgument(str_cat("metrics: alias family '", name, "' exists as a ",
+                                  type_name(family->type), " with help '", family->help, "'"));
+  }
+  for (const AliasSeries& s : family->series) {
+    if (s.labels == labels) {
+      throw InvalidArgument(
+          str_cat("metrics: alias '", name, label_text(labels), "' is registered already"));
+    }
+  }
+  family->series.push_back(
+      AliasSeries{std::move(labels), std::string(source), std::move(selects), owner});
+}
+
+std::vector<MetricsRegistry::Sample> MetricsRegistry::resolve(const AliasFamily& alias) const {
+  std::vector<Sample> out;
+  for (const AliasSeries& a : alias.series) {
+    const Family* src = find_family(a.source);
+    if (src == nullptr || src->type != alias.type) continue;
+    const std::size_t first = out.size();  // this alias series' samples start here
+    for (const Series& s : src->series) {
+      const auto select =
+          std::find_if(a.selects.begin(), a.selects.end(),
+                       [&](const MetricLabels& p) { return includes(s.labels, p); });
+      if (select == a.selects.end()) continue;
+      Sample x = Sample::of(s);
+      x.labels.clear();
+      for (const auto& kv : s.labels) {
+        if (!has_key(*select, kv.first) && !has_key(a.labels, kv.first)) x.labels.push_back(kv);
+      }
+      x.labels.insert(x.labels.end(), a.labels.begin(), a.labels.end());
+      const auto same = std::find_if(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
+                                     [&](const Sample& o) { return o.labels == x.labels; });
+      if (same == out.end()) {
+        out.push_back(std::move(x));
+      } else {
+        (void)same->add(x);  // a histogram of other bounds is left out
+      }
+    }
+  }
+  return out;
+}
+
 void MetricsRegistry::forget(const void* owner) {
   MutexLock lock(mu_);
   for (auto& f : families_) {
     std::erase_if(f->series, [owner](const Series& s) { return s.owner == owner; });
   }
   std::erase_if(families_, [](const auto& f) { return f->series.empty(); });
+  for (auto& a : aliases_) {
+    std::erase_if(a->series, [owner](const AliasSeries& s) { return s.owner == owner; });
+  }
+  std::erase_if(aliases_, [](const auto& a) { return a->series.empty(); });
 }
 
 std::string MetricsRegistry::prometheus_text() const {
   MutexLock lock(mu_);
   std::string out;
+  const auto family_text = [&out](const std::string& name, const std::string& help, Type type,
+                                  const std::vector<Sample>& samples) {
+    if (samples.empty()) return;
+    out += str_cat("# HELP ", name, " ", escape(help, false), "\n# TYPE ", name, " ",
+                   type_name(type), "\n");
+    for (const Sample& s : samples) text_sample(out, name, s);
+  };
   for (const auto& f : families_) {
-    out += str_cat("# HELP ", f->name, " ", escape(f->help, false), "\n# TYPE ", f->name, " ",
-                   type_name(f->type), "\n");
-    for (const Series& s : f->series) {
-      const auto* h = std::get_if<const Histogram*>(&s.source);
-      if (h == nullptr) {
-        out += str_cat(f->name, label_text(s.labels), " ", number(s.scalar()), "\n");
-        continue;
-      }
-      const auto counts = (*h)->counts();
-      std::uint64_t cumulative = 0;
-      for (std::size_t i = 0; i < counts.size(); ++i) {
-        cumulative += counts[i];
-        const std::string le = i < (*h)->bounds().size() ? number((*h)->bounds()[i]) : "+Inf";
-        out += str_cat(f->name, "_bucket", label_text(s.labels, "le", le), " ", cumulative, "\n");
-      }
-      out += str_cat(f->name, "_sum", label_text(s.labels), " ", number((*h)->sum()), "\n");
-      // The count is the +Inf bucket's, so the two agree even while observe() runs.
-      out += str_cat(f->name, "_count", label_text(s.labels), " ", cumulative, "\n");
-    }
+    std::vector<Sample> samples;
+    for (const Series& s : f->series) samples.push_back(Sample::of(s));
+    family_text(f->name, f->help, f->type, samples);
   }
+  for (const auto& a : aliases_) family_text(a->name, a->help, a->type, resolve(*a));
   return out;
 }
 
 std::string MetricsRegistry::json_text() const {
   MutexLock lock(mu_);
   std::string out = "{";
-  for (const auto& f : families_) {
-    out += str_cat(out.size() > 1 ? "," : "", json_string(f->name), ":{\"type\":\"",
-                   type_name(f->type), "\",\"help\":", json_string(f->help), ",\"series\":[");
+  const auto family_json = [&out](const std::string& name, const std::string& help, Type type,
+                                  const std::vector<Sample>& samples) {
+    if (samples.empty()) return;
+    out += str_cat(out.size() > 1 ? "," : "", json_string(name), ":{\"type\":\"", type_name(type),
+                   "\",\"help\":", json_string(help), ",\"series\":[");
     bool first = true;
-    for (const Series& s : f->series) {
+    for (const Sample& s : samples) {
       out += first ? "{\"labels\":{" : ",{\"labels\":{";
       first = false;
       for (std::size_t i = 0; i < s.labels.size(); ++i) {
@@ -254,36 +415,61 @@ std::string MetricsRegistry::json_text() const {
                        json_string(s.labels[i].second));
       }
       out += "}";
-      if (const auto* h = std::get_if<const Histogram*>(&s.source)) {
-        const auto counts = (*h)->counts();
+      if (s.bounds != nullptr) {
         std::uint64_t cumulative = 0;
         std::string buckets;
-        for (std::size_t i = 0; i < counts.size(); ++i) {
-          cumulative += counts[i];
-          const std::string le =
-              i < (*h)->bounds().size() ? json_number((*h)->bounds()[i]) : "\"+Inf\"";
+        for (std::size_t i = 0; i < s.counts.size(); ++i) {
+          cumulative += s.counts[i];
+          const std::string le = i < s.bounds->size() ? json_number((*s.bounds)[i]) : "\"+Inf\"";
           buckets += str_cat(i ? "," : "", "[", le, ",", cumulative, "]");
         }
-        out += str_cat(",\"count\":", cumulative, ",\"sum\":", json_number((*h)->sum()),
-                       ",\"buckets\":[", buckets, "]}");
+        out += str_cat(",\"count\":", cumulative, ",\"sum\":", json_number(s.sum), ",\"buckets\":[",
+                       buckets, "]}");
       } else {
-        out += str_cat(",\"value\":", json_number(s.scalar()), "}");
+        out += str_cat(",\"value\":", json_number(s.value), "}");
       }
     }
     out += "]}";
+  };
+  for (const auto& f : families_) {
+    std::vector<Sample> samples;
+    for (const Series& s : f->series) samples.push_back(Sample::of(s));
+    family_json(f->name, f->help, f->type, samples);
   }
+  for (const auto& a : aliases_) family_json(a->name, a->help, a->type, resolve(*a));
   return out + "}";
 }
 
 double MetricsRegistry::value(std::string_view name, const MetricLabels& labels) const {
   MutexLock lock(mu_);
-  for (const auto& f : families_) {
-    if (f->name != name) continue;
+  if (const Family* f = find_family(name)) {
     for (const Series& s : f->series) {
+      if (s.labels == labels) return s.scalar();
+    }
+    return -1;
+  }
+  if (const AliasFamily* a = find_alias(name)) {
+    for (const Sample& s : resolve(*a)) {
       if (s.labels == labels) return s.scalar();
     }
   }
   return -1;
+}
+
+void MetricsRegistry::text_sample(std::string& out, const std::string& name, const Sample& s) {
+  if (s.bounds == nullptr) {
+    out += str_cat(name, label_text(s.labels), " ", number(s.value), "\n");
+    return;
+  }
+  std::uint64_t cumulative = 0;
+  for (std::size_t i = 0; i < s.counts.size(); ++i) {
+    cumulative += s.counts[i];
+    const std::string le = i < s.bounds->size() ? number((*s.bounds)[i]) : "+Inf";
+    out += str_cat(name, "_bucket", label_text(s.labels, "le", le), " ", cumulative, "\n");
+  }
+  out += str_cat(name, "_sum", label_text(s.labels), " ", number(s.sum), "\n");
+  // The count is the +Inf bucket's, so the two agree even while observe() runs.
+  out += str_cat(name, "_count", label_text(s.labels), " ", cumulative, "\n");
 }
 
 void MetricsScope::attach(MetricsRegistry& registry, MetricLabels labels) {

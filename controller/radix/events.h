@@ -4,6 +4,8 @@
 // metrics, in one place.
 #pragma once
 
+#include <cstdint>
+
 #include "transfer/metrics.h"
 
 namespace hicache::radix {
@@ -16,6 +18,32 @@ struct CacheEvents {
   // hicache_misses_total, in tokens, by reason (the counts above are ops)
   Counter miss_evicted_tokens, miss_load_refused_tokens, miss_prefetch_refused_tokens,
       miss_revoked_tokens, miss_load_failed_tokens;
+  // Device tokens whose KV was freed with no host copy (recomputed if asked for again).
+  Counter dropped_device_tokens;
+  // Host tokens whose backup to L3 was skipped: the backup queue was full.
+  Counter backup_dropped_tokens;
+  // Prefetches asked of L3 by outcome (hicache_prefetch_outcomes_total): asked for (a span of
+  // whole pages continuing a keyed prefix), queued, declined before any query (span below the
+  // threshold, queue or budget full, slower than recomputing, no host room).
+  Counter prefetch_attempts, prefetches_issued, prefetches_too_short, prefetches_rate_limited,
+      prefetches_host_full;
+  // Tokens of a queued prefetch's agreed L3 hit that the tree did not get, by reason: not
+  // read in time or read failed, the request aborted, cached meanwhile by another request.
+  Counter unfulfilled_transfer_tokens, unfulfilled_dropped_tokens, unfulfilled_shrunk_tokens;
+  // Prompt tokens of the prefills the engine reported (record_prefill), by where they came from.
+  Counter prefill_device_tokens, prefill_host_tokens, prefill_storage_tokens,
+      prefill_computed_tokens;
+  // Seconds per evict_device call that evicted (or scheduled) anything.
+  Histogram device_eviction_seconds;
+
+  // Counts one prefill (SGLang's per-batch prefill accounting): prompt tokens served from the
+  // device, loaded back from the host, brought from L3 by a prefetch, and computed. Throws
+  // InvalidArgument naming the value when one is negative (nothing is counted then).
+  void record_prefill(std::int64_t device, std::int64_t host, std::int64_t storage,
+                      std::int64_t computed);
+  // The prefills' hit ratio so far: cached (device, host, storage) over all prompt tokens; 0
+  // before the first.
+  double prefill_hit_ratio() const;
 
   // Registers every counter above in `scope` (attached to a registry) under its metric name
   // (hicache_match_tokens_total by tier, hicache_misses_total by reason, ...). The counters

@@ -63,13 +63,19 @@ void L3Paths::backup_node(Node* node) {
   }
   // Room in the queue by the backups in flight (the queue holds at most those), the same count
   // on every rank, so that none queues a backup the others do not.
-  if (pending_.backups.size() >= storage_->backup_queue_capacity()) return;
+  if (pending_.backups.size() >= storage_->backup_queue_capacity()) {
+    events_.backup_dropped_tokens += node->host.size();
+    return;
+  }
   std::vector<std::string> keys;
   keys.reserve(node->digests.size());
   for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
   const std::uint64_t clock = cache_.l3_removal_clock();  // before the store can take it
   const auto id = storage_->write_storage(node->host, std::move(keys));
-  if (!id) return;  // backup queue full: the node stays host-only, L1/L2 unaffected
+  if (!id) {  // backup queue full: the node stays host-only, L1/L2 unaffected
+    events_.backup_dropped_tokens += node->host.size();
+    return;
+  }
   node->backup_op = *id;
   cache_.lock(node);
   cache_.refresh(node);
@@ -89,6 +95,13 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   if (usable == 0) return false;
   Node* const root = tree_.root();
   if (node != root && node->digests.empty()) return false;  // no chain to continue
+  ++events_.prefetch_attempts;
+  // A hit no longer than the span stays below the threshold: declined before any query (the
+  // same decision on every rank), as SGLang's radix cache does.
+  if (static_cast<std::int64_t>(usable) < storage_->config().prefetch_threshold_tokens) {
+    ++events_.prefetches_too_short;
+    return false;
+  }
   if (cost_.on() && !cost_.moving_pays(CostRule::Move::kPrefetch, static_cast<std::int64_t>(usable),
                                        agreement_.prefetch_bps(local_prefetch_bps()))) {
     // Reading it from L3 would take longer than recomputing it.
@@ -107,6 +120,7 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   const auto want = static_cast<std::int64_t>(usable);
   if (pending_.prefetches.size() >= storage_->prefetch_queue_capacity() ||
       reserved_tokens_ + want > storage_->config().prefetch_budget_tokens) {
+    ++events_.prefetches_rate_limited;
     return false;
   }
   cache_.lock(node);  // before making room: the prefix it continues must stay
@@ -119,10 +133,15 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   std::shared_ptr<PrefetchOperation> op;
   if (slots) op = storage_->prefetch_into(request_id, tokens.first(usable), prior, *slots);
   if (!op) {  // the host is short, or the controller stopped
-    if (slots) host_pool_.free(*slots);
+    if (slots) {
+      host_pool_.free(*slots);
+    } else {
+      ++events_.prefetches_host_full;
+    }
     cache_.unlock(node);
     return false;
   }
+  ++events_.prefetches_issued;
   reserved_tokens_ += want;
   pending_.prefetches[request_id] = PendingOps::Prefetch{
       std::move(op), node,
@@ -181,6 +200,16 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
     events_.prefetched_tokens += r.tokens;
   } else if (!r.host_slots.empty()) {
     host_pool_.free(r.host_slots);
+  }
+  // The agreed hit of a prefetch that was not revoked (the revoked one's the storage controller
+  // counted): what the tree did not get of it, and why.
+  if (const std::int64_t hit = p.op->hit_tokens(); !r.revoked && hit > 0) {
+    if (aborted) {
+      events_.unfulfilled_dropped_tokens += hit;
+    } else {
+      events_.unfulfilled_transfer_tokens += hit - r.tokens;
+      events_.unfulfilled_shrunk_tokens += r.tokens - inserted;
+    }
   }
   pending_.inserted[request_id] = inserted;
   cache_.unlock(p.node);

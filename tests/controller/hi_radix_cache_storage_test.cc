@@ -4,7 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <thread>
@@ -297,7 +301,11 @@ TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
                {.prefetch_threshold_tokens = 4 * kPage});
   auto m = picky.cache.match_prefix(a);
-  ASSERT_TRUE(picky.cache.prefetch_from_storage("small", m.last_host_node, a));
+  EXPECT_FALSE(picky.cache.prefetch_from_storage("short", m.last_host_node, a))
+      << "a span below the threshold is declined before any query";
+  // Asked for four pages, L3 holds three of them: revoked after the query.
+  const auto longer = seq({1, 2, 3, 4});
+  ASSERT_TRUE(picky.cache.prefetch_from_storage("small", m.last_host_node, longer));
   picky.settle();
   EXPECT_EQ(picky.cache.stats().revoked_prefetches, 1);
   EXPECT_EQ(picky.cache.stats().nodes, 0);
@@ -311,6 +319,183 @@ TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   EXPECT_EQ(aborter.host_pool.free_tokens(), aborter.host_pool.capacity_tokens());
   EXPECT_EQ(aborter.cache.check_invariants(), "");
   EXPECT_THROW(aborter.cache.unlock(m.last_host_node), StateError) << "the root lock was returned";
+}
+
+// Each prefetch asked for counts once by outcome, and every token of an agreed L3 hit reaches
+// the tree or counts once as unfulfilled, by why (hicache_prefetch_outcomes_total,
+// hicache_prefetch_unfulfilled_tokens_total; SGLang's names in docs/metrics.md).
+TEST(HiRadixCacheStorage, PrefetchOutcomesAndUnfulfilledTokensAddUpToTheAgreedHit) {
+  L3 l3("outcomes");
+  const auto a = seq({1, 2, 3, 4, 5, 6});
+  ASSERT_EQ(store_in_l3(l3, a), 6 * kPage);
+  const StorageControllerConfig sc = {.prefetch_threshold_tokens = 3 * kPage,
+                                      .policy = PrefetchPolicy::kWaitComplete};
+  MetricsRegistry r;  // before the engines: their metrics go first
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3, sc);
+  e.cache.register_metrics(r);
+  e.storage->register_metrics(r);
+  const auto outcome = [&](const char* o) {
+    return r.value("hicache_prefetch_outcomes_total", {{"outcome", o}});
+  };
+  const auto unfulfilled = [&](const char* why) {
+    return r.value("hicache_prefetch_unfulfilled_tokens_total", {{"reason", why}});
+  };
+  const auto hit = [&] { return r.value("hicache_prefetch_hit_tokens_total"); };
+  // Runs a prefetch to its end: the tokens it inserted, or nothing when it was declined.
+  const auto prefetch = [&](const std::string& id,
+                            std::span<const std::int32_t> t) -> std::optional<std::int64_t> {
+    if (!e.cache.prefetch_from_storage(id, e.cache.match_prefix(t).last_host_node, t)) {
+      return std::nullopt;
+    }
+    std::int64_t inserted = 0;
+    while (!e.cache.check_prefetch_progress(id, &inserted)) e.check();
+    return inserted;
+  };
+  EXPECT_EQ(prefetch("short", seq({1, 2})), std::nullopt);
+  EXPECT_EQ(outcome("declined_too_short"), 1);
+  EXPECT_EQ(outcome("issued"), 0);
+  EXPECT_EQ(prefetch("miss", seq({50, 51, 52})), 0);
+  EXPECT_EQ(outcome("revoked_full_miss"), 1);
+  EXPECT_EQ(hit(), 0);
+  EXPECT_EQ(prefetch("part", seq({1, 2, 77, 78})), 0) << "two pages in L3, three needed";
+  EXPECT_EQ(outcome("revoked_insufficient"), 1);
+  EXPECT_EQ(hit(), 2 * kPage);
+  EXPECT_EQ(unfulfilled("below_threshold"), 2 * kPage);
+  EXPECT_EQ(prefetch("all", a), 6 * kPage);
+  EXPECT_EQ(hit(), 8 * kPage);
+  EXPECT_EQ(unfulfilled("storage_transfer") + unfulfilled("shrunk"), 0);
+  ASSERT_EQ(e.cache.evict_host(1 << 20), 6 * kPage);
+  // Aborted once past the agreement: the whole hit dropped.
+  ASSERT_TRUE(e.cache.prefetch_from_storage("gone", e.cache.match_prefix(a).last_host_node, a));
+  e.cache.release_aborted_request("gone");
+  EXPECT_EQ(unfulfilled("dropped"), 6 * kPage);
+  EXPECT_EQ(hit(), 14 * kPage);
+  // Cached by another request while it read: what it read is not inserted again.
+  ASSERT_TRUE(e.cache.prefetch_from_storage("dup", e.cache.match_prefix(a).last_host_node, a));
+  auto slots = e.device_pool.allocator().alloc(6 * kPage);
+  ASSERT_TRUE(slots.has_value());
+  EXPECT_EQ(e.cache.insert(a, *slots), 0);
+  std::int64_t inserted = -1;
+  while (!e.cache.check_prefetch_progress("dup", &inserted)) e.check();
+  EXPECT_EQ(inserted, 0);
+  EXPECT_EQ(unfulfilled("shrunk"), 6 * kPage);
+  EXPECT_EQ(outcome("attempts"), 6);
+  EXPECT_EQ(outcome("issued"), 5);
+  EXPECT_EQ(r.value("hicache_prefetched_tokens_total"), 12 * kPage) << "all, dup";
+  EXPECT_EQ(hit(), 6 * kPage /* inserted by "all" */ + unfulfilled("below_threshold") +
+                       unfulfilled("host_capacity") + unfulfilled("storage_transfer") +
+                       unfulfilled("dropped") + unfulfilled("shrunk"));
+  EXPECT_EQ(hit(), 20 * kPage);
+  e.settle();
+  e.expect_accounting();
+
+  // Records that fail their checksum when read: the hit was agreed, nothing arrived.
+  L3 bad("outcomes-corrupt");
+  const auto b = seq({7, 8, 9, 10});
+  ASSERT_EQ(store_in_l3(bad, b), 4 * kPage);
+  for (const auto& f : std::filesystem::recursive_directory_iterator(bad.root)) {
+    if (!f.is_regular_file()) continue;
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-1, std::ios::end);
+    const char last = static_cast<char>(io.get());
+    io.seekp(-1, std::ios::end);
+    io.put(static_cast<char>(last ^ 0x5a));
+  }
+  MetricsRegistry rf;
+  Engine f(WritePolicy::kWriteThrough, 32, 64, {}, &bad, sc);
+  f.cache.register_metrics(rf);
+  f.storage->register_metrics(rf);
+  ASSERT_TRUE(f.cache.prefetch_from_storage("bad", f.cache.match_prefix(b).last_host_node, b));
+  inserted = -1;
+  while (!f.cache.check_prefetch_progress("bad", &inserted)) f.check();
+  EXPECT_EQ(inserted, 0);
+  EXPECT_EQ(rf.value("hicache_prefetch_hit_tokens_total"), 4 * kPage);
+  EXPECT_EQ(rf.value("hicache_prefetch_unfulfilled_tokens_total", {{"reason", "storage_transfer"}}),
+            4 * kPage);
+
+  // Declined before a query: the prefetch budget, or no host room for the span.
+  StorageControllerConfig tight = sc;
+  tight.prefetch_budget_tokens = 2 * kPage;
+  MetricsRegistry rg, rh;
+  Engine g(WritePolicy::kWriteThrough, 32, 64, {}, &l3, tight);
+  g.cache.register_metrics(rg);
+  EXPECT_FALSE(g.cache.prefetch_from_storage("big", g.cache.match_prefix(a).last_host_node, a));
+  EXPECT_EQ(rg.value("hicache_prefetch_outcomes_total", {{"outcome", "declined_rate_limited"}}), 1);
+  Engine h(WritePolicy::kWriteThrough, 32, 2, {}, &l3, sc);
+  h.cache.register_metrics(rh);
+  EXPECT_FALSE(
+      h.cache.prefetch_from_storage("roomless", h.cache.match_prefix(a).last_host_node, a));
+  EXPECT_EQ(rh.value("hicache_prefetch_outcomes_total", {{"outcome", "declined_host_full"}}), 1);
+  EXPECT_EQ(rh.value("hicache_prefetch_outcomes_total", {{"outcome", "issued"}}), 0);
+}
+
+// A file store whose writes wait while `gate` is held.
+class GatedWrites final : public StorageBackend {
+ public:
+  explicit GatedWrites(const std::string& root) : file_(FileStorageConfig{.root = root}) {}
+  std::string_view name() const override { return "gated writes"; }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return file_.batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return file_.remove(key); }
+  void clear() override { file_.clear(); }
+  std::mutex gate;
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    return file_.batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    std::lock_guard hold(gate);
+    return file_.batch_set(keys, src);
+  }
+
+ private:
+  FileStorage file_;
+};
+
+// A synced host copy whose backup finds the backup queue full (one op, held by a backup that
+// cannot finish) stays host-only: counted as a dropped backup (SGLang's
+// hicache_backup_dropped_tokens_total).
+TEST(HiRadixCacheStorage, ABackupThatFindsTheQueueFullIsDroppedAndCounted) {
+  L3 l3("backup-drop");  // its directory and its collective
+  GatedWrites store((l3.root / "gated").string());
+  MetricsRegistry r;  // before the engine: its metrics go first
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  e.storage =
+      std::make_unique<StorageController>(e.host_pool, store, e.ns, l3.local, l3.local, l3.local,
+                                          StorageControllerConfig{.queue_capacity = 1});
+  e.cache.attach_storage(*e.storage, e.ns);
+  e.cache.register_metrics(r);
+  const auto insert = [&](std::int32_t p) {
+    const auto t = seq({p, p + 1});
+    auto slots = e.device_pool.allocator().alloc(2 * kPage);
+    ASSERT_TRUE(slots.has_value());
+    e.cache.insert(t, *slots);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (e.cache.stats().writes_in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
+      e.cache.check_events();  // the write ack queues (or drops) the node's backup
+      std::this_thread::yield();
+    }
+    ASSERT_EQ(e.cache.stats().writes_in_flight, 0);
+  };
+  {
+    std::unique_lock hold(store.gate);
+    insert(10);
+    EXPECT_EQ(e.cache.stats().backups_in_flight, 1) << "queued, and held at the store";
+    EXPECT_EQ(r.value("hicache_backup_dropped_tokens_total", {{"reason", "queue_full"}}), 0);
+    insert(20);
+    EXPECT_EQ(e.cache.stats().backups_in_flight, 1);
+    EXPECT_EQ(r.value("hicache_backup_dropped_tokens_total", {{"reason", "queue_full"}}),
+              2 * kPage);
+  }
+  e.settle();
+  EXPECT_EQ(e.cache.stats().stored_tokens, 2 * kPage) << "one of the two nodes reached L3";
+  e.expect_accounting();
+  e.cache.detach_storage();  // before the store goes
+  e.storage.reset();
 }
 
 // The random workload with a small host pool over L3: pages go device -> host -> file store,

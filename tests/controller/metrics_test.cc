@@ -10,16 +10,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 #include <thread>
 
 #include "controller/hicache.h"
+#include "controller/metrics_aliases.h"
 #include "controller/metrics_server.h"
 #include "storage/file_storage.h"
 #include "transfer/errors.h"
@@ -56,7 +57,7 @@ TEST(MetricsRegistry, RendersCountersGaugesAndHistogramsInTheExpositionFormat) {
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.001\"} 1\n"
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"0.01\"} 2\n"
             "hicache_test_seconds_bucket{dir=\"a\\\"b\",le=\"+Inf\"} 3\n"
-            "hicache_test_seconds_sum{dir=\"a\\\"b\"} 7.0054999999999996\n"
+            "hicache_test_seconds_sum{dir=\"a\\\"b\"} 7.0055\n"
             "hicache_test_seconds_count{dir=\"a\\\"b\"} 3\n");
   const json j = json::parse(r.json_text());
   EXPECT_EQ(j["hicache_test_total"]["series"][0]["value"], 42);
@@ -98,6 +99,127 @@ TEST(MetricsRegistry, AScopeForgetsWhatItRegisteredWhenItGoes) {
   EXPECT_EQ(r.value("gone_total", {{"tp_rank", "3"}, {"x", "y"}}), -1);
   EXPECT_EQ(r.prometheus_text().find("gone_total"), std::string::npos);
   EXPECT_NE(r.prometheus_text().find("kept_total 0"), std::string::npos);
+}
+
+// An alias series shows the sum of the series it selects under another name and labels, with
+// the source series' other labels carried; it follows them (nothing is copied at registration).
+TEST(MetricsRegistry, AnAliasShowsTheSeriesItSelectsUnderAnotherNameAndLabels) {
+  MetricsRegistry r;
+  Counter device, host, storage, other_rank;
+  Gauge used;
+  Histogram latency({0.01, 0.1});
+  device += 3;
+  host += 5;
+  storage += 7;
+  other_rank += 100;
+  used.set(0.25);
+  latency.observe(0.005);
+  latency.observe(0.05);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "device"}}, device, this);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "host"}}, host, this);
+  r.add("src_total", "h", {{"tp_rank", "0"}, {"tier", "storage"}}, storage, this);
+  r.add("src_total", "h", {{"tp_rank", "1"}, {"tier", "host"}}, other_rank, this);
+  r.add("src_ratio", "g", {{"tp_rank", "0"}, {"tier", "host"}}, used, this);
+  r.add("src_seconds", "s", {{"tp_rank", "0"}, {"dir", "in"}}, latency, this);
+  using T = MetricsRegistry::Type;
+  r.add_alias("eng:hits_total", "Hits", T::kCounter, {{"mode", "device_hit"}}, "src_total",
+              {{{"tier", "device"}}}, this);
+  r.add_alias("eng:hits_total", "Hits", T::kCounter, {{"mode", "below"}}, "src_total",
+              {{{"tier", "host"}}, {{"tier", "storage"}}}, this);
+  r.add_alias("eng:usage_perc", "Usage", T::kGauge, {}, "src_ratio", {{{"tier", "host"}}}, this);
+  r.add_alias("eng:seconds", "Seconds", T::kHistogram, {}, "src_seconds", {{{"dir", "in"}}}, this);
+  const std::string text = r.prometheus_text();
+  const std::string aliases = text.substr(text.find("# HELP eng:hits_total"));
+  EXPECT_EQ(aliases,
+            "# HELP eng:hits_total Hits\n"
+            "# TYPE eng:hits_total counter\n"
+            "eng:hits_total{tp_rank=\"0\",mode=\"device_hit\"} 3\n"
+            "eng:hits_total{tp_rank=\"0\",mode=\"below\"} 12\n"
+            "eng:hits_total{tp_rank=\"1\",mode=\"below\"} 100\n"
+            "# HELP eng:usage_perc Usage\n"
+            "# TYPE eng:usage_perc gauge\n"
+            "eng:usage_perc{tp_rank=\"0\"} 0.25\n"
+            "# HELP eng:seconds Seconds\n"
+            "# TYPE eng:seconds histogram\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"0.01\"} 1\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"0.1\"} 2\n"
+            "eng:seconds_bucket{tp_rank=\"0\",le=\"+Inf\"} 2\n"
+            "eng:seconds_sum{tp_rank=\"0\"} 0.055\n"
+            "eng:seconds_count{tp_rank=\"0\"} 2\n");
+  // The source moves, the alias with it; the JSON snapshot and value() show aliases too.
+  host += 1;
+  EXPECT_EQ(r.value("eng:hits_total", {{"tp_rank", "0"}, {"mode", "below"}}), 13);
+  EXPECT_EQ(r.value("eng:seconds", {{"tp_rank", "0"}}), 2) << "a histogram's count";
+  EXPECT_EQ(r.value("eng:hits_total", {{"mode", "below"}}), -1) << "tp_rank is carried";
+  const json j = json::parse(r.json_text());
+  EXPECT_EQ(j["eng:hits_total"]["type"], "counter");
+  EXPECT_EQ(j["eng:hits_total"]["series"][1]["value"], 13);
+  EXPECT_EQ(j["eng:hits_total"]["series"][1]["labels"]["mode"], "below");
+  EXPECT_EQ(j["eng:seconds"]["series"][0]["buckets"][1][1], 2);
+  EXPECT_EQ(j["eng:usage_perc"]["type"], "gauge");
+}
+
+TEST(MetricsRegistry, AnAliasOfAnAbsentFamilyShowsNothingUntilItExistsAndGoesWithItsOwner) {
+  MetricsRegistry r;
+  using T = MetricsRegistry::Type;
+  int alias_owner = 0;
+  r.add_alias("eng:later_total", "h", T::kCounter, {}, "later_total", {{}}, &alias_owner);
+  EXPECT_EQ(r.prometheus_text(), "") << "no family to show yet";
+  EXPECT_EQ(r.json_text(), "{}");
+  EXPECT_EQ(r.value("eng:later_total"), -1);
+  {
+    Counter c;
+    c += 9;
+    MetricsScope scope;
+    scope.attach(r, {{"tp_rank", "2"}});
+    scope.add("later_total", "h", {}, c);
+    EXPECT_EQ(r.value("eng:later_total", {{"tp_rank", "2"}}), 9);
+  }
+  EXPECT_EQ(r.prometheus_text(), "") << "the source went with its scope";
+  r.forget(&alias_owner);
+  Counter again;
+  r.add("later_total", "h", {}, again, this);
+  EXPECT_EQ(r.prometheus_text().find("eng:later_total"), std::string::npos) << "forgotten";
+}
+
+TEST(MetricsRegistry, AliasesRefuseBadNamesClashesAndAnotherType) {
+  MetricsRegistry r;
+  using T = MetricsRegistry::Type;
+  Counter c;
+  Gauge g;
+  r.add("src_total", "h", {}, c, this);
+  r.add("ratio", "h", {}, g, this);
+  const auto expect_error = [&](auto&& call, const std::string& naming) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming " << naming;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(naming), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { r.add_alias("1bad", "h", T::kCounter, {}, "src_total", {{}}, this); }, "1bad");
+  expect_error(
+      [&] {
+        r.add_alias("a:ok", "h", T::kCounter, {{"bad-l", "x"}}, "src_total", {{}}, this);
+      },
+      "bad-l");
+  expect_error([&] { r.add_alias("a:ok", "h", T::kCounter, {}, "src_total", {}, this); },
+               "selects no series");
+  expect_error([&] { r.add_alias("src_total", "h", T::kCounter, {}, "ratio", {{}}, this); },
+               "'src_total' is a family's name");
+  expect_error([&] { r.add_alias("a:ok", "h", T::kCounter, {}, "ratio", {{}}, this); },
+               "its source 'ratio' is a gauge");
+  r.add_alias("a:ok", "h", T::kCounter, {{"k", "v"}}, "src_total", {{}}, this);
+  expect_error(
+      [&] {
+        r.add_alias("a:ok", "h", T::kCounter, {{"k", "v"}}, "src_total", {{}}, this);
+      },
+      "registered already");
+  expect_error([&] { r.add_alias("a:ok", "other", T::kCounter, {}, "src_total", {{}}, this); },
+               "exists as a counter with help 'h'");
+  expect_error([&] { r.add("a:ok", "h", {}, c, this); }, "an alias family's name");
+  EXPECT_EQ(r.value("a:ok", {{"k", "v"}}), 0) << "the refusals changed nothing";
+  EXPECT_EQ(r.value("a:ok", {}), -1);
 }
 
 TEST(MetricsRegistry, ScrapesWhileCountersRunAreConsistent) {
@@ -191,10 +313,10 @@ struct Traffic {
       const auto seen = hc->cache().event_seq();
       hc->cache().check_events();
       const auto s = hc->cache().stats();
-      if (s.writes_in_flight == 0 && s.backups_in_flight == 0) return;
+      if (s.writes_in_flight == 0 && s.backups_in_flight == 0 && s.loads_in_flight == 0) return;
       hc->cache().wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::seconds(1));
     }
-    FAIL() << "writes never finished";
+    FAIL() << "writes, backups or loads never finished";
   }
 };
 
@@ -411,9 +533,23 @@ TEST(HiCacheMetrics, TheEndpointPassesPromtool) {
   const Http text = http(t.hc->metrics_port(), "GET", "/metrics");
   ASSERT_EQ(text.status, 200);
   std::string out;
-  EXPECT_EQ(run_command({"promtool", "check", "metrics"}, text.body, out), 0) << out;
-  // promtool's linter names what it dislikes; a clean exposition prints nothing.
-  EXPECT_EQ(out, "") << out;
+  const int status = run_command({"promtool", "check", "metrics"}, text.body, out);
+  // promtool's linter names what it dislikes; a clean exposition prints nothing. It reserves
+  // ':' for recording rules, so the engine aliases (SGLang's, vLLM's and LMCache's own names,
+  // which those engines publish as they are) are the one thing it may name, with status 3
+  // (lint problems only; 1 would be an exposition it cannot parse).
+  std::string rest;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    const bool alias_colon =
+        std::any_of(engine_metric_aliases().begin(), engine_metric_aliases().end(),
+                    [&](const EngineMetricAlias& a) {
+                      return line == a.name + " metric names should not contain ':'";
+                    });
+    if (!alias_colon && !line.empty()) rest += line + "\n";
+  }
+  EXPECT_TRUE(status == 0 || (status == 3 && !out.empty())) << status << " " << out;
+  EXPECT_EQ(rest, "") << out;
 }
 
 // A real Prometheus server scrapes the endpoint; what its query API returns for the match
@@ -479,6 +615,194 @@ TEST(HiCacheMetrics, ARealPrometheusScrapeAgreesWithTheJsonSnapshot) {
                                                         {"direction", "l1_to_l2"},
                                                         {"outcome", "ok"}}),
             1);
+}
+
+// ------------------------------------------------------------------------------------------
+// Engine metric aliases (controller/metrics_aliases.h, docs/metrics.md).
+
+// The expected value of an alias series, computed from the JSON snapshot of its hicache source:
+// the sum over the source series that include one of the selects, carrying tp_rank 0.
+struct Expected {
+  bool found = false;
+  double value = 0, sum = 0;  // a histogram's count and sum
+};
+
+Expected expected_from_source(const json& snapshot, const EngineMetricAlias& a) {
+  Expected out;
+  if (!snapshot.contains(a.source)) return out;
+  for (const auto& s : snapshot[a.source]["series"]) {
+    const auto matches = [&](const MetricLabels& select) {
+      for (const auto& [k, v] : select) {
+        if (!s["labels"].contains(k) || s["labels"][k] != v) return false;
+      }
+      return true;
+    };
+    if (s["labels"]["tp_rank"] != "0" ||
+        std::none_of(a.selects.begin(), a.selects.end(), matches)) {
+      continue;
+    }
+    out.found = true;
+    if (s.contains("count")) {
+      out.value += s["count"].get<double>();
+      out.sum += s["sum"].get<double>();
+    } else {
+      out.value += s["value"].get<double>();
+    }
+  }
+  return out;
+}
+
+MetricLabels rank0(const EngineMetricAlias& a) {
+  MetricLabels labels = {{"tp_rank", "0"}, {"model_name", "model"}};
+  labels.insert(labels.end(), a.labels.begin(), a.labels.end());
+  return labels;
+}
+
+// Every alias renders in the text exposition with its engine's type, and shows the sum of its
+// hicache source series (each alias's source exists in a cache with L3).
+TEST(HiCacheMetrics, EveryEngineAliasRendersWithItsTypeAndItsSourcesValue) {
+  Traffic t;
+  t.hc->cache().record_prefill(8, 4, 2, 6);
+  const MetricsRegistry& r = t.hc->metrics();
+  const json snapshot = json::parse(r.json_text());
+  const std::string text = r.prometheus_text();
+  ASSERT_GE(engine_metric_aliases().size(), 40u);
+  for (const EngineMetricAlias& a : engine_metric_aliases()) {
+    SCOPED_TRACE(alias_series_name(a));
+    const char* type = a.type == MetricsRegistry::Type::kCounter ? "counter"
+                       : a.type == MetricsRegistry::Type::kGauge ? "gauge"
+                                                                 : "histogram";
+    EXPECT_NE(text.find(str_cat("# TYPE ", a.name, " ", type, "\n")), std::string::npos);
+    const Expected e = expected_from_source(snapshot, a);
+    ASSERT_TRUE(e.found) << "no series of " << a.source;
+    EXPECT_EQ(r.value(a.name, rank0(a)), e.value);
+    const auto& series = snapshot[a.name]["series"];
+    const auto it = std::find_if(series.begin(), series.end(), [&](const json& s) {
+      for (const auto& [k, v] : rank0(a)) {
+        if (!s["labels"].contains(k) || s["labels"][k] != v) return false;
+      }
+      return s["labels"].size() == rank0(a).size();
+    });
+    ASSERT_NE(it, series.end()) << "not in the JSON snapshot";
+    if (a.type == MetricsRegistry::Type::kHistogram) {
+      EXPECT_EQ((*it)["count"].get<double>(), e.value);
+      EXPECT_EQ((*it)["sum"].get<double>(), e.sum);
+    } else {
+      EXPECT_EQ((*it)["value"].get<double>(), e.value);
+    }
+  }
+}
+
+// What a dashboard built for SGLang HiCache, vLLM or LMCache reads, with values the traffic
+// determines: 64 tokens inserted (16 pages written to the host and backed up to L3), matched,
+// then evicted from the device; one reported prefill.
+TEST(HiCacheMetrics, EngineAliasesShowTheFiguresTheirDashboardsRead) {
+  Traffic t;
+  const MetricsRegistry& r = t.hc->metrics();
+  const auto v = [&](const char* name, MetricLabels labels = {}) {
+    labels.insert(labels.begin(), {{"tp_rank", "0"}, {"model_name", "model"}});
+    return r.value(name, labels);
+  };
+  t.hc->cache().record_prefill(64, 32, 16, 48);
+  EXPECT_EQ(v("sglang:prefill_effective_tokens_total", {{"mode", "input"}}), 48);
+  EXPECT_EQ(v("sglang:prefill_effective_tokens_total", {{"mode", "device_hit"}}), 64);
+  EXPECT_EQ(v("sglang:prefill_effective_tokens_total", {{"mode", "host_hit"}}), 32);
+  EXPECT_EQ(v("sglang:prefill_effective_tokens_total", {{"mode", "storage_hit"}}), 16);
+  EXPECT_EQ(v("sglang:cached_tokens_total", {{"cache_source", "storage"}}), 16);
+  EXPECT_EQ(v("sglang:cache_hit_rate"), 112.0 / 160.0);
+  EXPECT_EQ(v("lmcache:num_hit_tokens_total"), 48) << "host and storage";
+  EXPECT_EQ(v("lmcache:num_vllm_hit_tokens_total"), 64);
+  EXPECT_EQ(v("lmcache:num_prompt_tokens_total"), 160);
+  EXPECT_EQ(v("sglang:hicache_host_total_tokens"), 512);
+  EXPECT_EQ(v("sglang:hicache_host_used_tokens"), 64);
+  EXPECT_EQ(v("vllm:kv_offload_cpu_cache_usage_perc"), 64.0 / 512.0);
+  EXPECT_EQ(v("vllm:kv_cache_usage_perc"), 64.0 / 256.0);
+  EXPECT_EQ(v("vllm:gpu_cache_usage_perc"), 64.0 / 256.0);
+  const double page_bytes = static_cast<double>(t.hc->config().geometry.page_bytes());
+  EXPECT_EQ(v("sglang:hicache_backup_tokens_total", {{"pool", "kv"}}), 64);
+  EXPECT_EQ(v("lmcache:num_stored_tokens_total"), 64);
+  EXPECT_EQ(v("sglang:hicache_backup_bytes_total"), 16 * page_bytes);
+  EXPECT_GE(v("sglang:hicache_backup_duration_seconds"), 1) << "write ops timed";
+  EXPECT_EQ(v("sglang:backuped_tokens_total"), 64);
+  EXPECT_GE(v("sglang:backup_pgs"), 1) << "store calls";
+  EXPECT_EQ(v("sglang:load_back_tokens_total", {{"pool", "kv"}}), 0);
+  // Evicting the device: its synced copies are freed (not dropped), the call is timed.
+  EXPECT_EQ(t.hc->cache().evict_device(1 << 20), 64);
+  EXPECT_EQ(v("sglang:evicted_tokens_total"), 64);
+  EXPECT_EQ(v("sglang:eviction_duration_seconds"), 1);
+  EXPECT_EQ(v("sglang:hicache_dropped_tokens_total", {{"reason", "no_host_copy"}, {"pool", "kv"}}),
+            0);
+  // Loaded back: tokens, bytes and the load's latency once it is acknowledged.
+  const auto m = t.hc->cache().match_prefix(t.tokens);
+  ASSERT_EQ(m.host_hit_tokens, 64);
+  t.hc->cache().lock(m.last_host_node);
+  ASSERT_TRUE(t.hc->cache().load_back(m.last_host_node).has_value());
+  const std::int32_t slot = t.hc->controller().start_loading();
+  ASSERT_GE(slot, 0);
+  for (std::int32_t l = 0; l < t.hc->config().geometry.num_layers; ++l) {
+    ASSERT_TRUE(t.hc->device_pool().wait_for_layer(l));
+  }
+  t.hc->controller().layer_done_counter().release(slot);
+  t.settle();
+  t.hc->cache().unlock(m.last_host_node);
+  EXPECT_EQ(v("sglang:load_back_tokens_total", {{"pool", "kv"}}), 64);
+  EXPECT_EQ(v("sglang:load_back_bytes_total"), 16 * page_bytes);
+  EXPECT_EQ(v("sglang:load_back_duration_seconds"), 1);
+}
+
+TEST(HiCacheMetrics, RecordPrefillRefusesANegativeCountAndCountsNothing) {
+  Traffic t;
+  const auto input = [&] {
+    return t.hc->metrics().value("sglang:prefill_effective_tokens_total",
+                                 {{"tp_rank", "0"}, {"model_name", "model"}, {"mode", "input"}});
+  };
+  t.hc->cache().record_prefill(0, 0, 0, 5);
+  try {
+    t.hc->cache().record_prefill(1, 2, -3, 4);
+    ADD_FAILURE() << "a negative count was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("storage tokens -3"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(input(), 5) << "nothing of the refused prefill was counted";
+  EXPECT_EQ(t.hc->metrics().value("hicache_prefill_tokens_total",
+                                  {{"tp_rank", "0"}, {"source", "device"}}),
+            0);
+}
+
+// Without a host tier every device eviction frees KV that exists nowhere else: dropped.
+TEST(HiCacheMetrics, DeviceKVFreedWithNoHostCopyCountsAsDropped) {
+  HiCache hc(HiCacheConfig::from_json_text(
+      R"({"device": "host", "page_size": 4, "device_tokens": 64, "host_tier": false,
+          "model": {"layers": 2, "kv_heads": 1, "head_dim": 8}})"));
+  std::vector<std::int32_t> tokens(32);
+  std::iota(tokens.begin(), tokens.end(), 7);
+  auto slots = hc.device_pool().allocator().alloc(32);
+  ASSERT_TRUE(slots.has_value());
+  hc.cache().insert(tokens, *slots);
+  EXPECT_EQ(hc.cache().evict_device(32), 32);
+  const MetricLabels labels = {
+      {"tp_rank", "0"}, {"model_name", "model"}, {"reason", "no_host_copy"}, {"pool", "kv"}};
+  const MetricLabels rank = {{"tp_rank", "0"}, {"model_name", "model"}};
+  EXPECT_EQ(hc.metrics().value("sglang:hicache_dropped_tokens_total", labels), 32);
+  EXPECT_EQ(hc.metrics().value("hicache_dropped_tokens_total",
+                               {{"tp_rank", "0"}, {"tier", "device"}, {"reason", "no_host_copy"}}),
+            32);
+  EXPECT_EQ(hc.metrics().value("sglang:evicted_tokens_total", rank), 32);
+  EXPECT_EQ(hc.metrics().value("sglang:eviction_duration_seconds", rank), 1);
+  EXPECT_EQ(hc.cache().evict_device(32), 0);
+  EXPECT_EQ(hc.metrics().value("sglang:eviction_duration_seconds", rank), 1)
+      << "a call that evicted nothing is not timed";
+}
+
+// docs/metrics.md lists every alias series (name and labels) in its table.
+TEST(HiCacheMetrics, EveryEngineAliasIsInTheMetricsDoc) {
+  std::ifstream f(HICACHE_METRICS_DOC);
+  ASSERT_TRUE(f.good()) << HICACHE_METRICS_DOC;
+  const std::string doc((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (const EngineMetricAlias& a : engine_metric_aliases()) {
+    const std::string row = str_cat("| `", alias_series_name(a), "` | ");
+    EXPECT_NE(doc.find(row), std::string::npos) << "docs/metrics.md has no row " << row;
+  }
 }
 
 }  // namespace

@@ -525,6 +525,34 @@ TEST(StorageController, PrefetchBelowThresholdIsRevokedAndHoldsNothing) {
   EXPECT_THROW(c.terminate_prefetch(*op), StateError) << "terminated twice";
 }
 
+// No host room for the agreed hit (some rank short): the prefetch is revoked, and its whole
+// hit counts as unfulfilled for host capacity (SGLang's storage_prefetch_unfulfilled_tokens_total
+// reason host_capacity), the revoke as an outcome of its own.
+TEST(StorageController, ARevokedReservationCountsItsHitAsUnfulfilledForHostCapacity) {
+  Rank r(HostLayout::kPageFirst, "room");
+  LocalCollective local;
+  MetricsRegistry m;  // before the controller: its metrics go first
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
+  c.register_metrics(m);
+  const auto tokens = tokens_for(4, 3);
+  seed_storage(r.file, r.host, tokens, 4);
+  auto held = r.host.alloc(r.host.free_tokens() - 2 * kPage).value();  // two pages left
+  auto op = c.prefetch("roomless", tokens);
+  EXPECT_EQ(wait_and_terminate(c, *op).tokens, 0);
+  EXPECT_EQ(m.value("hicache_prefetch_hit_tokens_total"), 4 * kPage);
+  EXPECT_EQ(m.value("hicache_prefetch_unfulfilled_tokens_total", {{"reason", "host_capacity"}}),
+            4 * kPage);
+  EXPECT_EQ(m.value("hicache_prefetch_unfulfilled_tokens_total", {{"reason", "below_threshold"}}),
+            0);
+  EXPECT_EQ(m.value("hicache_prefetch_outcomes_total", {{"outcome", "revoked_host_capacity"}}), 1);
+  r.host.free(held);
+  auto again = c.prefetch("room", tokens);  // with the room back it is read
+  EXPECT_EQ(wait_and_terminate(c, *again).tokens, 4 * kPage);
+  EXPECT_EQ(m.value("hicache_prefetch_hit_tokens_total"), 8 * kPage);
+  EXPECT_EQ(m.value("hicache_prefetch_unfulfilled_tokens_total", {{"reason", "host_capacity"}}),
+            4 * kPage);
+}
+
 TEST(StorageController, PrefetchPastTheBudgetIsDeclined) {
   Rank r(HostLayout::kPageFirst, "budget");
   LocalCollective local;

@@ -198,6 +198,8 @@ void SimulatedEngine::verify(const Running& r) {
 // whose loads failed is admitted again, and counted then).
 void SimulatedEngine::account(const Running& r) {
   const FinishedRequest& f = r.report;
+  cache_.record_prefill(f.device_hit_tokens, f.host_hit_tokens, f.storage_hit_tokens,
+                        f.computed_tokens);
   stats_.device_hit_tokens += f.device_hit_tokens;
   stats_.loaded_back_tokens += f.host_hit_tokens + f.storage_hit_tokens;
   stats_.storage_hit_tokens += f.storage_hit_tokens;
