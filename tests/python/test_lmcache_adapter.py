@@ -270,8 +270,8 @@ def test_full_queue_fails_the_job_at_once(file_params):
     gated, set_open, _ = over_file_store(_testing.gated_store, file_params)
     client = HiCacheL2Adapter(storage=gated, workers=1, max_pending=2)
     fd = client.event_fd()
-    a = client.submit_batch_exists(keys=["a"])
-    b = client.submit_batch_exists(keys=["b"])
+    a = client.submit_batch_set(keys=["a"], memoryviews=[page(1, 4096)])
+    b = client.submit_batch_set(keys=["b"], memoryviews=[page(2, 4096)])
     c = client.submit_batch_set(keys=["c"], memoryviews=[page(3, 4096)])  # never blocks
     r, _, _ = select.select([fd], [], [], 5)
     assert r == [fd]
@@ -282,10 +282,10 @@ def test_full_queue_fails_the_job_at_once(file_params):
     while len(got) < 2:
         assert select.select([fd], [], [], 10)[0] == [fd]
         got.update({x[0]: x for x in client.drain_completions()})
-    assert got == {a: (a, True, "", [False]), b: (b, True, "", [False])}
+    assert got == {a: (a, True, "", [True]), b: (b, True, "", [True])}
     m = client.metrics()["hicache_async_jobs_total"]["series"]
     counts = {(s["labels"]["kind"], s["labels"]["outcome"]): s["value"] for s in m}
-    assert counts[("set", "rejected")] == 1 and counts[("exists", "ok")] == 2
+    assert counts[("set", "rejected")] == 1 and counts[("set", "ok")] == 2
     client.close()
 
 

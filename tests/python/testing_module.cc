@@ -59,15 +59,15 @@ class ThrowingStorage final : public StorageBackend {
   std::shared_ptr<StorageBackend> inner_;
 };
 
-// A store whose get/set/exists wait while its gate is shut (it starts shut), then forward to
-// `inner`: jobs held in flight for as long as a test needs, released at once. A wait longer than
-// 30 s throws (a test that forgot to open the gate fails instead of hanging).
+// A store whose get/set wait while its gate is shut (it starts shut), then forward to `inner`:
+// jobs held in flight for as long as a test needs, released at once. Exists is not gated and the
+// store answers to inner's name (a "file" store still answers lookups from its index). A wait
+// longer than 30 s throws (a test that forgot to open the gate fails instead of hanging).
 class GatedStorage final : public StorageBackend {
  public:
   explicit GatedStorage(std::shared_ptr<StorageBackend> inner) : inner_(std::move(inner)) {}
-  std::string_view name() const override { return "gated"; }
+  std::string_view name() const override { return inner_->name(); }
   std::size_t batch_exists(std::span<const std::string> keys) override {
-    wait();
     return inner_->batch_exists(keys);
   }
   bool remove(const std::string& key) override { return inner_->remove(key); }
@@ -147,6 +147,6 @@ PYBIND11_MODULE(_testing, m) {
             }));
       },
       py::arg("inner"),
-      "A store over `inner` whose get/set/exists wait while its gate is shut (it starts shut); "
+      "A store over `inner` whose get/set wait while its gate is shut (it starts shut); "
       "returns (store, set_open, waiting): waiting() is how many calls wait at the gate");
 }
