@@ -349,7 +349,7 @@ def test_buffers_are_pinned_until_drained(file_params):
     client.close()
 
 
-def test_redis_round_trip(redis_server):
+def test_redis_round_trip_a_dead_server_and_its_return(redis_server):
     params = {"storage": {"backend": "redis", "host": "127.0.0.1", "port": redis_server.port},
               "namespace": "lm"}
     bridge = Bridge(load_adapter(params))
@@ -364,6 +364,22 @@ def test_redis_round_trip(redis_server):
     ok, error, per_key = bridge.wait(bridge.submit("submit_batch_get", keys=keys[:2],
                                                    memoryviews=dst))
     assert (ok, per_key) == (False, [False, False]) and error
+    redis_server.restart()  # an empty server on the same port: the adapter recovers (each of
+    # the store's connections reconnects after its own backoff, so a job may still fail at first)
+    deadline = time.monotonic() + 15
+    while True:
+        dst = [bytearray(PAGE) for _ in range(2)]
+        stored = bridge.wait(bridge.submit("submit_batch_set", keys=keys[:2],
+                                           memoryviews=src[:2]))
+        got = bridge.wait(bridge.submit("submit_batch_get", keys=keys[:2], memoryviews=dst))
+        if stored[0] and got[:3:2] == (True, [True, True]):
+            break
+        assert time.monotonic() < deadline, f"the adapter never recovered: {stored} {got}"
+        time.sleep(0.05)
+    assert dst == src[:2]
+    while bridge.wait(bridge.submit("submit_batch_exists", keys=keys[1:3]))[2] != [True, False]:
+        assert time.monotonic() < deadline, "exists never recovered"  # (a connection still
+        time.sleep(0.05)  # backing off answers absent); keys[2] is gone with the old server
     bridge.close()
 
 

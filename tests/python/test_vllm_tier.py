@@ -157,7 +157,7 @@ def test_bad_configuration_is_refused(file_storage):
         make(view, file_storage, no_such_option=1)
 
 
-def test_redis_lookup_retries_then_answers(redis_server):
+def test_redis_lookups_a_dead_server_and_its_return(redis_server):
     storage = {"backend": "redis", "host": "127.0.0.1", "port": redis_server.port}
     mem, view = primary()
     tier = make(view, storage)
@@ -179,5 +179,26 @@ def test_redis_lookup_retries_then_answers(redis_server):
     tier.submit_load(JobMetadata(2, keys[:2], [10, 11], True, None))
     assert finish(tier, [2]) == {2: True}
     assert row(mem, 10) == row(mem, 0) and row(mem, 11) == row(mem, 1)
+    redis_server.kill()  # a dead server: jobs fail, lookups miss, nothing blocks
+    tier.submit_load(JobMetadata(3, keys[:1], [12], True, None))
+    assert finish(tier, [3]) == {3: False}
+    assert ask(keys[0]) == LookupResult.MISS
+    redis_server.restart()  # an empty server on the same port: the tier recovers (each of the
+    # store's connections reconnects after its own backoff, so a job may still fail at first)
+    deadline = time.monotonic() + 15
+    job = 10
+    while True:
+        tier.submit_store(JobMetadata(job, keys[2:], [2], False, None))
+        tier.submit_load(JobMetadata(job + 1, keys[2:], [13], True, None))
+        if finish(tier, [job, job + 1]) == {job: True, job + 1: True}:
+            break
+        assert time.monotonic() < deadline, "the tier never recovered"
+        job += 2
+        time.sleep(0.05)
+    assert row(mem, 13) == row(mem, 2)
+    while ask(keys[2]) != LookupResult.HIT:  # an exists on a connection still backing off
+        assert time.monotonic() < deadline, "lookups never recovered"  # answers absent
+        time.sleep(0.05)
+    assert ask(keys[0]) == LookupResult.MISS  # the restarted server is empty
     tier.drain_jobs()
     tier.shutdown()
