@@ -31,7 +31,8 @@ std::size_t index_of(AsyncStore::Kind k) { return static_cast<std::size_t>(k); }
 }  // namespace
 
 AsyncStore::AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics,
-                       std::string prefix, int workers, std::size_t max_pending)
+                       std::string prefix, int workers, std::size_t max_pending,
+                       int metrics_port, const std::string& metrics_bind)
     : store_(std::move(store)),
       own_metrics_(own_metrics),
       prefix_(std::move(prefix)),
@@ -41,6 +42,9 @@ AsyncStore::AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics,
     throw InvalidArgument(str_cat("AsyncStore: workers ", workers, " (1..256)"));
   }
   if (max_pending < 1) throw InvalidArgument("AsyncStore: max_pending 0 (at least 1)");
+  if (metrics_port < -1 || metrics_port > 65535) {
+    throw InvalidArgument(str_cat("AsyncStore: metrics_port ", metrics_port, " (-1..65535)"));
+  }
   if (!prefix_.empty()) {
     if (prefix_.size() > kMaxPrefixBytes) {
       throw InvalidArgument(str_cat("AsyncStore: prefix '", prefix_, "' is longer than ",
@@ -77,6 +81,16 @@ AsyncStore::AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics,
   }
   scope_.add_gauge_fn("hicache_async_pending_jobs", "Async store jobs queued or running", {},
                       [this] { return static_cast<double>(pending()); });
+  if (metrics_port >= 0) {
+    try {
+      MutexLock lock(close_mu_);
+      server_ = std::make_unique<MetricsServer>(metrics_, metrics_bind, metrics_port);
+    } catch (...) {
+      ::close(efd_);
+      if (own_metrics_) store_->unregister_metrics();
+      throw;
+    }
+  }
 
   workers_.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { worker(); });
@@ -94,6 +108,11 @@ int AsyncStore::event_fd() const {
   MutexLock lock(done_mu_);
   if (fd_closed_) throw Error("AsyncStore: closed");
   return efd_;
+}
+
+int AsyncStore::metrics_port() {
+  MutexLock lock(close_mu_);
+  return server_ ? server_->port() : -1;
 }
 
 std::size_t AsyncStore::pending() const {
@@ -122,6 +141,13 @@ std::string AsyncStore::record_name(const std::string& key) const {
     name += "%h" + to_hex(hasher.hash_bytes(key));
   }
   return name;
+}
+
+std::size_t AsyncStore::exists_now(const py::sequence& keys) {
+  std::vector<std::string> names;
+  for (const auto& k : keys_of(keys)) names.push_back(record_name(k));
+  py::gil_scoped_release nogil;
+  return store_->batch_exists(names);
 }
 
 std::uint64_t AsyncStore::submit_batch_get(const py::sequence& keys, const py::sequence& buffers) {
@@ -322,6 +348,7 @@ void AsyncStore::close() {
     if (t.joinable()) t.join();
   }
   workers_.clear();
+  server_.reset();
   MutexLock lock(done_mu_);
   if (!fd_closed_) {
     ::close(efd_);
@@ -334,7 +361,7 @@ void register_async_store(py::module_& m) {
                          "A store driven by batch jobs on C++ worker threads; completions on an "
                          "eventfd (LMCache's native_plugin connector surface)")
       .def(py::init([](py::object storage, std::string prefix, int workers,
-                       std::size_t max_pending) {
+                       std::size_t max_pending, int metrics_port, const std::string& metrics_bind) {
              std::shared_ptr<StorageBackend> backend;
              bool own = false;
              if (py::isinstance<PyStore>(storage)) {
@@ -350,10 +377,11 @@ void register_async_store(py::module_& m) {
                    py::str(py::type::of(storage).attr("__name__")).cast<std::string>()));
              }
              return std::make_unique<AsyncStore>(std::move(backend), own, std::move(prefix),
-                                                 workers, max_pending);
+                                                 workers, max_pending, metrics_port, metrics_bind);
            }),
            py::arg("storage"), py::kw_only(), py::arg("prefix") = "", py::arg("workers") = 4,
-           py::arg("max_pending") = 1024)
+           py::arg("max_pending") = 1024, py::arg("metrics_port") = -1,
+           py::arg("metrics_bind") = "127.0.0.1")
       .def("event_fd", &AsyncStore::event_fd)
       .def("submit_batch_get", &AsyncStore::submit_batch_get, py::arg("keys"),
            py::arg("memoryviews"))
@@ -373,8 +401,12 @@ void register_async_store(py::module_& m) {
            })
       .def("close", &AsyncStore::close)
       .def("record_name", &AsyncStore::record_name, py::arg("key"))
+      .def("exists_now", &AsyncStore::exists_now, py::arg("keys"))
+      .def_property_readonly("store_name", &AsyncStore::store_name)
+      .def("stats_json", &AsyncStore::stats_json)
       .def_property_readonly("prefix", &AsyncStore::prefix)
       .def_property_readonly("pending", &AsyncStore::pending)
+      .def_property_readonly("metrics_port", &AsyncStore::metrics_port)
       .def("metrics_json", &AsyncStore::metrics_json)
       .def("metrics_text", &AsyncStore::metrics_text);
 }

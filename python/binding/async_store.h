@@ -50,6 +50,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "controller/metrics_server.h"
 #include "python/binding/buffers.h"
 #include "storage/storage_backend.h"
 #include "transfer/metrics.h"
@@ -75,8 +76,11 @@ class AsyncStore {
   // already holds them). `workers` >= 1 threads run jobs; at most `max_pending` jobs are queued
   // or running (>= 1). `prefix`: "" or a valid key of at most 160 bytes. InvalidArgument
   // otherwise.
+  // `metrics_port` >= 0 serves this object's registry at http://metrics_bind:port/metrics (0:
+  // a free port) until close(); -1: off. A port that cannot be bound is an Error.
   AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics, std::string prefix,
-             int workers, std::size_t max_pending);
+             int workers, std::size_t max_pending, int metrics_port = -1,
+             const std::string& metrics_bind = "127.0.0.1");
   // close(), then releases the buffers of undrained completions. REQUIRES: the GIL is held.
   ~AsyncStore();
   AsyncStore(const AsyncStore&) = delete;
@@ -94,12 +98,20 @@ class AsyncStore {
   // workers and closes the eventfd. Idempotent, thread-safe.
   void close();
 
+  // On the calling thread, without the GIL: how many leading keys the store holds (the file
+  // store answers from its index; Redis asks the server, so callers that must not block use
+  // submit_batch_exists there).
+  std::size_t exists_now(const py::sequence& keys);
+  std::string store_name() const { return std::string(store_->name()); }
+  std::string stats_json() const { return store_->stats().to_json(); }
   // The record name of `key` (see above); InvalidArgument for an empty key.
   std::string record_name(const std::string& key) const;
   std::size_t pending() const;
   const std::string& prefix() const { return prefix_; }
   std::string metrics_json() const { return metrics_.json_text(); }
   std::string metrics_text() const { return metrics_.prometheus_text(); }
+  // The /metrics port, or -1 when not serving.
+  int metrics_port();
 
  private:
   struct Job {
@@ -151,6 +163,7 @@ class AsyncStore {
   KindMetrics kinds_[4];
   MetricsRegistry metrics_;
   MetricsScope scope_;  // after what it registers
+  std::unique_ptr<MetricsServer> server_ HICACHE_GUARDED_BY(close_mu_);  // reads metrics_
 };
 
 // Adds AsyncStore to `m`.

@@ -9,6 +9,7 @@ import random
 import select
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -383,8 +384,20 @@ def test_redis_round_trip_a_dead_server_and_its_return(redis_server):
     bridge.close()
 
 
-def test_metrics_include_the_store_opened_here(file_params):
-    client = load_adapter(file_params)
-    text = client.metrics_text()
-    assert "hicache_storage_keys_total" in text and "hicache_async_pending_jobs" in text
-    client.close()
+def test_metrics_over_http_include_the_store_opened_here(file_params):
+    client = load_adapter(dict(file_params, metrics_port=0))
+    port = client.metrics_port
+    assert port > 0
+    bridge = Bridge(client)
+    assert bridge.wait(bridge.submit("submit_batch_set", keys=["k"],
+                                     memoryviews=[page(1, 4096)]))[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'hicache_async_jobs_total{kind="set",outcome="ok"} 1' in text
+    assert 'hicache_storage_keys_total' in text and "hicache_async_pending_jobs" in text
+    bridge.close()
+    assert client.metrics_port == -1  # close() stops serving
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    with pytest.raises(ValueError, match="metrics_port 70000"):
+        load_adapter(dict(file_params, metrics_port=70000))

@@ -5,6 +5,7 @@ with the primary CPU tier a 2-D byte view of rows."""
 import random
 import threading
 import time
+import urllib.request
 from collections import namedtuple
 
 import pytest
@@ -201,4 +202,21 @@ def test_redis_lookups_a_dead_server_and_its_return(redis_server):
         time.sleep(0.05)
     assert ask(keys[0]) == LookupResult.MISS  # the restarted server is empty
     tier.drain_jobs()
+    tier.shutdown()
+
+
+def test_usage_and_metrics_are_reported(file_storage):
+    mem, view = primary()
+    tier = make(view, dict(file_storage, capacity_bytes=1 << 30), metrics_port=0)
+    for r in range(3):
+        fill(mem, r, r)
+    tier.submit_store(JobMetadata(1, [block_key(i) for i in range(3)], [0, 1, 2], False, None))
+    assert finish(tier, [1]) == {1: True}
+    stats = tier.stats()
+    assert stats["stored_keys"] == 3 and stats["capacity_bytes"] == 1 << 30
+    assert stats["stored_bytes"] >= 3 * ROW
+    with urllib.request.urlopen(f"http://127.0.0.1:{tier.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'hicache_async_jobs_total{kind="set",outcome="ok"} 1' in text
+    assert "hicache_storage_stored_bytes" in text and "hicache_storage_capacity_bytes" in text
     tier.shutdown()

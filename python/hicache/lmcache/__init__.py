@@ -34,12 +34,15 @@ class HiCacheL2Adapter(_hicache.AsyncStore):
     max_pending: jobs queued or running; a submit beyond it completes at once as failed
         (ok False, error "queue full ...") rather than blocking or raising: LMCache counts it as
         a failed store / a miss.
+    metrics_port: -1 (off), 0 (a free port, see .metrics_port) or a port: serves the metrics at
+        http://metrics_bind:port/metrics (Prometheus text) and /metrics.json until close().
 
     Bad arguments raise ValueError naming them; a store that cannot be opened raises OSError or
     RuntimeError. Unknown keyword arguments raise TypeError (nothing is silently ignored).
     """
 
-    def __init__(self, storage, namespace="", workers=4, max_pending=1024):
+    def __init__(self, storage, namespace="", workers=4, max_pending=1024, metrics_port=-1,
+                 metrics_bind="127.0.0.1"):
         if isinstance(storage, _Store):
             native = storage._s
         elif isinstance(storage, dict):
@@ -52,7 +55,8 @@ class HiCacheL2Adapter(_hicache.AsyncStore):
         if not isinstance(namespace, str):
             raise ValueError(f"HiCacheL2Adapter: namespace {namespace!r} is not a string")
         super().__init__(native, prefix=namespace, workers=int(workers),
-                         max_pending=int(max_pending))
+                         max_pending=int(max_pending), metrics_port=int(metrics_port),
+                         metrics_bind=str(metrics_bind))
 
     def metrics(self):
         """The adapter's metrics (jobs and keys by kind and outcome, job latency, pending jobs,

@@ -73,7 +73,8 @@ class HiCacheTier(_Base):
     offloading_spec, primary_kv_view (2-D C-contiguous byte memoryview, one row per block id),
     tier_type, storage (the store's config dict, or an open hicache.Store), namespace (dict:
     model, dtype, block_size required; fingerprint, tp_size, pp_size, identity, layout
-    optional), workers and max_pending (the AsyncStore's).
+    optional), workers, max_pending, metrics_port and metrics_bind (the AsyncStore's: -1 off,
+    0 a free port; /metrics and /metrics.json until shutdown).
 
     lookup: HIT when the tier stored the key, or the store holds it (the file store answers from
     its index, no I/O); on a store without an index (Redis) it answers RETRY while an exists
@@ -83,7 +84,8 @@ class HiCacheTier(_Base):
     """
 
     def __init__(self, offloading_spec=None, primary_kv_view=None, tier_type=None, *,
-                 storage, namespace, workers=4, max_pending=1024):
+                 storage, namespace, workers=4, max_pending=1024, metrics_port=-1,
+                 metrics_bind="127.0.0.1"):
         if _Base is not object:
             super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                              tier_type=tier_type)
@@ -96,16 +98,17 @@ class HiCacheTier(_Base):
                              f"contiguous {view.c_contiguous}, readonly {view.readonly})")
         self._rows, self._row_bytes = view.shape
         self._flat = view.cast("B")
-        if isinstance(storage, dict):
-            native = _hicache.Store(_json.dumps(storage))
+        if isinstance(storage, dict):  # opened here: its metrics join the tier's registry
+            native = _json.dumps(storage)
         elif hasattr(storage, "_s") and isinstance(storage._s, _hicache.Store):  # hicache.Store
             native = storage._s
         else:
             raise ValueError(f"HiCacheTier: storage must be a dict, not {type(storage).__name__}")
-        self._store = native
-        self._indexed = native.name == "file"  # exists answered from the index, no I/O
         self._async = _hicache.AsyncStore(native, prefix=_prefix(namespace, self._row_bytes),
-                                          workers=int(workers), max_pending=int(max_pending))
+                                          workers=int(workers), max_pending=int(max_pending),
+                                          metrics_port=int(metrics_port),
+                                          metrics_bind=str(metrics_bind))
+        self._indexed = self._async.store_name == "file"  # exists from the index, no I/O
         self._fd = self._async.event_fd()
         self._futures = {}       # future id -> ("store" | "load", job_id, keys) | ("exists", key)
         self._storing = {}       # key -> store jobs in flight
@@ -122,8 +125,7 @@ class HiCacheTier(_Base):
         if self._storing.get(k):
             return LookupResult.RETRY
         if self._indexed:
-            return LookupResult.HIT if self._store.batch_exists(
-                [self._async.record_name(k)]) == 1 else LookupResult.MISS
+            return LookupResult.HIT if self._async.exists_now([k]) == 1 else LookupResult.MISS
         if k in self._answers:
             return LookupResult.HIT if self._answers.pop(k) else LookupResult.MISS
         if k not in self._asking:
@@ -194,10 +196,15 @@ class HiCacheTier(_Base):
 
     def stats(self):
         """The store's counters and gauges (stored_bytes, capacity_bytes, ...) as a dict."""
-        return _json.loads(self._store.stats_json())
+        return _json.loads(self._async.stats_json())
 
     def metrics_text(self):
         return self._async.metrics_text()
+
+    @property
+    def metrics_port(self):
+        """The port serving /metrics, or -1."""
+        return self._async.metrics_port
 
     # --- internals --------------------------------------------------------------------------
 
