@@ -41,6 +41,8 @@ except ImportError:
 
 __all__ = ["HiCacheTier", "LookupResult", "JobResult"]
 
+_MAX_ANSWERS = 1 << 16  # exists answers kept for the next lookup of their key
+
 _NAMESPACE_FIELDS = {"model", "fingerprint", "dtype", "block_size", "tp_size", "pp_size",
                      "identity", "layout"}
 
@@ -245,6 +247,8 @@ class HiCacheTier(_Base):
                 continue
             if entry[0] == "exists":
                 self._asking.discard(entry[1])
+                if len(self._answers) >= _MAX_ANSWERS:  # answers nobody came back for
+                    self._answers.clear()
                 self._answers[entry[1]] = bool(ok and per_key and per_key[0])
                 continue
             kind, job_id, keys = entry
