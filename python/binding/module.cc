@@ -1,7 +1,8 @@
 // hicache._hicache: the C++ library as a Python extension (pybind11). The Python package
 // (python/hicache/) wraps it; see there for the public surface. Each concern registers its own
 // classes: buffers.h (how Python memory is read, no classes), store.h (Store, PageLayout,
-// IoResult), cache.h (HiCache, PrefetchOperation). Test doubles live apart, in the test-only
+// IoResult), async_store.h (AsyncStore: batch jobs on C++ threads, LMCache's connector
+// surface), cache.h (HiCache, PrefetchOperation). Test doubles live apart, in the test-only
 // module hicache._testing (tests/python/testing_module.cc), never in this one.
 //
 // Memory comes in by pointer and is never copied on the way in: torch tensors (data_ptr) and
@@ -13,6 +14,7 @@
 
 #include <exception>
 
+#include "python/binding/async_store.h"
 #include "python/binding/cache.h"
 #include "python/binding/store.h"
 #include "transfer/errors.h"
@@ -34,4 +36,5 @@ PYBIND11_MODULE(_hicache, m) {
   });
   binding::register_store(m);
   binding::register_cache(m);
+  binding::register_async_store(m);
 }

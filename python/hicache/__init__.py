@@ -13,7 +13,9 @@ The C++ library as a Python package:
     store.batch_get(["k1"], [out_tensor])  # read in place, never copied on the way in
 
 Engine adapters are subpackages, imported on their own: hicache.sglang (SGLang's L3 backend
-HiCacheStore and the drop-in HiCacheController, docs/sglang.md).
+HiCacheStore and the drop-in HiCacheController, docs/sglang.md), hicache.vllm (vLLM's secondary
+offloading tier HiCacheTier, docs/vllm.md), hicache.lmcache (LMCache's native_plugin L2
+adapter HiCacheL2Adapter, docs/lmcache.md).
 
 Configuration: the same JSON schema as the C++ library (docs/configuration.md), as a dict or a
 path to a JSON file. Bad configuration raises ValueError naming the key and the value; a store

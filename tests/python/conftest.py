@@ -77,7 +77,17 @@ def _free_port():
 
 class RedisServer:
     def __init__(self, path):
+        self.path = path
         self.port = _free_port()
+        self._start()
+
+    def restart(self):
+        """A fresh, empty server on the same port (after kill())."""
+        self.kill()
+        self._start()
+
+    def _start(self):
+        path = self.path
         self.proc = subprocess.Popen(
             [path, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -22,5 +22,13 @@ out = bytearray(len(data))
 assert store.batch_get(["page"], [out])[0].ok and bytes(out) == data
 from hicache.sglang import HiCacheController, HiCacheStore  # noqa: F401 - the subpackage
 import hicache.sglang.controller, hicache.sglang.store  # noqa: E401,F401
+from hicache.vllm import HiCacheTier  # noqa: F401
+from hicache.lmcache import HiCacheL2Adapter
+import select
+l2 = HiCacheL2Adapter(storage={"backend": "file", "root": tempfile.mkdtemp(dir=sys.argv[1])})
+fid = l2.submit_batch_set(keys=["a/b"], memoryviews=[memoryview(data)])
+assert select.select([l2.event_fd()], [], [], 10)[0]
+assert l2.drain_completions() == [(fid, True, "", [True])]
+l2.close()
 print("pip-installed package: ok")
 PY

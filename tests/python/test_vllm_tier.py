@@ -1,0 +1,222 @@
+"""Contract suite of hicache.vllm.HiCacheTier, written from vLLM's SecondaryTierManager (v3): a
+stand-in for vLLM's tiering manager calls the tier from one thread, in vLLM's order (poll
+finished jobs once per step, lookups, stores after the primary copy, promotions as loads),
+with the primary CPU tier a 2-D byte view of rows."""
+import random
+import threading
+import time
+import urllib.request
+from collections import namedtuple
+
+import pytest
+
+import hicache
+from hicache import _testing
+from hicache.vllm import HiCacheTier, LookupResult
+
+ROW = 8192
+JobMetadata = namedtuple("JobMetadata", "job_id keys block_ids is_promotion req_context")
+TransferJob = namedtuple("TransferJob", "job_id keys chunk_ids is_promotion req_context")
+NS = {"model": "meta-llama/Llama-3.1-8B", "fingerprint": "main", "dtype": "bf16",
+      "block_size": 16, "tp_size": 2}
+
+
+def primary(rows=32):
+    mem = bytearray(rows * ROW)
+    return mem, memoryview(mem).cast("B", (rows, ROW))
+
+
+def block_key(i, group=0):
+    """vLLM's OffloadKey: a block hash followed by the KV cache group, 4 bytes big-endian."""
+    return random.Random(i).randbytes(32) + group.to_bytes(4, "big")
+
+
+def fill(mem, row, seed):
+    mem[row * ROW:(row + 1) * ROW] = random.Random(seed).randbytes(ROW)
+
+
+def row(mem, r):
+    return bytes(mem[r * ROW:(r + 1) * ROW])
+
+
+def make(view, storage, namespace=NS, **kw):
+    return HiCacheTier(offloading_spec=None, primary_kv_view=view, tier_type="hicache",
+                       storage=storage, namespace=namespace, **kw)
+
+
+def finish(tier, job_ids, timeout=30):
+    """vLLM's steps: poll get_finished_jobs once per step until the jobs ended; each job must be
+    reported exactly once. Returns {job_id: success}."""
+    got = {}
+    deadline = time.monotonic() + timeout
+    while set(job_ids) - set(got):
+        assert time.monotonic() < deadline, f"jobs {set(job_ids) - set(got)} never finished"
+        for r in tier.get_finished_jobs():
+            assert r.job_id not in got, f"job {r.job_id} reported twice"
+            got[r.job_id] = r.success
+        time.sleep(0.005)  # one engine step
+    return got
+
+
+@pytest.fixture
+def file_storage(tmp_path):
+    return {"backend": "file", "root": str(tmp_path / "tier")}
+
+
+def test_store_wipe_lookup_load_every_byte(file_storage):
+    mem, view = primary()
+    tier = make(view, file_storage)
+    keys = [block_key(i) for i in range(8)]
+    for r in range(8):
+        fill(mem, r, r)
+    expect = [row(mem, r) for r in range(8)]
+    assert all(tier.lookup(k, None) == LookupResult.MISS for k in keys)
+    tier.submit_store(JobMetadata(1, keys, list(range(8)), False, None))
+    tier.drain_jobs()  # vLLM's reset_cache: blocks until the job ended, then one poll has it
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert not tier.has_pending_work()
+    mem[:] = bytes(len(mem))  # the primary tier forgets them
+    assert all(tier.lookup(k, None) == LookupResult.HIT for k in keys)
+    tier.submit_load(TransferJob(2, keys, list(range(16, 24)), True, None))  # later vLLM names
+    assert finish(tier, [2]) == {2: True}
+    for i in range(8):
+        assert row(mem, 16 + i) == expect[i], f"block {i}"
+    assert row(mem, 0) == bytes(ROW)  # nothing but the named rows was written
+    tier.shutdown()
+
+
+def test_in_flight_store_is_retry_and_restart_hits(file_storage):
+    inner = hicache._hicache.Store('{"backend": "file", "root": "%s"}' % file_storage["root"])
+    gated, set_open, waiting = _testing.gated_store(inner)
+    mem, view = primary()
+    tier = make(view, hicache.Store(gated), workers=2)
+    keys = [block_key(100 + i) for i in range(4)]
+    for r in range(4):
+        fill(mem, r, 100 + r)
+    tier.submit_store(JobMetadata(7, keys[:2], [0, 1], False, None))
+    tier.submit_store(JobMetadata(8, keys[2:], [2, 3], False, None))  # a store beside it
+    assert tier.has_pending_work()
+    assert [tier.lookup(k, None) for k in keys] == [LookupResult.RETRY] * 4
+    assert tier.get_finished_jobs() == []  # never blocks
+    # shutdown with both jobs in flight waits for them and loses neither
+    closer = threading.Thread(target=tier.shutdown)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()
+    set_open(True)
+    closer.join(30)
+    assert not closer.is_alive()
+    assert finish(tier, [7, 8]) == {7: True, 8: True}
+    mem2, view2 = primary()
+    again = make(view2, file_storage)  # a restart on the same file store
+    assert [again.lookup(k, None) for k in keys] == [LookupResult.HIT] * 4
+    again.submit_load(JobMetadata(1, keys, [5, 6, 7, 8], True, None))
+    assert finish(again, [1]) == {1: True}
+    assert [row(mem2, r) for r in (5, 6, 7, 8)] == [row(mem, r) for r in range(4)]
+    again.shutdown()
+
+
+def test_namespaces_never_share_records(file_storage):
+    mem, view = primary()
+    tier = make(view, file_storage)
+    fill(mem, 0, 1)
+    tier.submit_store(JobMetadata(1, [block_key(1)], [0], False, None))
+    assert finish(tier, [1]) == {1: True}
+    other_tp = make(primary()[1], file_storage, namespace=dict(NS, tp_size=4))
+    tenant = make(primary()[1], file_storage, namespace=dict(NS, identity="tenant-b"))
+    other_group = block_key(1, group=1)
+    assert other_tp.lookup(block_key(1), None) == LookupResult.MISS
+    assert tenant.lookup(block_key(1), None) == LookupResult.MISS
+    assert tier.lookup(other_group, None) == LookupResult.MISS
+    for t in (tier, other_tp, tenant):
+        t.shutdown()
+
+
+def test_failed_jobs_are_results_not_exceptions(file_storage):
+    mem, view = primary(rows=4)
+    tier = make(view, file_storage)
+    tier.submit_store(JobMetadata(1, [block_key(1)], [4], False, None))  # past the last row
+    tier.submit_load(JobMetadata(2, [block_key(2)], [0], True, None))  # absent
+    tier.submit_store(JobMetadata(3, [block_key(3), block_key(4)], [0], False, None))  # 2 vs 1
+    mem[:] = b"\x77" * len(mem)
+    assert finish(tier, [1, 2, 3]) == {1: False, 2: False, 3: False}
+    assert mem == b"\x77" * len(mem)  # no row was written by the failed jobs
+    tier.shutdown()
+    tier.submit_store(JobMetadata(4, [block_key(5)], [0], False, None))  # after shutdown
+    assert finish(tier, [4]) == {4: False}
+
+
+def test_bad_configuration_is_refused(file_storage):
+    _, view = primary()
+    with pytest.raises(ValueError, match="lacks 'dtype'"):
+        make(view, file_storage, namespace={"model": "m", "block_size": 16})
+    with pytest.raises(ValueError, match="colour"):
+        make(view, file_storage, namespace=dict(NS, colour="red"))
+    with pytest.raises(ValueError, match="2-D"):
+        make(memoryview(bytearray(ROW)), file_storage)
+    with pytest.raises(TypeError):
+        make(view, file_storage, no_such_option=1)
+
+
+def test_redis_lookups_a_dead_server_and_its_return(redis_server):
+    storage = {"backend": "redis", "host": "127.0.0.1", "port": redis_server.port}
+    mem, view = primary()
+    tier = make(view, storage)
+    keys = [block_key(i) for i in range(3)]
+    for r in range(3):
+        fill(mem, r, 50 + r)
+    tier.submit_store(JobMetadata(1, keys[:2], [0, 1], False, None))
+    assert finish(tier, [1]) == {1: True}
+
+    def ask(k):  # vLLM asks again next step while the answer is RETRY
+        deadline = time.monotonic() + 10
+        while (answer := tier.lookup(k, None)) == LookupResult.RETRY:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        return answer
+
+    assert tier.lookup(keys[0], None) == LookupResult.RETRY  # Redis is asked off the thread
+    assert [ask(k) for k in keys] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    tier.submit_load(JobMetadata(2, keys[:2], [10, 11], True, None))
+    assert finish(tier, [2]) == {2: True}
+    assert row(mem, 10) == row(mem, 0) and row(mem, 11) == row(mem, 1)
+    redis_server.kill()  # a dead server: jobs fail, lookups miss, nothing blocks
+    tier.submit_load(JobMetadata(3, keys[:1], [12], True, None))
+    assert finish(tier, [3]) == {3: False}
+    assert ask(keys[0]) == LookupResult.MISS
+    redis_server.restart()  # an empty server on the same port: the tier recovers (each of the
+    # store's connections reconnects after its own backoff, so a job may still fail at first)
+    deadline = time.monotonic() + 15
+    job = 10
+    while True:
+        tier.submit_store(JobMetadata(job, keys[2:], [2], False, None))
+        tier.submit_load(JobMetadata(job + 1, keys[2:], [13], True, None))
+        if finish(tier, [job, job + 1]) == {job: True, job + 1: True}:
+            break
+        assert time.monotonic() < deadline, "the tier never recovered"
+        job += 2
+        time.sleep(0.05)
+    assert row(mem, 13) == row(mem, 2)
+    while ask(keys[2]) != LookupResult.HIT:  # an exists on a connection still backing off
+        assert time.monotonic() < deadline, "lookups never recovered"  # answers absent
+        time.sleep(0.05)
+    assert ask(keys[0]) == LookupResult.MISS  # the restarted server is empty
+    tier.drain_jobs()
+    tier.shutdown()
+
+
+def test_usage_and_metrics_are_reported(file_storage):
+    mem, view = primary()
+    tier = make(view, dict(file_storage, capacity_bytes=1 << 30), metrics_port=0)
+    for r in range(3):
+        fill(mem, r, r)
+    tier.submit_store(JobMetadata(1, [block_key(i) for i in range(3)], [0, 1, 2], False, None))
+    assert finish(tier, [1]) == {1: True}
+    stats = tier.stats()
+    assert stats["stored_keys"] == 3 and stats["capacity_bytes"] == 1 << 30
+    assert stats["stored_bytes"] >= 3 * ROW
+    with urllib.request.urlopen(f"http://127.0.0.1:{tier.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'hicache_async_jobs_total{kind="set",outcome="ok"} 1' in text
+    assert "hicache_storage_stored_bytes" in text and "hicache_storage_capacity_bytes" in text
+    tier.shutdown()
