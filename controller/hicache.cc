@@ -64,7 +64,10 @@ std::string storage_json_for(const HiCacheConfig& c, const std::string& json_tex
 }  // namespace
 
 HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
-    : config_(config), device_(parts.device), storage_(std::move(parts.storage)) {
+    : config_(config),
+      device_(parts.device),
+      storage_(std::move(parts.storage)),
+      wrap_storage_(std::move(parts.wrap_storage)) {
   if (parts.device_kv && (!parts.device_k.empty() || !parts.device_v.empty())) {
     throw InvalidArgument("HiCache: the engine's device KV is one buffer (device_kv) or per-layer "
                           "buffers (device_k, device_v), not both");
@@ -92,7 +95,7 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     device_ = owned_device_.get();
   }
   if (!storage_ && !config_.storage.empty()) {
-    storage_ = make_storage(storage_json_for(config_, config_.storage));
+    storage_ = open_storage(config_.storage);
   }
 
   if (any_collective) {
@@ -212,11 +215,19 @@ void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives
   std::shared_ptr<StorageBackend> store;
   std::exception_ptr error;
   try {
-    store = make_storage(storage_json_for(config_, json));
+    store = open_storage(json);
   } catch (...) {
     error = std::current_exception();
   }
   attach_agreed(std::move(store), error, collectives);
+}
+
+std::shared_ptr<StorageBackend> HiCache::open_storage(const std::string& json) const {
+  std::unique_ptr<StorageBackend> store = make_storage(storage_json_for(config_, json));
+  if (!wrap_storage_) return store;
+  std::shared_ptr<StorageBackend> wrapped = wrap_storage_(std::move(store));
+  if (!wrapped) throw InvalidArgument("HiCache: wrap_storage returned no store (null)");
+  return wrapped;
 }
 
 void HiCache::attach_storage(std::shared_ptr<StorageBackend> store,

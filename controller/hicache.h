@@ -24,6 +24,7 @@
 #pragma once
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,6 +61,10 @@ struct HiCacheParts {
   // shares with other caches); requires the host tier. Its metrics report into the cache that
   // registered it last, until that cache goes.
   std::shared_ptr<StorageBackend> storage;
+  // Wraps each store HiCache opens from a config (at construction and in attach_storage(json)):
+  // a what-if throttle or a fault injector that the real storage threads then call. Returns the
+  // store to use (not null); empty: the store as opened.
+  std::function<std::shared_ptr<StorageBackend>(std::unique_ptr<StorageBackend>)> wrap_storage;
   // TP collectives; none: one LocalCollective for tp_size 1, Gloo groups from config.tp for
   // more ranks.
   HiCacheCollectives collectives;
@@ -134,6 +139,7 @@ class HiCache {
   std::unique_ptr<Device> owned_device_;
   Device* device_ = nullptr;
   std::shared_ptr<StorageBackend> storage_;
+  decltype(HiCacheParts::wrap_storage) wrap_storage_;
   KeyNamespace ns_;
   // TP: local for one rank, owned Gloo groups for several, or the engine's.
   std::unique_ptr<Collective> owned_collectives_[3];
@@ -149,6 +155,8 @@ class HiCache {
   int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
   // The store's removals go to the KV events (L3 records that left), when both are on.
   void observe_removals();
+  // make_storage of the store config as HiCache opens it, wrapped by wrap_storage_.
+  std::shared_ptr<StorageBackend> open_storage(const std::string& json) const;
   // A Gloo group of this rank's TP ranks named after the namespace and `role`.
   std::unique_ptr<Collective> make_tp_group(const std::string& role) const;
   // attach_storage after the store was opened (or `error`, when it could not be): agreed over

@@ -37,6 +37,7 @@ std::string StorageStats::to_json() const {
 }
 
 void StorageBackend::set_removal_observer(RemovalObserver observer) {
+  if (StorageBackend* inner = wrapped()) return inner->set_removal_observer(std::move(observer));
   MutexLock lock(observer_mu_);
   removal_observer_ = std::move(observer);
 }
@@ -202,6 +203,7 @@ std::vector<IoResult> StorageBackend::batch_set(std::span<const std::string> key
 }
 
 StorageStats StorageBackend::stats() const {
+  if (const StorageBackend* inner = wrapped()) return inner->stats();
   StorageStats s;
   const Counters& c = counters_;
   s.exists_queries = c.exists_queries.value();
@@ -225,7 +227,13 @@ StorageStats StorageBackend::stats() const {
   return s;
 }
 
+void StorageBackend::unregister_metrics() {
+  if (StorageBackend* inner = wrapped()) inner->unregister_metrics();
+  metrics_.reset();
+}
+
 void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
+  if (StorageBackend* inner = wrapped()) return inner->register_metrics(registry, std::move(labels));
   labels.emplace_back("backend", std::string(name()));
   metrics_.attach(registry, std::move(labels));
   const Counters& c = counters_;

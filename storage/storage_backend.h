@@ -114,6 +114,8 @@ class StorageBackend {
   using RemovalObserver = std::function<void(std::span<const std::string> keys)>;
   void set_removal_observer(RemovalObserver observer);
 
+  // For a store that wraps another (wrapped() below), the three calls stand for the wrapped
+  // store: its counters and gauges, registered under its name.
   StorageStats stats() const;
   // Registers the store's counters (keys per operation and result, bad records, bytes,
   // evictions) and its size in `registry`, labelled with `labels` and backend=name(), until
@@ -121,10 +123,16 @@ class StorageBackend {
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
   // Forgets what register_metrics registered (a registry that goes before the store: a cache
   // that shared it).
-  void unregister_metrics() { metrics_.reset(); }
+  void unregister_metrics();
 
  protected:
   StorageBackend();
+
+  // A store that wraps another and keeps no records of its own (a throttle or a fault injector
+  // in tools/: it forwards every call) returns the wrapped store, owned by it. stats(),
+  // register_metrics(), unregister_metrics() and set_removal_observer() then go to that store,
+  // so the counts and removals are the real store's. Default: none.
+  virtual StorageBackend* wrapped() const { return nullptr; }
 
   // Called with validated arguments. do_batch_set receives only keys no other batch of this
   // process is storing; it skips keys the store already holds (count them with

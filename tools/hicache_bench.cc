@@ -85,6 +85,8 @@ struct Settings {
   // engine
   std::int64_t max_batch = 8, max_running = 64, max_prefetches = 4;
   double cost_per_token_layer = 3e-6, decode_step_seconds = 0.002, host_free_target = 0.1;
+  // what-if: a slow L3 (ThrottledStorage around the store of the file and redis tiers)
+  double l3_bandwidth_mbps = 0, l3_latency_ms = 0;
   // tiers
   std::string tiers = "file";
   bool compare = false;
@@ -196,6 +198,10 @@ const std::vector<Option>& options() {
       DBL_OPT(cost_per_token_layer, 0, "simulated prefill compute, s per token per layer (3e-6)"),
       DBL_OPT(decode_step_seconds, 0, "simulated decode step, s (0.002)"),
       DBL_OPT(host_free_target, 0, "host fraction kept free by evicting before admission (0.1)"),
+      DBL_OPT(l3_bandwidth_mbps, 0,
+              "what-if: the L3 store's calls share a link of this many MB/s (file and redis "
+              "tiers; the storage threads wait); 0: unthrottled (0)"),
+      DBL_OPT(l3_latency_ms, 0, "what-if: each L3 store call takes at least this many ms (0)"),
       STR_OPT(tiers, "the configuration of a single run: device | host | file | redis (file)"),
       BOOL_OPT(compare, "run every configuration of --compare-configs side by side"),
       STR_OPT(compare_configs,
@@ -415,6 +421,11 @@ Settings parse(int argc, char** argv) {
                                     "' needs --kv-events, one configuration (no --compare) and "
                                     "one process (no --instances, no --tp)"));
     }
+    if ((s.l3_bandwidth_mbps > 0 || s.l3_latency_ms > 0) && !s.compare && s.tiers != "file" &&
+        s.tiers != "redis") {
+      throw InvalidArgument(str_cat("--l3-bandwidth-mbps / --l3-latency-ms slow the L3 store, "
+                                    "but --tiers ", s.tiers, " has none (file, redis, or --compare)"));
+    }
     for (const char* alias : {"hicache_storage_backend", "hicache_storage_backend_extra_config"}) {
       if (s.cache.contains(alias)) {
         throw InvalidArgument(
@@ -592,6 +603,10 @@ wl::StackConfig stack_config(const Settings& s, const std::string& tier,
   c.engine.decode_step_seconds = s.decode_step_seconds;
   c.engine.host_free_target = s.host_free_target;
   c.engine.use_storage = tier == "file" || tier == "redis";
+  if (c.engine.use_storage) {
+    c.l3_throttle = {.bytes_per_second = s.l3_bandwidth_mbps * 1e6,
+                     .latency_s = s.l3_latency_ms * 1e-3};
+  }
   return c;
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -101,6 +102,88 @@ TEST(HiCache, DetachesAttachesAndClearsL3AtRunTime) {
   hc.detach_storage();
   hc.attach_storage();
   EXPECT_NE(hc.storage(), nullptr);
+}
+
+// A store that forwards to the one HiCache opened, counting what it forwards (wrap_storage).
+class CountingWrapper final : public StorageBackend {
+ public:
+  explicit CountingWrapper(std::unique_ptr<StorageBackend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return inner_->batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_->remove(key); }
+  void clear() override { inner_->clear(); }
+  std::atomic<int> sets{0};
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    return inner_->batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    sets += static_cast<int>(keys.size());
+    return inner_->batch_set(keys, src);
+  }
+  StorageBackend* wrapped() const override { return inner_.get(); }
+
+ private:
+  std::unique_ptr<StorageBackend> inner_;
+};
+
+// wrap_storage wraps every store HiCache opens from a config, at construction and on an attach:
+// the cache's backups go through the wrapper, the counts and the metrics are the real store's
+// (wrapped()), and a wrapper that returns no store is refused, changing nothing.
+TEST(HiCache, WrapStorageWrapsEveryStoreItOpens) {
+  TempDir dir;
+  std::vector<CountingWrapper*> made;
+  HiCacheParts parts;
+  parts.wrap_storage = [&made](std::unique_ptr<StorageBackend> store) {
+    auto w = std::make_shared<CountingWrapper>(std::move(store));
+    made.push_back(w.get());
+    return w;
+  };
+  HiCache hc(HiCacheConfig::from_json_text(config_json(str_cat(
+                 R"("storage": {"backend": "file", "root": ")", dir.path.string(), R"("})"))),
+             std::move(parts));
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_EQ(hc.storage(), made[0]);
+  EXPECT_EQ(hc.storage()->name(), "file");
+  HiRadixCache& cache = hc.cache();
+  std::vector<std::int32_t> tokens(16);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i + 1);
+  auto slots = hc.device_pool().allocator().alloc(16);
+  ASSERT_TRUE(slots);
+  cache.insert(tokens, *slots);
+  for (int i = 0; i < 2000 && cache.stats().stored_tokens < 16; ++i) {
+    const std::uint64_t seen = cache.event_seq();
+    cache.check_events();
+    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(cache.stats().stored_tokens, 16);
+  EXPECT_EQ(made[0]->sets.load(), 4);  // the 4 pages went through the wrapper
+  EXPECT_EQ(hc.storage()->stats().stored_keys, 4u);  // the file store's own gauge
+  EXPECT_EQ(hc.storage()->stats().set_written, 4u);
+  EXPECT_NE(hc.metrics().prometheus_text().find(
+                R"(hicache_storage_keys_total{tp_rank="0",backend="file",op="set",result="written"} 4)"),
+            std::string::npos)
+      << hc.metrics().prometheus_text();
+  hc.detach_storage();
+  hc.attach_storage();
+  ASSERT_EQ(made.size(), 2u);
+  EXPECT_EQ(hc.storage(), made[1]);
+}
+
+TEST(HiCache, AWrapperThatReturnsNoStoreIsRefused) {
+  TempDir dir;
+  HiCacheParts parts;
+  parts.wrap_storage = [](std::unique_ptr<StorageBackend>) { return nullptr; };
+  const std::string json = config_json(
+      str_cat(R"("storage": {"backend": "file", "root": ")", dir.path.string(), R"("})"));
+  EXPECT_NE(error_of([&] { HiCache hc(HiCacheConfig::from_json_text(json), std::move(parts)); })
+                .find("wrap_storage returned no store"),
+            std::string::npos);
 }
 
 TEST(HiCache, DerivesTheKeyNamespaceOfAnMlaModelForEveryRank) {

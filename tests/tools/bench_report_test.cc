@@ -340,6 +340,33 @@ TEST(HicacheBench, KvEventsFlagsAreCheckedBeforeTheRun) {
       << r.output;
 }
 
+// The what-if L3 throttle: refused where no L3 store exists, naming the flags; on the file tier
+// the run verifies every page, the report keeps the flags, and what L3 moved went no faster than
+// the throttle's link (the controller's read time includes the throttle's wait).
+TEST(HicacheBench, TheL3ThrottleSlowsTheStoreAndIsRefusedWithoutOne) {
+  BenchRun r = run_bench(kTiny + "--tiers host --l3-latency-ms 5");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--l3-bandwidth-mbps / --l3-latency-ms slow the L3 store, but --tiers "
+                          "host has none"),
+            std::string::npos)
+      << r.output;
+  r = run_bench(kTiny + "--tiers file --l3-bandwidth-mbps -3");
+  EXPECT_EQ(r.status, 2) << r.output;
+  TempFile report("hicache-bench-throttle.json");
+  r = run_bench(kTiny + "--clients 8 --rounds 3 --host-ratio 1 --tiers file "
+                        "--l3-bandwidth-mbps 20 --l3-latency-ms 2 --report " +
+                report.path.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json j = read_json(report.path);
+  EXPECT_EQ(j["settings"]["l3_bandwidth_mbps"].get<double>(), 20);
+  EXPECT_EQ(j["settings"]["l3_latency_ms"].get<double>(), 2);
+  const json& c = j["configurations"][0];
+  check_adds_up(c, 24);
+  const json& read = c["tiers"]["l3_to_l2"];
+  ASSERT_GT(read["bytes"].get<double>(), 0) << "no L3 reads to throttle";
+  EXPECT_LE(read["gbps"].get<double>(), 0.020) << read;
+}
+
 // --metrics-port: the cache's /metrics is served while the workload runs (0: a free port, which
 // the bench prints); a port out of range is refused before anything runs, naming the key.
 TEST(HicacheBench, MetricsPortServesTheCachesMetricsAndABadOneIsRefused) {

@@ -7,12 +7,16 @@
 #include "controller/config.h"
 #include "controller/hicache.h"
 #include "tools/workload/simulated_engine.h"
+#include "tools/workload/throttled_storage.h"
 
 namespace hicache::workload {
 
 struct StackConfig {
   HiCacheConfig cache;
   SimulatedEngineConfig engine;
+  // A what-if slow L3: every store the cache opens from cache.storage is wrapped in a
+  // ThrottledStorage (not a store passed to the constructor).
+  L3Throttle l3_throttle;
 };
 
 class EngineStack {
