@@ -35,6 +35,21 @@ struct TempDir {
   static inline int count = 0;
 };
 
+// Inserts tokens 1..16 (4 pages) and steps the cache until they are stored in L3 (or 20 s).
+void store_sixteen_tokens(HiCache& hc) {
+  HiRadixCache& cache = hc.cache();
+  std::vector<std::int32_t> tokens(16);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i + 1);
+  auto slots = hc.device_pool().allocator().alloc(16);
+  ASSERT_TRUE(slots);
+  cache.insert(tokens, *slots);
+  for (int i = 0; i < 2000 && cache.stats().stored_tokens < 16; ++i) {
+    const std::uint64_t seen = cache.event_seq();
+    cache.check_events();
+    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  }
+}
+
 TEST(HiCache, BuildsEveryTierFromOneConfig) {
   TempDir dir;
   HiCache hc(HiCacheConfig::from_json_text(config_json(str_cat(
@@ -82,16 +97,7 @@ TEST(HiCache, DetachesAttachesAndClearsL3AtRunTime) {
   EXPECT_NE(error_of([&] { hc.attach_storage(); }).find("attached already"), std::string::npos);
   // Pages written through the cache land in the attached store; clear empties it.
   HiRadixCache& cache = hc.cache();
-  std::vector<std::int32_t> tokens(16);
-  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i + 1);
-  auto slots = hc.device_pool().allocator().alloc(16);
-  ASSERT_TRUE(slots);
-  cache.insert(tokens, *slots);
-  for (int i = 0; i < 2000 && cache.stats().stored_tokens < 16; ++i) {
-    const std::uint64_t seen = cache.event_seq();
-    cache.check_events();
-    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
-  }
+  store_sixteen_tokens(hc);
   EXPECT_EQ(cache.stats().stored_tokens, 16);
   EXPECT_EQ(hc.storage()->stats().stored_keys, 4u);
   hc.clear_storage();
@@ -151,16 +157,7 @@ TEST(HiCache, WrapStorageWrapsEveryStoreItOpens) {
   EXPECT_EQ(hc.storage(), made[0]);
   EXPECT_EQ(hc.storage()->name(), "file");
   HiRadixCache& cache = hc.cache();
-  std::vector<std::int32_t> tokens(16);
-  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i + 1);
-  auto slots = hc.device_pool().allocator().alloc(16);
-  ASSERT_TRUE(slots);
-  cache.insert(tokens, *slots);
-  for (int i = 0; i < 2000 && cache.stats().stored_tokens < 16; ++i) {
-    const std::uint64_t seen = cache.event_seq();
-    cache.check_events();
-    cache.wait_for_events(seen, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
-  }
+  store_sixteen_tokens(hc);
   EXPECT_EQ(cache.stats().stored_tokens, 16);
   EXPECT_EQ(made[0]->sets.load(), 4);  // the 4 pages went through the wrapper
   EXPECT_EQ(hc.storage()->stats().stored_keys, 4u);  // the file store's own gauge
