@@ -4,6 +4,7 @@
 #include "controller/drain_queue.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "pools/paged_token_allocator.h"
@@ -114,6 +115,11 @@ void StorageController::start_threads() {
   backup_thread_ = std::thread([this] { backup_loop(); });
   prefetch_thread_ = std::thread([this] { prefetch_loop(); });
   prefetch_io_thread_ = std::thread([this] { prefetch_io_loop(); });
+  {
+    MutexLock lock(touch_mu_);
+    touch_stop_ = false;
+  }
+  touch_thread_ = std::thread([this] { touch_loop(); });
 }
 
 StorageController::~StorageController() { stop(); }
@@ -156,6 +162,14 @@ void StorageController::stop() {
   if (backup_thread_.joinable()) backup_thread_.join();
   if (prefetch_thread_.joinable()) prefetch_thread_.join();
   if (prefetch_io_thread_.joinable()) prefetch_io_thread_.join();
+  {
+    MutexLock lock(touch_mu_);
+    touch_stop_ = true;
+    touches_.clear();  // hints: nothing waits for them
+    touch_keys_ = 0;
+  }
+  touch_cv_.notify_all();
+  if (touch_thread_.joinable()) touch_thread_.join();
   // Ops that never ran are over too: a later reset() (or wait_until_idle) must not wait for them.
   for (BackupOp& op : backup_queue_.drain()) {
     backup_acks_.enqueue(BackupAck{op.id, 0, static_cast<std::int64_t>(op.pages.size()) * page_size_,
@@ -202,6 +216,46 @@ std::optional<std::int64_t> StorageController::write_storage(
     return std::nullopt;
   }
   return id;
+}
+
+void StorageController::touch(std::vector<std::string> keys) {
+  if (keys.empty()) return;
+  for (const auto& k : keys) validate_key(k);
+  const std::size_t n = keys.size();
+  {
+    MutexLock lock(touch_mu_);
+    if (touch_stop_ || touch_keys_ + n > kMaxPendingTouchKeys) {
+      dropped_touch_keys_ += n;
+      return;
+    }
+    touch_keys_ += n;
+    touches_.push_back(std::move(keys));
+  }
+  touch_cv_.notify_one();
+}
+
+void StorageController::touch_loop() {
+  std::vector<std::vector<std::string>> chains;
+  while (true) {
+    {
+      MutexLock lock(touch_mu_);
+      while (touches_.empty() && !touch_stop_) touch_mu_.wait(touch_cv_);
+      if (touch_stop_) return;
+      chains.swap(touches_);
+      touch_keys_ = 0;
+    }
+    for (const auto& chain : chains) {
+      try {
+        storage_.touch(chain);
+        touched_keys_ += chain.size();
+      } catch (const std::exception& e) {  // a hint: the thread lives on, the keys are counted
+        dropped_touch_keys_ += chain.size();
+        ++failed_ops_;
+        std::fprintf(stderr, "[hicache] storage touch failed: %s\n", e.what());
+      }
+    }
+    chains.clear();
+  }
 }
 
 std::size_t StorageController::drain_backup_acks(std::vector<BackupAck>& out) {
@@ -641,6 +695,11 @@ void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels
   constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
   metrics_.add(kLatency, kLatencyHelp, {{"direction", "l2_to_l3"}}, backup_latency_);
   metrics_.add(kLatency, kLatencyHelp, {{"direction", "l3_to_l2"}}, prefetch_latency_);
+  constexpr const char* kTouch = "hicache_storage_touch_keys_total";
+  constexpr const char* kTouchHelp =
+      "Keys of the recency hints for L3 (chains the cache served or backed up), by result";
+  metrics_.add(kTouch, kTouchHelp, {{"result", "passed"}}, touched_keys_);
+  metrics_.add(kTouch, kTouchHelp, {{"result", "dropped"}}, dropped_touch_keys_);
   metrics_.add("hicache_storage_op_failures_total",
                "Storage ops that failed (I/O error, failed agreement, a thread's exception)", {},
                failed_ops_);

@@ -202,6 +202,14 @@ class StorageController {
   std::size_t prefetch_queue_capacity() const { return prefetch_queue_.capacity(); }
   const StorageControllerConfig& config() const { return config_; }
 
+  // Recency for the store (StorageBackend::touch): `keys`, a chain in prefix order, pages the
+  // cache just served or backed up. Handed to the touch thread, which passes each chain to the
+  // store in the order they came (a later chain ends younger); never waits for the store. A
+  // hint: chains beyond kMaxPendingTouchKeys keys waiting are dropped and counted
+  // (hicache_storage_touch_keys_total{result="dropped"}). Throws InvalidArgument for a bad key.
+  void touch(std::vector<std::string> keys);
+  static constexpr std::size_t kMaxPendingTouchKeys = std::size_t{1} << 16;
+
   // Moves finished backups' acks into `out` (appends); never blocks.
   std::size_t drain_backup_acks(std::vector<BackupAck>& out);
 
@@ -348,6 +356,7 @@ class StorageController {
   // miss or some pages), or some rank without host room (all of the hit unfulfilled).
   Counter hit_tokens_, unfulfilled_below_threshold_, unfulfilled_host_capacity_;
   Counter revoked_insufficient_, revoked_full_miss_, revoked_host_capacity_;
+  Counter touched_keys_, dropped_touch_keys_;  // touch(): keys passed to the store, dropped
   // Per storage call: the pages it was asked for, and GB/s (1e9 bytes/s) of those it moved.
   Histogram backup_batch_pages_{std::vector<double>{1, 5, 10, 50, 100}};
   Histogram prefetch_batch_pages_{std::vector<double>{1, 5, 10, 50, 100}};
@@ -359,6 +368,14 @@ class StorageController {
   std::int64_t outstanding_ HICACHE_GUARDED_BY(idle_mu_) = 0;
   std::vector<std::byte> staging_;  // backup thread only
   std::thread backup_thread_;
+  // touch(): chains waiting for the touch thread, and their key count.
+  Mutex touch_mu_;
+  std::condition_variable touch_cv_;
+  std::vector<std::vector<std::string>> touches_ HICACHE_GUARDED_BY(touch_mu_);
+  std::size_t touch_keys_ HICACHE_GUARDED_BY(touch_mu_) = 0;
+  bool touch_stop_ HICACHE_GUARDED_BY(touch_mu_) = false;
+  std::thread touch_thread_;
+  void touch_loop();
 };
 
 }  // namespace hicache

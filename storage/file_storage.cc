@@ -301,7 +301,19 @@ class FileStorage::Impl {
     }
     Unpin unpin{*this, pins};
     fan_out(keys.size(), [&](std::size_t i) { results[i] = get_one(keys, i, dst[i], pins); });
+    touch(keys);  // the workers took the keys in any order: the batch's chain order decides
     return results;
+  }
+
+  // StorageBackend::touch: from the tail to the head, each indexed key to the LRU's young end,
+  // so keys[0] ends up the youngest.
+  void touch(std::span<const std::string> keys) {
+    MutexLock lock(mu_);
+    for (std::size_t i = keys.size(); i-- > 0;) {
+      if (auto it = index_.find(keys[i]); it != index_.end()) {
+        lru_.splice(lru_.end(), lru_, it->second.lru);
+      }
+    }
   }
 
   std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
@@ -336,6 +348,7 @@ class FileStorage::Impl {
         }
       }
     }
+    touch(keys);
     return results;
   }
 
@@ -1225,6 +1238,7 @@ bool FileStorage::remove(const std::string& key) {
 }
 
 void FileStorage::clear() { impl_->clear(); }
+void FileStorage::touch(std::span<const std::string> keys) { impl_->touch(keys); }
 void FileStorage::flush_trash() { impl_->flush_trash(); }
 bool FileStorage::started_from_snapshot() const { return impl_->from_snapshot(); }
 

@@ -13,7 +13,10 @@
 //   first). Either way a restarted engine finds its pages again, and what a crash can lose is
 //   what was not yet acknowledged.
 // - capacity_bytes (0: unlimited) bounds the record bytes; a set that overflows it evicts least
-//   recently used records. Eviction renames a record into <root>/.trash/ (a fast metadata
+//   recently used records. A batch's keys are a chain in prefix order (a page is reachable only
+//   through the pages before it): after a get or set they are the youngest records, keys[0]
+//   youngest of all, so the store evicts a chain's tail before its head; touch() orders a chain
+//   the cache served from its other tiers the same way. Eviction renames a record into <root>/.trash/ (a fast metadata
 //   operation) and a background thread unlinks it (an unlink costs a disk round trip). A
 //   record that cannot be moved is dropped from the index, counted and skipped: the evictor never
 //   wedges. A record larger than the whole capacity is refused, not thrashed. Eviction never
@@ -104,6 +107,9 @@ class FileStorage final : public StorageBackend {
 
   std::string_view name() const override { return "file"; }
   std::size_t batch_exists(std::span<const std::string> keys) override;
+  // This instance's LRU order (StorageBackend::touch); a batch_get or batch_set leaves its keys
+  // in the same order, keys[0] youngest.
+  void touch(std::span<const std::string> keys) override;
   bool remove(const std::string& key) override;
   void clear() override;
 

@@ -101,6 +101,13 @@ class StorageBackend {
     return std::max<std::int64_t>(1, (std::int64_t{64} << 20) / std::max<std::int64_t>(page_bytes, 1));
   }
 
+  // Marks the records of `keys`, a chain in prefix order (a page is reachable only through the
+  // pages before it), as just used, keys[0] the most recently: a bounded store then evicts a
+  // chain's tail before its head and never strands pages behind a head it dropped. Absent keys
+  // are skipped. An in-memory change, no I/O, quick; thread-safe. Default: nothing (a store
+  // whose evictions are not its own: Redis evicts by the server's policy).
+  virtual void touch(std::span<const std::string> /*keys*/) {}
+
   // Removes a key; false when it was absent.
   virtual bool remove(const std::string& key) = 0;
   // Removes every record of this store.

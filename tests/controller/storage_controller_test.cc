@@ -35,6 +35,20 @@ class FaultyStorage final : public StorageBackend {
   std::mutex gate;
   bool remove(const std::string& key) override { return inner_.remove(key); }
   void clear() override { inner_.clear(); }
+  // Records each chain it is touched with; a test holding touch_gate keeps the caller inside.
+  void touch(std::span<const std::string> keys) override {
+    touch_entered.fetch_add(1);
+    std::lock_guard hold(touch_gate);
+    std::lock_guard lock(touch_mu);
+    touched.emplace_back(keys.begin(), keys.end());
+  }
+  std::vector<std::vector<std::string>> touched_chains() {
+    std::lock_guard lock(touch_mu);
+    return touched;
+  }
+  std::mutex touch_gate, touch_mu;
+  std::vector<std::vector<std::string>> touched;
+  std::atomic<int> touch_entered{0};
   std::atomic<std::int64_t> fail_from{-1};      // batch_set: keys from this index on fail
   std::atomic<bool> throw_all{false};           // batch_set throws
   std::atomic<std::int64_t> get_fail_from{-1};  // batch_get: keys from this index on fail
@@ -123,6 +137,58 @@ std::vector<std::string> keys_for(const std::string& stem, int pages) {
   std::vector<std::string> keys;
   for (int i = 0; i < pages; ++i) keys.push_back(str_cat(stem, "-", i));
   return keys;
+}
+
+// Waits (up to 10 s) until `done` holds.
+template <class F>
+bool eventually(F done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// touch(): each chain reaches the store as it was given, in the order given, on the touch thread;
+// a bad key is refused with nothing queued; beyond kMaxPendingTouchKeys waiting, and after
+// stop(), chains are dropped and counted, never queued.
+TEST(StorageControllerTouch, ChainsReachTheStoreInOrderAndTheRestIsDroppedAndCounted) {
+  Rank r(HostLayout::kLayerFirst, "touch");
+  LocalCollective local;
+  MetricsRegistry registry;  // outlives the controller
+  StorageController c(r.host, r.storage, test_ns(), local, local, local);
+  c.register_metrics(registry);
+  const auto count = [&registry](const char* result) {
+    const std::string text = registry.prometheus_text();
+    const std::string line = str_cat("hicache_storage_touch_keys_total{result=\"", result, "\"} ");
+    const auto at = text.find(line);
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + line.size()));
+  };
+  EXPECT_THROW(c.touch({"a-0", ".hidden"}), InvalidArgument);
+  c.touch({"a-0", "a-1"});
+  c.touch({"b-0"});
+  c.touch({});  // nothing
+  ASSERT_TRUE(eventually([&] { return r.storage.touched_chains().size() == 2; }));
+  EXPECT_EQ(r.storage.touched_chains(),
+            (std::vector<std::vector<std::string>>{{"a-0", "a-1"}, {"b-0"}}));
+  EXPECT_EQ(count("passed"), 3);
+  // The thread held inside the store: what waits is bounded.
+  {
+    std::unique_lock hold(r.storage.touch_gate);
+    c.touch({"c-0"});
+    ASSERT_TRUE(eventually([&] { return r.storage.touch_entered.load() == 3; }));
+    c.touch(std::vector<std::string>(StorageController::kMaxPendingTouchKeys, "big"));
+    c.touch({"d-0", "d-1"});  // over the bound: dropped
+    EXPECT_EQ(count("dropped"), 2);
+  }
+  ASSERT_TRUE(eventually([&] { return r.storage.touched_chains().size() == 4; }));
+  EXPECT_EQ(r.storage.touched_chains()[2], std::vector<std::string>{"c-0"});
+  EXPECT_EQ(r.storage.touched_chains()[3].size(), StorageController::kMaxPendingTouchKeys);
+  c.stop();
+  c.touch({"e-0"});
+  EXPECT_EQ(count("dropped"), 3);
+  EXPECT_EQ(r.storage.touched_chains().size(), 4u);
 }
 
 class BackupLayouts : public ::testing::TestWithParam<HostLayout> {};

@@ -616,6 +616,33 @@ TEST_F(FileStorageTest, EvictsLeastRecentlyUsedFirst) {
   EXPECT_EQ(files_in(root_), 4u);
 }
 
+// A batch is a chain in prefix order: a full store evicts its tail before its head (an LRU by
+// write order would drop the head first and strand the rest). touch() orders a chain the cache
+// served from its other tiers the same way; absent keys are skipped and change nothing.
+TEST_F(FileStorageTest, AFullStoreEvictsAChainsTailBeforeItsHead) {
+  const std::size_t record = 4096 + record_head_bytes("a-0");
+  FileStorage s(config(4 * record));
+  const auto a = make_keys("a", 3);
+  put(s, a, 4096);
+  put(s, {"b-0"}, 4096);
+  put(s, {"c-0"}, 4096);  // full: the chain's tail goes
+  EXPECT_EQ(exists(s, a), 2u);
+  EXPECT_EQ(exists(s, {a[2]}), 0u);
+  // Served from elsewhere, the chain is touched (head and next page): the oldest is now b.
+  s.touch(std::vector<std::string>{a[0], a[1], "never-stored"});
+  EXPECT_EQ(s.stats().stored_keys, 4u);
+  put(s, {"d-0"}, 4096);
+  EXPECT_EQ(exists(s, {"b-0"}), 0u);
+  EXPECT_EQ(exists(s, {a[0], a[1]}), 2u);
+  // A read leaves its keys in chain order too: reading [c, d] makes c the younger; a[1], then
+  // a[0], then d go before c.
+  for (const auto& r : get(s, {"c-0", "d-0"}, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  put(s, make_keys("e", 3), 4096);
+  EXPECT_EQ(exists(s, {"c-0"}), 1u);
+  EXPECT_EQ(exists(s, {a[0]}) + exists(s, {a[1]}) + exists(s, {"d-0"}), 0u);
+  EXPECT_EQ(s.stats().evictions, 5u);
+}
+
 // A batch larger than the capacity: every record it reports stored is stored when it returns
 // (eviction takes older records, never one of the same batch), with both commit modes; the next
 // write brings the store back under its capacity.
@@ -653,9 +680,11 @@ TEST_F(FileStorageTest, ABatchKeepsTheRecordsItFoundStored) {
   EXPECT_EQ(s.stats().set_deduplicated, 1u);
   EXPECT_EQ(exists(s, {keys[0], keys[4], keys[5], keys[6]}), 4u);
   EXPECT_EQ(exists(s, {keys[1]}) + exists(s, {keys[2]}) + exists(s, {keys[3]}), 0u);
-  // Unpinned: keys[0] is now the oldest but one (the batch touched it first), and is evicted.
+  // Unpinned: the batch left its keys in chain order, keys[0] (its head) the youngest, so the
+  // next write evicts the batch's tail, keys[6].
   put(s, {keys[7]}, 4096);
-  EXPECT_EQ(exists(s, {keys[0]}), 0u);
+  EXPECT_EQ(exists(s, {keys[6]}), 0u);
+  EXPECT_EQ(exists(s, {keys[0]}), 1u);
   EXPECT_EQ(exists(s, {keys[7]}), 1u);
   EXPECT_EQ(s.stats().stored_bytes, 4 * record);
 }

@@ -49,6 +49,7 @@ class FaultInjectingStorage final : public StorageBackend {
 
   std::string_view name() const override { return "fault-injecting"; }
   std::size_t batch_exists(std::span<const std::string> keys) override;
+  void touch(std::span<const std::string> keys) override { inner_->touch(keys); }
   bool remove(const std::string& key) override { return inner_->remove(key); }
   void clear() override { inner_->clear(); }
   std::int64_t preferred_batch_pages(std::int64_t page_bytes) const override {
