@@ -202,7 +202,7 @@ def parse_models(text):
     for item in text.split(","):
         parts = item.split(":")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"--models: '{item}' is not LAYERS:KV_HEADS:HEAD_DIM")
+            raise argparse.ArgumentTypeError(f"'{item}' is not LAYERS:KV_HEADS:HEAD_DIM")
         models.append(tuple(int(p) for p in parts))
     return models
 
@@ -213,7 +213,7 @@ def parse_jobs(text):
     except ValueError:
         jobs = [0]
     if not all(j >= 1 for j in jobs):
-        raise argparse.ArgumentTypeError(f"--jobs: '{text}' is not a list of counts >= 1")
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of counts >= 1")
     return jobs
 
 
