@@ -23,6 +23,7 @@ import types
 
 import torch
 
+from bench_rounds import best_of_rounds, size_label
 from hicache.sglang import HiCacheStore
 
 
@@ -54,12 +55,10 @@ def bench(root, page_bytes, pages, batch, threads, reps):
     pool = Pool(pages, page_size, layers, heads, head_dim)
     idx = torch.arange(pool.size, dtype=torch.int64)
     batches = [list(range(b, min(b + batch, pages))) for b in range(0, pages, batch)]
-    best = {"py_set": 0.0, "cpp_set": 0.0, "py_get": 0.0, "cpp_get": 0.0}
     real_page = 0
-    for rep in range(reps):
-        # A fresh store per round: removing the last round's records (in the background, after
-        # a clear()) would compete with this round's writes.
-        rep_root = os.path.join(root, f"r{rep}")
+
+    def make_round(rep, rep_root):
+        nonlocal real_page
         cfg = types.SimpleNamespace(tp_rank=0, tp_size=1, is_mla_model=False,
                                     is_page_first_layout=True, model_name="bench",
                                     extra_config={"interface_v1": 1, "storage": {
@@ -68,7 +67,6 @@ def bench(root, page_bytes, pages, batch, threads, reps):
         store.register_mem_pool_host(pool)
         native = store._store
         real_page = 2 * store._record_bytes
-        total = real_page * pages
         py_keys = [[f"py{rep}-{p:08x}" for p in b] for b in batches]
         cpp_keys = [[f"cpp{rep}-{p:08x}" for p in b] for b in batches]
 
@@ -92,19 +90,14 @@ def bench(root, page_bytes, pages, batch, threads, reps):
                 ranges.append(r)
             return native.time_batches(names, ranges, get, threads)
 
-        steps = [("cpp_set", lambda: cpp_io(False, cpp_keys)),
-                 ("py_set", lambda: py_io(False, py_keys)),
-                 ("cpp_get", lambda: cpp_io(True, cpp_keys)),
-                 ("py_get", lambda: py_io(True, py_keys))]
-        if rep % 2:  # alternate who goes first: the second writer meets the first's writeback
-            steps = [steps[1], steps[0], steps[3], steps[2]]
-        for name, fn in steps:
-            os.sync()  # each step starts with no dirty pages of the one before
-            g = total / fn() / 1e9
-            if os.environ.get("HICACHE_BENCH_TRACE"): print(rep, name, round(g, 2))
-            best[name] = max(best[name], g)
-        del store, native
-        shutil.rmtree(rep_root)
+        groups = [[("cpp_set", lambda: cpp_io(False, cpp_keys)),
+                   ("py_set", lambda: py_io(False, py_keys))],
+                  [("cpp_get", lambda: cpp_io(True, cpp_keys)),
+                   ("py_get", lambda: py_io(True, py_keys))]]
+        return real_page * pages, groups, lambda: None
+
+    best = best_of_rounds(reps, root, make_round,
+                          trace=bool(os.environ.get("HICACHE_BENCH_TRACE")))
     return real_page, best
 
 
@@ -124,7 +117,7 @@ def main():
                 for op in ("set", "get"):
                     r = b[f"py_{op}"] / b[f"cpp_{op}"]
                     worst = min(worst, r)
-                    label = f"{real >> 20} MiB" if real >= 1 << 20 else f"{real >> 10} KiB"
+                    label = size_label(real)
                     print(f"{label:>8} {threads:>7} {op:>4} {b[f'py_{op}']:>12.2f} "
                           f"{b[f'cpp_{op}']:>9.2f} {r:>6.2f}")
     finally:

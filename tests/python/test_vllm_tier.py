@@ -58,6 +58,15 @@ def finish(tier, job_ids, timeout=30):
     return got
 
 
+def store_rows(tier, mem, keys, job_id=1):
+    """Fills rows 0.. with random bytes and stores them under `keys` (one job, which must
+    succeed)."""
+    for r in range(len(keys)):
+        fill(mem, r, r)
+    tier.submit_store(JobMetadata(job_id, keys, list(range(len(keys))), False, None))
+    assert finish(tier, [job_id]) == {job_id: True}
+
+
 @pytest.fixture
 def file_storage(tmp_path):
     return {"backend": "file", "root": str(tmp_path / "tier")}
@@ -220,3 +229,91 @@ def test_usage_and_metrics_are_reported(file_storage):
     assert 'hicache_async_jobs_total{kind="set",outcome="ok"} 1' in text
     assert "hicache_storage_stored_bytes" in text and "hicache_storage_capacity_bytes" in text
     tier.shutdown()
+
+
+def test_metric_definitions_declare_what_get_stats_reports(file_storage):
+    from hicache.vllm import HiCacheTierMetrics as M
+    from hicache.vllm import OffloadingCounterMetadata, OffloadingGaugeMetadata
+    defs = HiCacheTier.build_metric_definitions({"type": "HiCacheTier", "storage": file_storage})
+    gauges = {n for n, d in defs.items() if isinstance(d, OffloadingGaugeMetadata)}
+    counters = {n for n, d in defs.items() if isinstance(d, OffloadingCounterMetadata)}
+    assert gauges == {M.CAPACITY_BYTES, M.USAGE_BYTES, M.STORED_BLOCKS}  # vLLM's capacity gauge
+    assert counters == {M.LOOKUP_HITS, M.LOOKUP_MISSES, M.LOAD_BYTES, M.STORE_BYTES,
+                        M.LOAD_FAILURES, M.STORE_FAILURES}
+    assert all(d.documentation and d.labelnames == () for d in defs.values())
+    assert all(n.startswith("vllm:kv_offload_hicache_") for n in defs)
+    # every metric get_stats reports is declared (vLLM refuses an undeclared one)
+    mem, view = primary()
+    tier = make(view, dict(file_storage, capacity_bytes=1 << 30))
+    fill(mem, 0, 1)
+    tier.submit_store(JobMetadata(1, [block_key(1)], [0], False, None))
+    tier.submit_load(JobMetadata(2, [block_key(2)], [1], True, None))  # absent: fails
+    assert finish(tier, [1, 2]) == {1: True, 2: False}
+    tier.lookup(block_key(1), None)
+    stats = tier.get_stats()
+    assert set(stats.gauges) | set(stats.counters) <= set(defs)
+    tier.shutdown()
+
+
+def test_get_stats_reports_capacity_usage_and_resets_counters(file_storage):
+    from hicache.vllm import HiCacheTierMetrics as M
+    mem, view = primary()
+    tier = make(view, dict(file_storage, capacity_bytes=1 << 30))
+    first = tier.get_stats()  # an empty store: the gauges, no counter moved
+    assert first.gauges == {M.CAPACITY_BYTES: 1 << 30, M.USAGE_BYTES: 0, M.STORED_BLOCKS: 0}
+    assert first.counters == {}
+    keys = [block_key(i) for i in range(3)]
+    assert tier.lookup(keys[0], None) == LookupResult.MISS
+    store_rows(tier, mem, keys)
+    assert [tier.lookup(k, None) for k in keys] == [LookupResult.HIT] * 3
+    tier.submit_load(JobMetadata(2, keys[:2], [10, 11], True, None))
+    tier.submit_load(JobMetadata(3, [block_key(9)], [12], True, None))  # absent
+    tier.submit_store(JobMetadata(4, [block_key(8)], [99], False, None))  # past the last row
+    assert finish(tier, [2, 3, 4]) == {2: True, 3: False, 4: False}
+    stats = tier.get_stats()
+    assert stats.gauges[M.CAPACITY_BYTES] == 1 << 30
+    assert stats.gauges[M.STORED_BLOCKS] == 3
+    grown = stats.gauges[M.USAGE_BYTES]  # three rows and their record headers
+    assert 3 * ROW < grown <= 3 * (ROW + 320)
+    assert stats.counters == {M.LOOKUP_HITS: 3, M.LOOKUP_MISSES: 1, M.STORE_BYTES: 3 * ROW,
+                              M.LOAD_BYTES: 2 * ROW, M.LOAD_FAILURES: 1, M.STORE_FAILURES: 1}
+    again = tier.get_stats()  # reset: nothing observed since, the gauges as they are
+    assert again.counters == {}
+    assert again.gauges == stats.gauges
+    tier.submit_store(JobMetadata(5, keys[:1], [0], False, None))  # stored already: no bytes
+    assert finish(tier, [5]) == {5: True}
+    assert tier.get_stats().gauges[M.USAGE_BYTES] == grown
+    tier.shutdown()
+    assert tier.get_stats().gauges[M.STORED_BLOCKS] == 3  # still answers after shutdown
+
+
+def test_touch_is_a_no_op_that_moves_nothing(file_storage):
+    mem, view = primary()
+    tier = make(view, file_storage)
+    keys = [block_key(i) for i in range(2)]
+    store_rows(tier, mem, keys)
+    before = tier.stats()
+    t0 = time.monotonic()
+    tier.touch(keys + [block_key(7)], None)  # known and unknown keys alike
+    assert time.monotonic() - t0 < 0.5  # never blocks
+    assert not tier.has_pending_work()  # nothing submitted
+    after = tier.stats()
+    assert (after["gets"], after["exists_queries"], after["sets"]) == (
+        before["gets"], before["exists_queries"], before["sets"])  # no I/O asked of the store
+    assert [tier.lookup(k, None) for k in keys] == [LookupResult.HIT] * 2
+    tier.shutdown()
+
+
+def test_event_fd_is_readable_until_finished_jobs_are_taken(file_storage):
+    import select
+    mem, view = primary()
+    tier = make(view, file_storage)
+    fd = tier.event_fd()
+    assert select.select([fd], [], [], 0)[0] == []
+    tier.submit_store(JobMetadata(1, [block_key(1)], [0], False, None))
+    assert select.select([fd], [], [], 10)[0] == [fd]  # the job ended
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert select.select([fd], [], [], 0)[0] == []
+    tier.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        tier.event_fd()

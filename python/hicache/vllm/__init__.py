@@ -16,6 +16,7 @@ import enum as _enum
 import json as _json
 import select as _select
 from collections import namedtuple as _namedtuple
+from dataclasses import dataclass as _dataclass
 
 from .. import _hicache
 
@@ -39,7 +40,91 @@ try:
 except ImportError:
     JobResult = _namedtuple("JobResult", ["job_id", "success"])
 
-__all__ = ["HiCacheTier", "LookupResult", "JobResult"]
+try:  # what build_metric_definitions declares each metric with
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+except ImportError:
+    @_dataclass(frozen=True)
+    class OffloadingCounterMetadata:
+        """A counter's declaration (vLLM's names): its help text and label names."""
+        documentation: str
+        labelnames: tuple = ()
+
+    @_dataclass(frozen=True)
+    class OffloadingGaugeMetadata:
+        """A gauge's declaration (vLLM's names): its help text and label names."""
+        documentation: str
+        labelnames: tuple = ()
+
+try:  # what get_stats returns: vLLM's container where it has gauges and counters
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats as TierStats)
+    if not all(hasattr(TierStats, m) for m in ("set_gauge", "increase_counter", "is_empty")):
+        raise ImportError("an OffloadingConnectorStats without metrics by name")
+except ImportError:
+    class TierStats:
+        """What get_stats returns without vLLM (vLLM's OffloadingConnectorStats surface):
+        `gauges` and `counters`, dicts of metric name -> value (no labels: the tier's metrics
+        have none), filled through set_gauge / increase_counter."""
+
+        def __init__(self):
+            self.gauges, self.counters = {}, {}
+
+        def set_gauge(self, name, value, labelvalues=()):
+            self.gauges[name] = value
+
+        def increase_counter(self, name, value=1, labelvalues=()):
+            self.counters[name] = self.counters.get(name, 0) + value
+
+        def is_empty(self):
+            return not self.gauges and not self.counters
+
+__all__ = ["HiCacheTier", "HiCacheTierMetrics", "LookupResult", "JobResult", "TierStats",
+           "OffloadingCounterMetadata", "OffloadingGaugeMetadata"]
+
+class HiCacheTierMetrics:
+    """The names of the metrics the tier declares to vLLM (build_metric_definitions) and
+    reports through get_stats. Gauges are the store's, read at each get_stats; counters are the
+    tier's observations since the previous get_stats. None has labels."""
+
+    CAPACITY_BYTES = "vllm:kv_offload_hicache_capacity_bytes"
+    USAGE_BYTES = "vllm:kv_offload_hicache_usage_bytes"
+    STORED_BLOCKS = "vllm:kv_offload_hicache_stored_blocks"
+    LOOKUP_HITS = "vllm:kv_offload_hicache_lookup_hits"
+    LOOKUP_MISSES = "vllm:kv_offload_hicache_lookup_misses"
+    LOAD_BYTES = "vllm:kv_offload_hicache_load_bytes"
+    STORE_BYTES = "vllm:kv_offload_hicache_store_bytes"
+    LOAD_FAILURES = "vllm:kv_offload_hicache_load_failures"
+    STORE_FAILURES = "vllm:kv_offload_hicache_store_failures"
+
+    GAUGES = {
+        CAPACITY_BYTES: "Bytes the tier's store may hold: its capacity_bytes, or with 0 the "
+                        "records plus the disk's free space less the reserve (file store); 0 "
+                        "where the store cannot tell (Redis: its maxmemory bounds it).",
+        USAGE_BYTES: "Record bytes (payload and header) the tier's store holds, of every "
+                     "deployment sharing it (file store; 0 on Redis).",
+        STORED_BLOCKS: "Records the tier's store holds, of every deployment sharing it (file "
+                       "store; 0 on Redis).",
+    }
+    COUNTERS = {
+        LOOKUP_HITS: "Lookups the tier answered HIT (RETRY answers are not counted).",
+        LOOKUP_MISSES: "Lookups the tier answered MISS (RETRY answers are not counted).",
+        LOAD_BYTES: "Bytes the tier loaded into the primary tier (jobs that succeeded).",
+        STORE_BYTES: "Bytes of blocks the tier's store jobs handed to the store, when the job "
+                     "succeeded (a block the store held already counts, one another job of the "
+                     "tier was writing does not).",
+        LOAD_FAILURES: "Load (promotion) jobs that failed: a block missing, corrupt or "
+                       "unreadable, bad block ids, a full queue, a job after shutdown.",
+        STORE_FAILURES: "Store jobs that failed: an I/O error, bad block ids, a full queue, a "
+                        "job after shutdown.",
+    }
+
+
+_COUNTER_FIELDS = {  # the tier's own counter -> its metric
+    "hits": HiCacheTierMetrics.LOOKUP_HITS, "misses": HiCacheTierMetrics.LOOKUP_MISSES,
+    "load_bytes": HiCacheTierMetrics.LOAD_BYTES, "store_bytes": HiCacheTierMetrics.STORE_BYTES,
+    "load_failures": HiCacheTierMetrics.LOAD_FAILURES,
+    "store_failures": HiCacheTierMetrics.STORE_FAILURES,
+}
 
 _MAX_ANSWERS = 1 << 16  # exists answers kept for the next lookup of their key
 
@@ -83,6 +168,11 @@ class HiCacheTier(_Base):
     job runs, then the job's answer. A key with a store job in flight is RETRY. Jobs report
     success False when any of their keys failed (missing, corrupt, I/O error): vLLM then
     recomputes; never wrong bytes.
+
+    vLLM's metric hooks: build_metric_definitions declares HiCacheTierMetrics (the store's
+    capacity, usage and stored blocks as gauges; lookup hits and misses, loaded and stored
+    bytes, failed jobs as counters) and get_stats returns and resets them. touch is a no-op
+    (see there).
     """
 
     def __init__(self, offloading_spec=None, primary_kv_view=None, tier_type=None, *,
@@ -117,26 +207,16 @@ class HiCacheTier(_Base):
         self._asking = set()     # keys with an exists job in flight
         self._answers = {}       # key -> bool: an exists job's answer, used by the next lookup
         self._finished = []      # JobResults not yet returned
+        self._counts = dict.fromkeys(_COUNTER_FIELDS, 0)  # observations since get_stats
         self._closed = False
 
     # --- the tier contract ----------------------------------------------------------------
 
     def lookup(self, key, req_context=None):
-        self._pump()
-        k = bytes(key).hex()
-        if self._storing.get(k):
-            return LookupResult.RETRY
-        if self._indexed:
-            return LookupResult.HIT if self._async.exists_now([k]) == 1 else LookupResult.MISS
-        if k in self._answers:
-            return LookupResult.HIT if self._answers.pop(k) else LookupResult.MISS
-        if k not in self._asking:
-            try:
-                self._futures[self._async.submit_batch_exists(keys=[k])] = ("exists", k)
-            except Exception:  # the object-store tier's pattern: a failed lookup is a miss
-                return LookupResult.MISS
-            self._asking.add(k)
-        return LookupResult.RETRY
+        answer = self._lookup(key)
+        if answer is not LookupResult.RETRY:
+            self._counts["hits" if answer is LookupResult.HIT else "misses"] += 1
+        return answer
 
     def submit_store(self, job_metadata):
         self._submit(job_metadata, "store")
@@ -172,7 +252,11 @@ class HiCacheTier(_Base):
         pass  # no per-request state
 
     def touch(self, keys, req_context=None):
-        pass  # the store keeps its own recency (a read refreshes a file record's LRU place)
+        """A no-op: hicache's stores keep their own recency and have no call that refreshes it
+        without moving the record's bytes. The file store moves a record to the recent end of
+        its LRU when it is written or read (a load), not when exists asks for it; Redis evicts
+        by its own maxmemory policy. Refreshing by a read would cost a whole row of I/O per
+        touched block for a hint, so nothing is submitted."""
 
     def take_events(self):
         return []
@@ -181,7 +265,24 @@ class HiCacheTier(_Base):
         pass
 
     def get_stats(self):
-        return None
+        """Returns and resets the tier's observations, as a TierStats (vLLM's
+        OffloadingConnectorStats where vLLM has one): the gauges of HiCacheTierMetrics.GAUGES
+        read from the store now (stats(): capacity_bytes, stored_bytes, stored_keys), and the
+        counters of HiCacheTierMetrics.COUNTERS counted since the previous call (a counter that
+        did not move is left out). Never blocks (the store's gauges are in memory); also after
+        shutdown."""
+        self._pump()
+        out = TierStats()
+        store = self.stats()
+        m = HiCacheTierMetrics
+        out.set_gauge(m.CAPACITY_BYTES, store["capacity_bytes"])
+        out.set_gauge(m.USAGE_BYTES, store["stored_bytes"])
+        out.set_gauge(m.STORED_BLOCKS, store["stored_keys"])
+        for field, name in _COUNTER_FIELDS.items():
+            if self._counts[field]:
+                out.increase_counter(name, self._counts[field])
+                self._counts[field] = 0
+        return out
 
     def shutdown(self):
         """Finishes every accepted job (reported by the next get_finished_jobs), then stops."""
@@ -192,7 +293,15 @@ class HiCacheTier(_Base):
 
     @classmethod
     def build_metric_definitions(cls, tier_config):
-        return {}
+        """The metrics get_stats reports, by name (HiCacheTierMetrics): capacity, usage and
+        stored-block gauges, lookup hit and miss, load and store byte, and failed-job counters.
+        The same whatever `tier_config` (the tier's config dict, which vLLM passes without an
+        instance) holds; the names are fixed, so one HiCacheTier per vLLM engine."""
+        m = HiCacheTierMetrics
+        out = {name: OffloadingGaugeMetadata(documentation=doc) for name, doc in m.GAUGES.items()}
+        out.update({name: OffloadingCounterMetadata(documentation=doc)
+                    for name, doc in m.COUNTERS.items()})
+        return out
 
     # --- hicache's own ------------------------------------------------------------------
 
@@ -208,7 +317,42 @@ class HiCacheTier(_Base):
         """The port serving /metrics, or -1."""
         return self._async.metrics_port
 
+    def event_fd(self):
+        """A file descriptor readable while the tier's store has completions the tier has not
+        taken in; get_finished_jobs (and lookup) take them in and clear it, so a driver calls
+        get_finished_jobs before it waits. vLLM polls once per step and never waits on it; a
+        driver with nothing else to do (a benchmark) can select() on it instead of spinning.
+        RuntimeError after shutdown."""
+        if self._closed:
+            raise RuntimeError("HiCacheTier: event_fd after shutdown")
+        return self._fd
+
     # --- internals --------------------------------------------------------------------------
+
+    def _lookup(self, key):
+        self._pump()
+        k = bytes(key).hex()
+        if self._storing.get(k):
+            return LookupResult.RETRY
+        if self._indexed:
+            return LookupResult.HIT if self._async.exists_now([k]) == 1 else LookupResult.MISS
+        if k in self._answers:
+            return LookupResult.HIT if self._answers.pop(k) else LookupResult.MISS
+        if k not in self._asking:
+            try:
+                self._futures[self._async.submit_batch_exists(keys=[k])] = ("exists", k)
+            except Exception:  # the object-store tier's pattern: a failed lookup is a miss
+                return LookupResult.MISS
+            self._asking.add(k)
+        return LookupResult.RETRY
+
+    def _end(self, job_id, kind, success, nbytes=0):
+        """Reports a job (at the next get_finished_jobs) and counts it."""
+        self._finished.append(JobResult(job_id, success))
+        if success:
+            self._counts[f"{kind}_bytes"] += nbytes
+        else:
+            self._counts[f"{kind}_failures"] += 1
 
     def _submit(self, job, kind):
         job_id = job.job_id
@@ -218,13 +362,13 @@ class HiCacheTier(_Base):
         keys = [bytes(k).hex() for k in job.keys]
         ids = [int(b) for b in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         if len(ids) != len(keys) or any(b < 0 or b >= self._rows for b in ids):
-            self._finished.append(JobResult(job_id, False))  # never a short or foreign row
+            self._end(job_id, kind, False)  # never a short or foreign row
             return
         if kind == "store":  # duplicates: a key being stored now is stored once
             pairs = [(k, b) for k, b in zip(keys, ids) if not self._storing.get(k)]
             keys, ids = [p[0] for p in pairs], [p[1] for p in pairs]
             if not keys:
-                self._finished.append(JobResult(job_id, True))
+                self._end(job_id, kind, True)
                 return
         w = self._row_bytes
         views = [self._flat[b * w:(b + 1) * w] for b in ids]
@@ -233,7 +377,7 @@ class HiCacheTier(_Base):
                       else self._async.submit_batch_get)
             fid = submit(keys=keys, memoryviews=views)
         except Exception:  # closed, or refused: a failed job, never an exception in vLLM
-            self._finished.append(JobResult(job_id, False))
+            self._end(job_id, kind, False)
             return
         self._futures[fid] = (kind, job_id, keys)
         if kind == "store":
@@ -257,5 +401,5 @@ class HiCacheTier(_Base):
                     self._storing[k] -= 1
                     if not self._storing[k]:
                         del self._storing[k]
-            self._finished.append(JobResult(job_id, bool(ok and all(per_key))))
+            self._end(job_id, kind, bool(ok and all(per_key)), len(keys) * self._row_bytes)
 
