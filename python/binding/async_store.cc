@@ -150,6 +150,13 @@ std::size_t AsyncStore::exists_now(const py::sequence& keys) {
   return store_->batch_exists(names);
 }
 
+void AsyncStore::touch(const py::sequence& keys) {
+  std::vector<std::string> names;
+  for (const auto& k : keys_of(keys)) names.push_back(record_name(k));
+  py::gil_scoped_release nogil;
+  store_->touch(names);
+}
+
 std::uint64_t AsyncStore::submit_batch_get(const py::sequence& keys, const py::sequence& buffers) {
   return submit(Kind::kGet, keys, &buffers);
 }
@@ -402,6 +409,7 @@ void register_async_store(py::module_& m) {
       .def("close", &AsyncStore::close)
       .def("record_name", &AsyncStore::record_name, py::arg("key"))
       .def("exists_now", &AsyncStore::exists_now, py::arg("keys"))
+      .def("touch", &AsyncStore::touch, py::arg("keys"))
       .def_property_readonly("store_name", &AsyncStore::store_name)
       .def("stats_json", &AsyncStore::stats_json)
       .def_property_readonly("prefix", &AsyncStore::prefix)

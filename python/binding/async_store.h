@@ -102,6 +102,10 @@ class AsyncStore {
   // store answers from its index; Redis asks the server, so callers that must not block use
   // submit_batch_exists there).
   std::size_t exists_now(const py::sequence& keys);
+  // On the calling thread, without the GIL: StorageBackend::touch of the records of `keys`, a
+  // chain in prefix order (the file store makes them its youngest, keys[0] first; no I/O;
+  // Redis: nothing). After close() as before it.
+  void touch(const py::sequence& keys);
   std::string store_name() const { return std::string(store_->name()); }
   std::string stats_json() const { return store_->stats().to_json(); }
   // The record name of `key` (see above); InvalidArgument for an empty key.

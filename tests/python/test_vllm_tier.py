@@ -287,21 +287,27 @@ def test_get_stats_reports_capacity_usage_and_resets_counters(file_storage):
     assert tier.get_stats().gauges[M.STORED_BLOCKS] == 3  # still answers after shutdown
 
 
-def test_touch_is_a_no_op_that_moves_nothing(file_storage):
+def test_touch_keeps_a_prefixs_head_and_asks_no_io(tmp_path):
+    """vLLM's touch(keys), a request's keys in prefix order: the file store makes them its
+    youngest records, the first key youngest, with no I/O; a full store then evicts another
+    prefix's tail. Without the touch, A's tail (a1) would be the oldest record and go."""
     mem, view = primary()
-    tier = make(view, file_storage)
-    keys = [block_key(i) for i in range(2)]
-    store_rows(tier, mem, keys)
+    # Room for four records of a row each, not five.
+    tier = make(view, {"backend": "file", "root": str(tmp_path / "tier"), "capacity_bytes": 36000})
+    a, b, c = ([block_key(i), block_key(i + 1)] for i in (10, 20, 30))
+    store_rows(tier, mem, a, job_id=1)
+    store_rows(tier, mem, b, job_id=2)  # oldest to youngest: a1 a0 b1 b0
     before = tier.stats()
-    t0 = time.monotonic()
-    tier.touch(keys + [block_key(7)], None)  # known and unknown keys alike
-    assert time.monotonic() - t0 < 0.5  # never blocks
-    assert not tier.has_pending_work()  # nothing submitted
+    tier.touch(a + [block_key(7)], None)  # a stored prefix and an unknown key: b1 b0 a1 a0
     after = tier.stats()
     assert (after["gets"], after["exists_queries"], after["sets"]) == (
         before["gets"], before["exists_queries"], before["sets"])  # no I/O asked of the store
-    assert [tier.lookup(k, None) for k in keys] == [LookupResult.HIT] * 2
+    assert not tier.has_pending_work()  # nothing submitted
+    store_rows(tier, mem, c[:1], job_id=3)  # full: the oldest goes
+    assert [tier.lookup(k, None) for k in a + b] == [
+        LookupResult.HIT, LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
     tier.shutdown()
+    tier.touch(a, None)  # after shutdown: nothing, no error
 
 
 def test_event_fd_is_readable_until_finished_jobs_are_taken(file_storage):

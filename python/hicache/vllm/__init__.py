@@ -171,8 +171,8 @@ class HiCacheTier(_Base):
 
     vLLM's metric hooks: build_metric_definitions declares HiCacheTierMetrics (the store's
     capacity, usage and stored blocks as gauges; lookup hits and misses, loaded and stored
-    bytes, failed jobs as counters) and get_stats returns and resets them. touch is a no-op
-    (see there).
+    bytes, failed jobs as counters) and get_stats returns and resets them. touch refreshes the
+    file store's recency (see there).
     """
 
     def __init__(self, offloading_spec=None, primary_kv_view=None, tier_type=None, *,
@@ -252,11 +252,13 @@ class HiCacheTier(_Base):
         pass  # no per-request state
 
     def touch(self, keys, req_context=None):
-        """A no-op: hicache's stores keep their own recency and have no call that refreshes it
-        without moving the record's bytes. The file store moves a record to the recent end of
-        its LRU when it is written or read (a load), not when exists asks for it; Redis evicts
-        by its own maxmemory policy. Refreshing by a read would cost a whole row of I/O per
-        touched block for a hint, so nothing is submitted."""
+        """vLLM's recency hint: the file store makes the blocks' records its most recently used,
+        the first key youngest (vLLM passes a request's keys in prefix order, so a full store
+        evicts a prefix's tail before its head). In memory, on this thread, no I/O; Redis evicts
+        by its own maxmemory policy and is not told. Nothing after shutdown."""
+        if self._closed or not keys:
+            return
+        self._async.touch([bytes(k).hex() for k in keys])
 
     def take_events(self):
         return []
