@@ -40,9 +40,7 @@ namespace fs = std::filesystem;
 FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) {
   constexpr std::string_view what = "file storage config";
   const auto j = json_fields::parse_object(json_text, what);
-  json_fields::reject_unknown(
-      j, {"backend", "root", "capacity_bytes", "disk_reserve", "durability", "io_threads", "shared"},
-      what);
+  json_fields::reject_unknown(j, kJsonKeys, what);
   FileStorageConfig c;
   c.root = json_fields::get<std::string>(j, "root", "", what);
   if (c.root.empty()) throw InvalidArgument(str_cat(what, ": 'root' (a directory) is required"));

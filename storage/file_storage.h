@@ -67,6 +67,7 @@
 //        "durability": "none", "io_threads": 4, "shared": <unset>}
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -93,6 +94,10 @@ struct FileStorageConfig {
   // alone). false: this instance is the root's only user: it refuses to open beside a live
   // instance (IoError naming the root), and an instance started beside it refuses likewise.
   std::optional<bool> shared;
+
+  // The keys of the JSON object (from_json_text refuses any other; tests hold a row per key).
+  static constexpr std::array<std::string_view, 7> kJsonKeys = {
+      "backend", "root", "capacity_bytes", "disk_reserve", "durability", "io_threads", "shared"};
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static FileStorageConfig from_json_text(std::string_view json_text);

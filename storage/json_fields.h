@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -26,12 +27,14 @@ inline nlohmann::json parse_object(std::string_view text, std::string_view what)
   return j;
 }
 
-inline void reject_unknown(const nlohmann::json& object, const std::set<std::string>& known,
+// Throws InvalidArgument naming the first key of `object` not in `known`, listing the valid ones.
+inline void reject_unknown(const nlohmann::json& object, std::span<const std::string_view> known,
                            std::string_view what) {
+  const std::set<std::string_view> valid_keys(known.begin(), known.end());
   for (const auto& [key, value] : object.items()) {
-    if (known.count(key) == 0) {
+    if (valid_keys.count(key) == 0) {
       std::string valid;
-      for (const std::string& k : known) valid += (valid.empty() ? "" : ", ") + k;
+      for (const std::string_view k : valid_keys) valid += str_cat(valid.empty() ? "" : ", ", k);
       throw InvalidArgument(str_cat(what, ": unknown key '", key, "' (valid: ", valid, ")"));
     }
   }

@@ -25,12 +25,7 @@ using Clock = std::chrono::steady_clock;
 RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
   constexpr std::string_view what = "redis storage config";
   const auto j = json_fields::parse_object(json_text, what);
-  json_fields::reject_unknown(
-      j,
-      {"backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
-       "connect_timeout_ms", "reconnect_backoff_ms", "username", "password", "max_value_bytes",
-       "zero_copy_min_bytes", "check_at_start", "read_from_replicas", "tls"},
-      what);
+  json_fields::reject_unknown(j, kJsonKeys, what);
   RedisConfig c;
   c.cluster = json_fields::get<bool>(j, "cluster", false, what);
   if (j.contains("nodes")) {
@@ -97,8 +92,7 @@ RedisConfig RedisConfig::from_json_text(std::string_view json_text) {
       throw InvalidArgument(str_cat(tls_what, " must be an object (e.g. {\"ca_file\": ...}), got ",
                                     it->dump()));
     }
-    json_fields::reject_unknown(*it, {"ca_file", "cert_file", "key_file", "server_name", "verify"},
-                                tls_what);
+    json_fields::reject_unknown(*it, RedisTlsConfig::kJsonKeys, tls_what);
     c.tls.enabled = true;
     c.tls.ca_file = json_fields::get<std::string>(*it, "ca_file", "", tls_what);
     c.tls.cert_file = json_fields::get<std::string>(*it, "cert_file", "", tls_what);

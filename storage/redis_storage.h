@@ -56,6 +56,7 @@
 //                "verify": true}}  ("tls" present: TLS on; zero_copy_min_bytes does not apply)
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -85,6 +86,10 @@ struct RedisTlsConfig {
   std::string key_file;
   std::string server_name;
   bool verify = true;  // false: any certificate is accepted (testing only)
+
+  // The keys of the "tls" object (any other is refused; tests hold a row per key).
+  static constexpr std::array<std::string_view, 5> kJsonKeys = {
+      "ca_file", "cert_file", "key_file", "server_name", "verify"};
 };
 
 struct RedisConfig {
@@ -112,6 +117,13 @@ struct RedisConfig {
   // Cluster only: reads (GET, EXISTS) from replicas (see above).
   bool read_from_replicas = false;
   RedisTlsConfig tls;
+
+  // The keys of the JSON object (from_json_text refuses any other; "tls" is an object of
+  // RedisTlsConfig::kJsonKeys; tests hold a row per key).
+  static constexpr std::array<std::string_view, 17> kJsonKeys = {
+      "backend", "host", "port", "cluster", "nodes", "connections", "io_threads", "timeout_ms",
+      "connect_timeout_ms", "reconnect_backoff_ms", "username", "password", "max_value_bytes",
+      "zero_copy_min_bytes", "check_at_start", "read_from_replicas", "tls"};
 
   // Throws InvalidArgument naming an unknown field or a bad value, listing the valid fields.
   static RedisConfig from_json_text(std::string_view json_text);

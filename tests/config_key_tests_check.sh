@@ -4,8 +4,9 @@
 # shows the table as it is. Usage: config_key_tests_check.sh TSV DOC CTEST BUILD_DIR
 #
 # A name is Suite.Name as ctest lists it; a parameterized test's Suite.Name stands for its
-# instances (Prefix/Suite.Name/param). The keys themselves (one row per key of the schema and per
-# alias) are checked by ConfigKeyTests.EveryKeyAndAliasHasARowAndEveryRowAKey in controller_test.
+# instances (Prefix/Suite.Name/param). The keys themselves (one row per key of the schema, per
+# alias and per key of the store object, storage.<backend>.<key> from the stores' kJsonKeys) are
+# checked by ConfigKeyTests.EveryKeyAndAliasHasARowAndEveryRowAKey in controller_test.
 set -euo pipefail
 
 tsv=$1 doc=$2 ctest=$3 build=$4

@@ -101,11 +101,13 @@ else
     done
     dir="$build_dir-fuzz"
     # The one clang build, so it also runs clang's thread-safety analysis (HICACHE_THREAD_SAFETY):
-    # it compiles the whole library without CUDA (not the tests or tools), and an access to a
-    # member annotated HICACHE_GUARDED_BY without its lock, anywhere in it, fails CI here.
+    # it compiles the whole library without CUDA and the Python module (python/binding, whose
+    # AsyncStore and EngineSlots hold annotated Mutexes; pybind11's headers are system headers,
+    # so they raise no warning; not the tests or tools), and an access to a member annotated
+    # HICACHE_GUARDED_BY without its lock, anywhere in them, fails CI here.
     say "fuzz build $dir (clang, libFuzzer + ASan + UBSan, -Wthread-safety)"
     CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DHICACHE_CUDA=OFF -DHICACHE_BUILD_TESTS=OFF \
-      -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_PYTHON=OFF -DHICACHE_FUZZ=ON -DHICACHE_WERROR=ON -DHICACHE_THREAD_SAFETY=ON \
+      -DHICACHE_BUILD_TOOLS=OFF -DHICACHE_PYTHON=ON -DHICACHE_FUZZ=ON -DHICACHE_WERROR=ON -DHICACHE_THREAD_SAFETY=ON \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build "$dir" -j "$jobs"
     base=${HICACHE_FUZZ_RUNS:-200000}

@@ -157,11 +157,11 @@ class PyHiCache {
   std::unique_ptr<PageKeyer> keyer_;
   std::shared_ptr<PyStore> store_;
   std::vector<py::object> keep_;
-  // Opt-out of the lock annotations: a reader's hold on life_ leaves use() inside the returned
-  // Use (a lock that outlives the function that took it, which clang's analysis cannot follow).
-  // cache_ is reset only under the writer's hold (close()) and read only under a reader's.
-  std::shared_mutex life_;
-  std::unique_ptr<HiCache> cache_;
+  // cache_ is reset only under the writer's hold on life_ (close()) and read only under a
+  // reader's (use()). Neither is annotated: the reader's hold leaves use() inside the returned
+  // Use, a lock that outlives the function that took it, which clang's analysis cannot follow.
+  std::shared_mutex life_;  // NOT annotated (opt-out): use() returns its shared hold inside Use
+  std::unique_ptr<HiCache> cache_;  // guarded by life_ (unchecked: see life_)
 };
 
 // Adds validate_config, config_reference, PrefetchOperation and HiCache to `m`.

@@ -24,6 +24,7 @@
 #include "controller/config_schema.h"
 #include "controller/hicache.h"
 #include "storage/file_storage.h"
+#include "storage/redis_storage.h"
 #include "tests/controller/error_of.h"
 #include "tests/controller/faulty_device.h"
 #include "transfer/errors.h"
@@ -62,9 +63,10 @@ std::map<std::string, Row> read_key_table(std::vector<std::string>* duplicates) 
   return rows;
 }
 
-// Every key of the schema and every SGLang alias has one row that names at least one test, and
-// every row is a key or an alias. (The names themselves are checked against ctest's list by
-// tests/config_key_tests_check.sh.)
+// Every key of the schema, every SGLang alias and every key of the store object (the stores'
+// own lists of the keys they read: storage.file.<key>, storage.redis.<key>,
+// storage.redis.tls.<key>) has one row that names at least one test, and every row is such a
+// key. (The names themselves are checked against ctest's list by tests/config_key_tests_check.sh.)
 TEST(ConfigKeyTests, EveryKeyAndAliasHasARowAndEveryRowAKey) {
   std::vector<std::string> duplicates;
   const auto rows = read_key_table(&duplicates);
@@ -73,6 +75,13 @@ TEST(ConfigKeyTests, EveryKeyAndAliasHasARowAndEveryRowAKey) {
   std::set<std::string> known;
   for (const ConfigKeyInfo& k : config_keys()) known.emplace(k.key);
   for (const ConfigAliasInfo& a : config_aliases()) known.emplace(a.alias);
+  for (const std::string_view k : FileStorageConfig::kJsonKeys) {
+    known.emplace(str_cat("storage.file.", k));
+  }
+  for (const std::string_view k : RedisConfig::kJsonKeys) known.emplace(str_cat("storage.redis.", k));
+  for (const std::string_view k : RedisTlsConfig::kJsonKeys) {
+    known.emplace(str_cat("storage.redis.tls.", k));
+  }
   for (const std::string& key : known) {
     const auto row = rows.find(key);
     if (row == rows.end()) {

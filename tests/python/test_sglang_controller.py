@@ -13,6 +13,7 @@ page against the bytes that page was computed with (per page, layer, K/V and TP 
 import hashlib
 import json
 import os
+import pathlib
 import queue
 import re
 import struct
@@ -27,7 +28,7 @@ torch = pytest.importorskip("torch", reason="python3-torch is not installed")
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import HostPool  # noqa: E402
-from test_sglang_store import sglang_keys  # noqa: E402
+from test_sglang_store import doc_table, sglang_keys  # noqa: E402
 
 from hicache.sglang import HiCacheController  # noqa: E402
 from hicache.sglang import BackupAck, HiCacheDeviceError  # noqa: E402
@@ -1330,6 +1331,27 @@ def test_every_config_key_is_classified_for_the_drop_in():
     tables = [set(_OWN_EFFECTIVE), set(_OWN_FROM_SGLANG), set(_OWN_RADIX)]
     assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
     assert config_keys() == tables[0] | tables[1] | tables[2]
+
+
+def test_the_docs_table_of_the_hicache_object_is_the_drop_ins():
+    """docs/sglang.md's table of the "hicache" object puts each key in the row the drop-in's
+    tables (_config.py) put it: effective, refused as SGLang's value, or refused as a decision of
+    SGLang's radix cache; a key added to one and not the other fails here."""
+    from hicache.sglang._config import _OWN_EFFECTIVE, _OWN_FROM_SGLANG, _OWN_RADIX
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    documented = {"effective": set(), "from_sglang": set(), "radix": set()}
+    for first, second in doc_table(doc, '| `"hicache"` key | in the drop-in |'):
+        if second.startswith("effective"):
+            kind = "effective"
+        elif second.startswith("refused: taken from SGLang"):
+            kind = "from_sglang"
+        else:
+            assert second.startswith("refused"), second
+            kind = "radix"
+        documented[kind] |= set(re.findall(r"`([a-z_0-9]+)`", first))
+    assert documented["effective"] == set(_OWN_EFFECTIVE)
+    assert documented["from_sglang"] == set(_OWN_FROM_SGLANG)
+    assert documented["radix"] == set(_OWN_RADIX)
 
 
 REFUSED = {"prefetch_policy": "wait_complete", "prefetch_timeout_base_ms": 10,

@@ -5,6 +5,7 @@ import gc
 import hashlib
 import importlib
 import os
+import pathlib
 import re
 import struct
 import subprocess
@@ -193,6 +194,73 @@ def test_mha_ranks_and_models_never_share_a_record(tmp_path, host_pool):
                                             pp_rank=1, pp_size=2), None)
     pp.register_mem_pool_host(host_pool("page_first"))
     assert pp.batch_exists(keys) == 0
+
+
+def test_another_fingerprint_misses_the_pages_written_under_the_first(tmp_path, host_pool):
+    """model_fingerprint is in every key's namespace: a store of another revision (or of none)
+    misses every page the first wrote, under the same keys in the same root; the same revision
+    reads them byte for byte."""
+    src = host_pool("page_first")
+    src.fill_random(11)
+    keys = sglang_keys(list(range(3 * src.page_size)), src.page_size)
+    writer = make_store(src, tmp_path, model_fingerprint="rev-1")
+    assert writer.batch_set_v1(keys, indices([0, 1, 2], src.page_size)) == [True] * 3
+    for other in ({"model_fingerprint": "rev-2"}, {}):
+        reader = make_store(host_pool("page_first"), tmp_path, **other)
+        assert reader.batch_exists(keys) == 0, other
+        assert reader.batch_get_v1(keys, indices([0, 1, 2], src.page_size)) == [False] * 3
+    dst = host_pool("page_first")
+    same_revision = make_store(dst, tmp_path, model_fingerprint="rev-1")
+    assert same_revision.batch_exists(keys) == 3
+    assert same_revision.batch_get_v1(keys, indices([3, 4, 5], dst.page_size)) == [True] * 3
+    for i in range(3):
+        assert dst.page_bytes((3 + i) * dst.page_size) == src.page_bytes(i * src.page_size)
+
+
+SGLANG_RADIX_KEYS = {"prefetch_threshold": 256, "prefetch_timeout_base": 1,
+                     "prefetch_timeout_per_ki_token": 0.25,
+                     "hicache_storage_pass_prefix_keys": True}
+
+
+def test_sglangs_radix_keys_are_accepted_and_left_to_sglang(tmp_path, host_pool):
+    """docs/sglang.md: the radix cache's keys are SGLang's (earlier releases pass them on in the
+    extra config): the store accepts them and nothing of it changes, so a store given them and
+    one without them share every record."""
+    from hicache.sglang.store import _SGLANG_KEYS
+    assert set(SGLANG_RADIX_KEYS) <= _SGLANG_KEYS
+    src = host_pool("page_first")
+    src.fill_random(12)
+    keys = sglang_keys(list(range(2 * src.page_size)), src.page_size)
+    with_radix = make_store(src, tmp_path, **SGLANG_RADIX_KEYS)
+    assert with_radix.batch_set_v1(keys, indices([0, 1], src.page_size)) == [True] * 2
+    dst = host_pool("page_first")
+    plain = make_store(dst, tmp_path)
+    assert plain.batch_get_v1(keys, indices([2, 3], dst.page_size)) == [True] * 2
+    assert dst.page_bytes(2 * dst.page_size) == src.page_bytes(0)
+    assert dst.page_bytes(3 * dst.page_size) == src.page_bytes(src.page_size)
+    assert with_radix.batch_exists(keys) == plain.batch_exists(keys) == 2
+
+
+def test_the_docs_table_of_extra_config_keys_is_the_stores():
+    """docs/sglang.md's HiCacheStore table names every key the store reads, and no other."""
+    from hicache.sglang.store import _OWN_KEYS, _SGLANG_KEYS
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    rows = doc_table(doc, "| extra config key | `HiCacheStore` |")
+    named = {k for first, _ in rows for k in re.findall(r"`([a-z_0-9]+)`", first)}
+    assert named == _OWN_KEYS | _SGLANG_KEYS
+
+
+def doc_table(text, header):
+    """The rows (first cell, second cell) of the Markdown table under `header`."""
+    lines = text.splitlines()
+    start = lines.index(header) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        first, second = [c.strip() for c in line.strip().strip("|").split(" | ", 1)]
+        rows.append((first, second))
+    return rows
 
 
 def test_a_corrupt_or_missing_record_is_false_and_the_rest_is_served(tmp_path, host_pool):

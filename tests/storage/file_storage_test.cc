@@ -1,13 +1,19 @@
 #include "storage/file_storage.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
+#include <cstddef>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -964,6 +970,199 @@ TEST_F(SharedFullFilesystem, BesideAnIdleOneHalfTheReserveStaysFree) {
   // The reserve is 1 MiB here (the minimum): half of it, less one record in flight, stays free.
   EXPECT_GE(free_bytes, (std::uint64_t{1} << 19) - kRecord) << "free " << free_bytes;
   for (const auto& r : get(*b_, b_last, kRecord)) EXPECT_TRUE(r.is_ok()) << r.reason;
+}
+
+// The threads of this process, as the kernel lists them.
+std::size_t process_threads() {
+  std::size_t n = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/task")) n += e.is_directory() ? 1 : 0;
+  return n;
+}
+
+// Makes every later syncfs(2) of this process (its threads started later included) fail with
+// EIO: a seccomp filter. False when the kernel refuses one.
+bool make_syncfs_fail() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_syncfs, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EIO),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{.len = std::size(filter), .filter = filter};
+  return ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+         ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+// The JSON object's keys reach the config: every key set, then the defaults.
+TEST(FileStorageConfig, ParsesEveryKeyAndItsDefault) {
+  const auto c = FileStorageConfig::from_json_text(
+      R"({"backend": "file", "root": "/data/l3", "capacity_bytes": 123456, "disk_reserve": 0.25,
+          "durability": "group_commit", "io_threads": 7, "shared": false})");
+  EXPECT_EQ(c.root, "/data/l3");
+  EXPECT_EQ(c.capacity_bytes, 123456u);
+  EXPECT_EQ(c.disk_reserve, 0.25);
+  EXPECT_EQ(c.durability, Durability::kGroupCommit);
+  EXPECT_EQ(c.io_threads, 7);
+  EXPECT_EQ(c.shared, std::optional<bool>(false));
+  const auto d = FileStorageConfig::from_json_text(R"({"root": "/data/l3"})");
+  EXPECT_EQ(d.capacity_bytes, 0u);
+  EXPECT_EQ(d.disk_reserve, 0.05);
+  EXPECT_EQ(d.durability, Durability::kNone);
+  EXPECT_EQ(d.io_threads, 4);
+  EXPECT_FALSE(d.shared.has_value());
+  EXPECT_TRUE(FileStorageConfig::from_json_text(R"({"root": "r", "shared": true})").shared.value());
+}
+
+// Each key's bad value is an InvalidArgument naming the key and the value.
+TEST(FileStorageConfig, BadValuesAreRefusedNamingTheKeyAndTheValue) {
+  auto message = [](const std::string& json) -> std::string {
+    try {
+      (void)FileStorageConfig::from_json_text(json);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {R"({"root": "r", "colour": 1})", {"unknown key 'colour'", "disk_reserve"}},
+      {R"({})", {"'root'", "required"}},
+      {R"({"root": ""})", {"'root'", "required"}},
+      {R"({"root": 5})", {"'root'", "wrong type: 5"}},
+      {R"({"root": "r", "capacity_bytes": -1})", {"'capacity_bytes' = -1", "outside"}},
+      {R"({"root": "r", "capacity_bytes": 1.5})", {"'capacity_bytes' must be an integer", "1.5"}},
+      {R"({"root": "r", "disk_reserve": 0.95})", {"disk_reserve 0.95", "[0, 0.9]"}},
+      {R"({"root": "r", "disk_reserve": -0.1})", {"disk_reserve -0.1", "[0, 0.9]"}},
+      {R"({"root": "r", "disk_reserve": "5%"})", {R"(disk_reserve "5%")", "[0, 0.9]"}},
+      {R"({"root": "r", "durability": "fsync"})", {"durability 'fsync'", "group_commit"}},
+      {R"({"root": "r", "durability": 1})", {"'durability'", "wrong type: 1"}},
+      {R"({"root": "r", "io_threads": 257})", {"'io_threads' = 257", "[0, 256]"}},
+      {R"({"root": "r", "io_threads": -1})", {"'io_threads' = -1", "[0, 256]"}},
+      {R"({"root": "r", "shared": "yes"})", {"'shared'", R"(wrong type: "yes")"}},
+  };
+  for (const auto& [json, parts] : cases) {
+    const std::string what = message(json);
+    for (const std::string& part : parts) {
+      EXPECT_NE(what.find(part), std::string::npos) << json << " -> " << what;
+    }
+  }
+}
+
+// disk_reserve: a capacity that follows the filesystem leaves that fraction of it (at least
+// 1 MiB) to everything else: the capacity is the free space less the reserve, and a reserve
+// past the free space leaves the store nothing, so a write is refused per key, naming the
+// capacity, and nothing reaches the disk.
+TEST_F(FileStorageTest, DiskReserveIsLeftToEverythingElse) {
+  fs::create_directories(root_);
+  struct statvfs v {};
+  ASSERT_EQ(::statvfs(root_.c_str(), &v), 0);
+  const double total = static_cast<double>(v.f_blocks) * static_cast<double>(v.f_frsize);
+  const double free_fraction = static_cast<double>(v.f_bavail) / static_cast<double>(v.f_blocks);
+  // Other programs write to this filesystem meanwhile (other tests, builds): half a percent of
+  // it, against a reserve of a whole percent at least.
+  const double slack = total / 200;
+  const auto open = [&](const std::string& dir, double reserve) {
+    return std::make_unique<FileStorage>(FileStorageConfig::from_json_text(
+        str_cat(R"({"root": ")", (root_ / dir).string(), R"(", "disk_reserve": )", reserve,
+                "}")));
+  };
+  if (free_fraction < 0.04) {
+    GTEST_SKIP() << "the filesystem of " << root_ << " is " << (1 - free_fraction) * 100
+                 << " % full: no room to show a reserve";
+  }
+  // Half the free space, in whole percent of the filesystem.
+  const double reserve = std::floor(free_fraction / 2 * 100) / 100;
+  const std::uint64_t none = open("none", 0.0)->stats().capacity_bytes;  // 1 MiB kept
+  const std::uint64_t half = open("half", reserve)->stats().capacity_bytes;
+  EXPECT_NEAR(static_cast<double>(none) - static_cast<double>(half), reserve * total - (1 << 20),
+              slack)
+      << "filesystem of " << total << " bytes, reserve " << reserve;
+  if (free_fraction > 0.9 - 0.01) {
+    GTEST_SKIP() << "over 89 % of the filesystem is free: a reserve (at most 0.9) cannot pass it";
+  }
+  auto s = open("full", 0.9);
+  EXPECT_EQ(s->stats().capacity_bytes, 1u) << "a reserve past the free space leaves nothing";
+  auto page = page_for("reserved-0", 4096);
+  const std::vector<std::string> keys = {"reserved-0"};
+  const std::vector<ConstByteSpan> spans = {page};
+  const auto r = s->batch_set(keys, spans);
+  EXPECT_EQ(r[0].status, IoStatus::kError);
+  EXPECT_NE(r[0].reason.find("exceeds the store's capacity of 1 bytes"), std::string::npos)
+      << r[0].reason;
+  EXPECT_EQ(exists(*s, keys), 0u);
+  EXPECT_EQ(files_in(root_ / "full"), 0u);
+  EXPECT_EQ(files_in(root_ / "full" / ".tmp"), 0u);
+}
+
+// durability group_commit: the batch's records reach the disk (syncfs) before any is renamed
+// into place. Here syncfs fails (a seccomp filter, in a child process): every record of the
+// batch is an error naming the sync and none is visible; under "none" the same batch, which
+// syncs nothing, is stored.
+TEST_F(FileStorageTest, GroupCommitSyncsBeforeAnyRecordIsVisible) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(fds[0]);
+    std::string report;
+    if (!make_syncfs_fail()) {
+      report = "no seccomp";
+    } else {
+      const auto keys = make_keys("gc", 3);
+      std::vector<std::vector<std::byte>> pages;
+      std::vector<ConstByteSpan> spans;
+      for (const auto& k : keys) pages.push_back(page_for(k, 4096));
+      for (const auto& p : pages) spans.emplace_back(p);
+      for (const char* durability : {"group_commit", "none"}) {
+        const fs::path dir = root_ / durability;
+        FileStorage s(FileStorageConfig::from_json_text(
+            str_cat(R"({"root": ")", dir.string(), R"(", "io_threads": 2, "durability": ")",
+                    durability, R"("})")));
+        const auto r = s.batch_set(keys, spans);
+        report += str_cat(durability, ":");
+        for (const auto& x : r) report += str_cat(" [", x.is_ok() ? "ok" : x.reason, "]");
+        report += str_cat(" visible=", s.batch_exists(keys), " files=", files_in(dir),
+                          " tmp=", files_in(dir / ".tmp"), "\n");
+      }
+    }
+    const bool sent = ::write(fds[1], report.data(), report.size()) ==
+                      static_cast<ssize_t>(report.size());
+    ::_exit(sent ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) report.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  if (report == "no seccomp") GTEST_SKIP() << "the kernel refused a seccomp filter";
+  const std::string failed =
+      str_cat("[syncfs ", (root_ / "group_commit").string(), ": Input/output error]");
+  EXPECT_EQ(report, str_cat("group_commit: ", failed, " ", failed, " ", failed,
+                            " visible=0 files=0 tmp=0\n", "none: [ok] [ok] [ok] visible=3 files=3 tmp=0\n"));
+}
+
+// io_threads: the pool a batch fans out to (the calling thread takes keys too); 0: none, every
+// key in the calling thread.
+TEST_F(FileStorageTest, IoThreadsAreThePoolABatchFansOutTo) {
+  const std::size_t before = process_threads();
+  auto open = [&](const std::string& dir, int threads) {
+    return std::make_unique<FileStorage>(FileStorageConfig::from_json_text(str_cat(
+        R"({"root": ")", (root_ / dir).string(), R"(", "io_threads": )", threads, "}")));
+  };
+  auto inline_store = open("inline", 0);
+  const std::size_t with_inline = process_threads();
+  auto pooled = open("pooled", 3);
+  const std::size_t with_pooled = process_threads();
+  EXPECT_EQ(with_pooled - with_inline, with_inline - before + 3)
+      << "threads: " << before << ", " << with_inline << ", " << with_pooled;
+  for (auto* s : {inline_store.get(), pooled.get()}) {
+    const auto keys = make_keys("io", 8);
+    put(*s, keys, 4096);
+    for (const auto& r : get(*s, keys, 4096)) EXPECT_TRUE(r.is_ok()) << r.reason;
+  }
 }
 
 TEST(StorageFactory, BuildsFileStoreAndNamesBadConfig) {

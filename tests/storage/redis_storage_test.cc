@@ -202,6 +202,23 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
   EXPECT_NE(message(R"({"io_threads": -1})").find("'io_threads'"), std::string::npos);
   EXPECT_NE(message(R"({"zero_copy_min_bytes": -1})").find("'zero_copy_min_bytes'"),
             std::string::npos);
+  EXPECT_NE(message(R"({"host": ""})").find("key 'host' is empty"), std::string::npos);
+  EXPECT_NE(message(R"({"host": 5})").find("'host' has a value of the wrong type: 5"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"timeout_ms": 0})").find("'timeout_ms' = 0 is outside"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"connect_timeout_ms": 0})").find("'connect_timeout_ms' = 0 is outside"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"password": 5})").find("'password' has a value of the wrong type: 5"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"max_value_bytes": 0})").find("'max_value_bytes' = 0 is outside"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"cluster": "yes"})").find(R"('cluster' has a value of the wrong type: "yes")"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"cluster": true, "nodes": []})").find("key 'nodes' must be a non-empty"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"read_from_replicas": 1})").find("'read_from_replicas' has a value of"),
+            std::string::npos);
   // The same checks when a config is built in code.
   RedisConfig negative;
   negative.io_threads = -2;
@@ -229,6 +246,67 @@ TEST(RedisStorageConfig, RejectsUnknownFieldsAndBadValuesByName) {
   EXPECT_TRUE(RedisConfig::from_json_text(
                   R"({"cluster": true, "nodes": ["a:1"], "read_from_replicas": true})")
                   .read_from_replicas);
+}
+
+// The threads of this process, as the kernel lists them.
+std::size_t process_threads() {
+  std::size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    n += e.is_directory() ? 1 : 0;
+  }
+  return n;
+}
+
+// io_threads: the threads the store's connections run on (one io_context each), started with the
+// store.
+TEST(RedisStorageConfig, IoThreadsAreTheThreadsTheStoreRuns) {
+  auto open = [](int threads) {
+    return make_storage(str_cat(R"({"backend": "redis", "port": 1, "check_at_start": false, )",
+                                R"("io_threads": )", threads, "}"));
+  };
+  const std::size_t before = process_threads();
+  auto one = open(1);
+  const std::size_t with_one = process_threads();
+  auto three = open(3);
+  const std::size_t with_three = process_threads();
+  EXPECT_EQ(with_one - before, 1u) << "threads: " << before << ", " << with_one;
+  EXPECT_EQ(with_three - with_one, 3u) << "threads: " << with_one << ", " << with_three;
+}
+
+// connect_timeout_ms bounds a connection's set-up, the handshake included: a server that
+// accepts (here the kernel, for a listener nobody accepts from) and never answers fails the
+// batch after it, not after timeout_ms; with the check at start, the start fails after it.
+TEST(RedisStorageConfig, AHandshakeNobodyAnswersEndsAfterTheConnectTimeout) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 16), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  {
+    auto s = open_redis(port, R"("connections": 1, "connect_timeout_ms": 300,
+                                 "timeout_ms": 20000, "check_at_start": false)");
+    const auto t0 = Clock::now();
+    const auto r = get(*s, {"k"}, 4096);
+    const auto took = Clock::now() - t0;
+    ASSERT_EQ(r[0].status, IoStatus::kError);
+    EXPECT_NE(r[0].reason.find("timed out after 300 ms"), std::string::npos) << r[0].reason;
+    EXPECT_GE(took, 250ms);
+    EXPECT_LT(took, 5s) << "ended by timeout_ms, not by connect_timeout_ms";
+  }
+  const auto t0 = Clock::now();
+  try {
+    auto s = open_redis(port, R"("connect_timeout_ms": 300, "timeout_ms": 20000)");
+    ADD_FAILURE() << "a store whose server never answered was opened";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out after 300 ms"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(Clock::now() - t0, 5s);
+  ::close(listener);
 }
 
 TEST(RedisStorageConfig, FactoryBuildsARedisBackend) {
@@ -1233,6 +1311,14 @@ TEST(RedisTlsConfig, BadSettingsAndFilesAreNamed) {
   EXPECT_NE(message(R"({"backend": "redis", "tls": {"ca": "x"}})").find("unknown key 'ca'"),
             std::string::npos);
   EXPECT_NE(message(R"({"backend": "redis", "tls": {"cert_file": "c.pem"}})").find("go together"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "redis", "tls": {"key_file": "k.pem"}})").find("only key_file"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "redis", "tls": {"verify": "no"}})")
+                .find(R"('verify' has a value of the wrong type: "no")"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"backend": "redis", "tls": {"server_name": 5}})")
+                .find("'server_name' has a value of the wrong type: 5"),
             std::string::npos);
   const std::string missing = message(
       R"({"backend": "redis", "check_at_start": false, "tls": {"ca_file": "/nonexistent/ca.pem"}})");
