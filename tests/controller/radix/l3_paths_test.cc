@@ -14,6 +14,7 @@
 #include "controller/radix/eviction.h"
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
+#include "tests/controller/radix/fake_locks.h"
 #include "tests/controller/radix/test_pages.h"
 #include "transfer/host_device.h"
 
@@ -36,16 +37,8 @@ class FakeCache final : public L3Paths::Cache {
  public:
   FakeCache(Tree& tree, EvictionIndex& index, HostKVPool& host)
       : tree_(tree), index_(index), host_(host) {}
-  void lock(Node* node) override {
-    for (Node* n = node; n != nullptr; n = n->parent) {
-      if (++n->lock == 1) index_.refresh(n);
-    }
-  }
-  void unlock(Node* node) override {
-    for (Node* n = node; n != nullptr; n = n->parent) {
-      if (--n->lock == 0) index_.refresh(n);
-    }
-  }
+  void lock(Node* node) override { lock_path(node, index_); }
+  void unlock(Node* node) override { unlock_path(node, index_); }
   std::int64_t evict_host(std::int64_t tokens) override {
     evict_host_asked += tokens;
     return 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "pools/kv_pattern.h"
+#include "tests/controller/radix/fake_locks.h"
 #include "tests/controller/radix/test_pages.h"
 #include "tests/controller/wait_acks.h"
 #include "transfer/host_device.h"
@@ -25,16 +26,8 @@ KVGeometry geometry() { return KVGeometry::mha(2, 1, 8, DType::kFloat16, kPage);
 class FakeCache final : public TierPolicy::Cache {
  public:
   FakeCache(Tree& tree, EvictionIndex& index) : tree_(tree), index_(index) {}
-  void lock(Node* node) override {
-    for (Node* n = node; n != nullptr; n = n->parent) {
-      if (++n->lock == 1) index_.refresh(n);
-    }
-  }
-  void unlock(Node* node) override {
-    for (Node* n = node; n != nullptr; n = n->parent) {
-      if (--n->lock == 0) index_.refresh(n);
-    }
-  }
+  void lock(Node* node) override { lock_path(node, index_); }
+  void unlock(Node* node) override { unlock_path(node, index_); }
   void refresh(Node* node) override { index_.refresh(node); }
   void remove_leaf(Node* node) override {
     Node* parent = node->parent;
