@@ -72,7 +72,8 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
       device_pool_(device_pool),
       host_pool_(host_pool),
       config_(config),
-      page_size_(device_pool.geometry().page_size) {
+      page_size_(device_pool.geometry().page_size),
+      selective_writes_(controller.config().write_policy == WritePolicy::kWriteThroughSelective) {
   if ((storage == nullptr) != (keys == nullptr)) {
     throw InvalidArgument("radix cache: storage and its key namespace go together");
   }
@@ -232,7 +233,6 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
   Node* node = tree_->root();
   std::size_t pos = 0;
   bool device_run = true;
-  const radix::TierPolicy& tiers = *tiers_;
   std::vector<Node*> to_write;
   while (pos < usable) {
     Node* child = tree_->child_of(node, tokens.subspan(pos, page_size_), identity);
@@ -249,7 +249,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
       r.host_hit_tokens += static_cast<std::int64_t>(child->key().size());
     }
     r.last_host_node = child;
-    if (tiers.selective_write_due(*child)) to_write.push_back(child);
+    if (selective_writes_ && tiers_->selective_write_due(*child)) to_write.push_back(child);
     pos += common;
     node = child;
     if (common < child->key().size()) break;

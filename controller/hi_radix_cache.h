@@ -355,6 +355,9 @@ class HiRadixCache {
   HostKVPool& host_pool_;
   RadixCacheConfig config_;
   std::int32_t page_size_;
+  // The write policy is write_through_selective: only then does match_prefix ask the tier
+  // policy whether a node it passed is due for a write (no other room's memory on its path).
+  bool selective_writes_;
   std::unique_ptr<radix::Tree> tree_;
   std::unique_ptr<radix::EvictionIndex> index_;
   std::unique_ptr<radix::GhostSet> ghost_;  // pages that left the tree: the "evicted" misses

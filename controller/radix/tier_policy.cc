@@ -19,19 +19,20 @@ TierPolicy::TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOp
                        CacheEvents& events, HiCacheController& controller,
                        DeviceKVPool& device_pool, HostKVPool& host_pool, Config config)
     : cache_(cache),
-      tree_(tree),
       index_(index),
+      controller_(controller),
+      events_(events),
+      device_pool_(device_pool),
       pending_(pending),
+      policy_(controller.config().write_policy),
+      selective_(policy_ == WritePolicy::kWriteThroughSelective),
+      host_tier_(config.host_tier),
+      tree_(tree),
       arrived_(arrived),
       agreement_(agreement),
       cost_(cost),
-      events_(events),
-      controller_(controller),
-      device_pool_(device_pool),
       host_pool_(host_pool),
-      config_(config),
-      policy_(controller.config().write_policy),
-      selective_(policy_ == WritePolicy::kWriteThroughSelective) {}
+      config_(config) {}
 
 void TierPolicy::write_selected(Node* node) {
   if (node->host.empty() && !node->device.empty() && node->write_op == 0) {
@@ -44,7 +45,7 @@ void TierPolicy::inserted(Node* leaf) {
 }
 
 void TierPolicy::write_node(Node* node, std::int64_t priority) {
-  if (!config_.host_tier) return;  // device only: the node stays device-only
+  if (!host_tier_) return;  // device only: the node stays device-only
   const auto tokens = static_cast<std::int64_t>(node->device.size());
   // TP: the room is judged on what every rank has alike (host_room(), and the writes in flight,
   // which the write queue holds at most), never on the pool's or the queue's own state, which
@@ -162,7 +163,7 @@ std::int64_t TierPolicy::evict_device(std::int64_t tokens) {
     if (n == nullptr) break;
     if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
       write_node(n, kEvictionWritePriority);
-      if (n->write_op == 0 && !n->children.empty() && config_.host_tier) {
+      if (n->write_op == 0 && !n->children.empty() && host_tier_) {
         // The host is full (on some rank): host-only leaves make room for its copy (without
         // it a device of such inner nodes could never be freed, nothing in flight to wait on).
         evict_host(static_cast<std::int64_t>(n->device.size()));
