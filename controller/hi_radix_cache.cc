@@ -2,15 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <thread>
 
+#include "controller/kv_events.h"
 #include "controller/radix/agreement.h"
 #include "controller/radix/eviction.h"
 #include "controller/radix/ghost_set.h"
-#include "controller/kv_events.h"
 #include "controller/radix/l3_paths.h"
 #include "controller/radix/tier_events.h"
+#include "controller/radix/tier_policy.h"
 #include "controller/radix/tree.h"
 #include "transfer/errors.h"
 
@@ -18,22 +18,10 @@ namespace hicache {
 
 namespace {
 
-// Write priorities (lower first in the controller's write queue, FIFO among equals): a write
-// that frees device memory on its ack (write-back eviction and demotion, the copy of an evicted
-// inner node) goes before backups (write-through and selective writes), which only add a host
-// copy: the scheduler waiting for device room waits on the first kind. Loads have one kind (the
-// batch's load back): priority 0. docs/design-notes.md, "Operation priorities".
-constexpr std::int64_t kEvictionWritePriority = 0, kBackupWritePriority = 1;
-
 template <typename T>
 void append(std::vector<T>& to, const std::vector<T>& from) {
   to.insert(to.end(), from.begin(), from.end());
 }
-
-}  // namespace
-
-// What the L3 paths ask of the cache: the coordinator's own tree edits, locks and host room.
-namespace {
 
 // Where a store's records are, as the KV events name it: a file store's on a local disk, the
 // others' in a server (Redis, Redis Cluster).
@@ -43,25 +31,35 @@ KvMedium l3_medium(const StorageBackend& store) {
 
 }  // namespace
 
-class HiRadixCache::L3Hooks final : public radix::L3Paths::Cache {
+// What the rooms ask of the coordinator (radix::L3Paths::Cache, radix::TierPolicy::Cache): its
+// tree edits that keep the tiers, the eviction index and the KV events right, locks, and the
+// other rooms' answers.
+class HiRadixCache::Hooks final : public radix::L3Paths::Cache, public radix::TierPolicy::Cache {
  public:
-  explicit L3Hooks(HiRadixCache& cache) : c_(cache) {}
+  explicit Hooks(HiRadixCache& cache) : c_(cache) {}
   void lock(Node* node) override { c_.lock(node); }
   void unlock(Node* node) override { c_.unlock(node); }
-  std::int64_t evict_host(std::int64_t tokens) override { return c_.evict_host(tokens); }
-  std::int64_t host_room() const override { return c_.host_room(); }
+  void refresh(Node* node) override { c_.refresh(node); }
+  // L3Paths::Cache
+  std::int64_t evict_host(std::int64_t tokens) override { return c_.tiers_->evict_host(tokens); }
+  std::int64_t host_room() const override { return c_.tiers_->host_room(); }
   Node* split_node(Node* node, std::size_t tokens) override { return c_.split(node, tokens); }
   Node* add_node(Node* parent, std::span<const std::int32_t> key,
                  std::string_view identity) override {
     return c_.add_leaf(parent, key, identity);
   }
-  void refresh(Node* node) override { c_.refresh(node); }
-  void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local) override {
-    c_.apply_backup_ack(id, agreed, local);
+  void l3_stored(const Node* node, std::int64_t from, std::int64_t to,
+                 std::uint64_t queued_at) override {
+    if (c_.tier_events_) c_.tier_events_->l3_stored(node, from, to, queued_at);
   }
   std::uint64_t l3_removal_clock() const override {
     return c_.tier_events_ ? c_.tier_events_->l3_clock() : 0;
   }
+  // TierPolicy::Cache
+  void remove_leaf(Node* node) override { c_.remove_leaf(node); }
+  void host_copy_synced(Node* node) override { c_.l3_->backup_node(node); }
+  std::int64_t prefetch_reserved_tokens() const override { return c_.l3_->reserved_tokens(); }
+  bool timed() const override { return c_.metrics_.attached(); }
 
  private:
   HiRadixCache& c_;
@@ -75,7 +73,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
       host_pool_(host_pool),
       config_(config),
       page_size_(device_pool.geometry().page_size),
-      policy_(controller.config().write_policy) {
+      selective_writes_(controller.config().write_policy == WritePolicy::kWriteThroughSelective) {
   if ((storage == nullptr) != (keys == nullptr)) {
     throw InvalidArgument("radix cache: storage and its key namespace go together");
   }
@@ -105,9 +103,17 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   agreement_ = std::make_unique<radix::Agreement>(tp);
   cost_ = std::make_unique<radix::CostRule>(config_.recompute_seconds_per_token,
                                             device_pool.geometry().token_bytes());
-  l3_hooks_ = std::make_unique<L3Hooks>(*this);
-  l3_ = std::make_unique<radix::L3Paths>(*l3_hooks_, *tree_, *pending_, *arrived_, *agreement_,
-                                         *cost_, events_, host_pool_);
+  hooks_ = std::make_unique<Hooks>(*this);
+  l3_ = std::make_unique<radix::L3Paths>(*hooks_, *tree_, *pending_, *arrived_, *agreement_, *cost_,
+                                         events_, host_pool_);
+  tiers_ = std::make_unique<radix::TierPolicy>(
+      *hooks_, *tree_, *index_, *pending_, *arrived_, *agreement_, *cost_, events_, controller_,
+      device_pool_, host_pool_,
+      radix::TierPolicy::Config{.host_tier = config_.host_tier,
+                                .write_through_threshold = config_.write_through_threshold,
+                                .load_back_min_tokens = config_.load_back_min_tokens,
+                                .demote_low_watermark = config_.demote_low_watermark,
+                                .demote_high_watermark = config_.demote_high_watermark});
   if (storage != nullptr) l3_->attach(*storage, std::move(keyer), controller_.events());
 }
 
@@ -172,19 +178,6 @@ void HiRadixCache::publish_kv_events(KvEventPublisher& publisher) {
   if (const StorageController* s = l3_->storage()) {
     tier_events_->attach_l3(l3_->key_prefix(), l3_medium(s->storage()));
   }
-}
-
-std::vector<std::int64_t> HiRadixCache::held_block_hashes(bool device) const {
-  std::vector<std::int64_t> out;
-  if (!tier_events_) return out;
-  tree_->for_each_node([&](Node* n) {
-    const bool held = device ? !n->device.empty() && n->load_op == 0
-                             : !n->host.empty() && n->write_op == 0;
-    if (!held) return;
-    for (const PageDigest& d : n->digests) out.push_back(kv_block_hash(d));
-  });
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 void HiRadixCache::l3_records_removed(std::span<const std::string> keys) {
@@ -256,18 +249,12 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
       r.host_hit_tokens += static_cast<std::int64_t>(child->key().size());
     }
     r.last_host_node = child;
-    if (policy_ == WritePolicy::kWriteThroughSelective &&
-        child->hits >= config_.write_through_threshold) {
-      to_write.push_back(child);
-    }
+    if (selective_writes_ && tiers_->selective_write_due(*child)) to_write.push_back(child);
     pos += common;
     node = child;
     if (common < child->key().size()) break;
   }
-  for (Node* n : to_write) {
-    if (n->host.empty() && !n->device.empty() && n->write_op == 0)
-      write_node(n, kBackupWritePriority);
-  }
+  for (Node* n : to_write) tiers_->write_selected(n);
   events_.matched_device_tokens += r.device_slots.size();
   events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
   events_.unmatched_tokens +=
@@ -300,7 +287,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
       Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
       refresh(l);
-      if (policy_ == WritePolicy::kWriteThrough) write_node(l, kBackupWritePriority);
+      tiers_->inserted(l);
       return duplicate;
     }
     const std::size_t common = tree_->common_tokens(child, tokens.subspan(pos));
@@ -333,237 +320,21 @@ void HiRadixCache::unlock(Node* node) {
   }
 }
 
-void HiRadixCache::write_node(Node* node, std::int64_t priority) {
-  if (!config_.host_tier) return;  // device only: the node stays device-only
-  const auto tokens = static_cast<std::int64_t>(node->device.size());
-  // TP: the room is judged on what every rank has alike (host_room(), and the writes in flight,
-  // which the write queue holds at most), never on the pool's or the queue's own state, which
-  // the controller's threads change at times that differ between ranks.
-  const bool tp = agreement_->agreeing();
-  if (tp &&
-      (host_room() < tokens || pending_->writes.size() >= controller_.config().queue_capacity)) {
-    return;  // host full or queue full: the node stays device-only
-  }
-  auto host = controller_.reserve_write(tokens);
-  if (!host && !tp) return;  // host full or queue full: the node stays device-only
-  if (host && !controller_.write_reserved(node->device, *host, priority, node->id))
-    return;  // stopped
-  node->write_op = node->id;
-  lock(node);
-  pending_->writes[node->id] = radix::PendingOps::Op{node, {node}};
-  if (host) {
-    node->host = std::move(*host);
-  } else {
-    // The room was there by the agreed count but not in this rank's pool: something else holds
-    // its pages (the caller broke the contract of host_room()). The write fails here, and the
-    // next check_events makes every rank drop it.
-    arrived_->writes[node->id] = radix::ArrivedAcks::kFailed;
-  }
-  refresh(node);
-}
-
 std::optional<std::vector<std::int64_t>> HiRadixCache::load_back(Node* node) {
-  std::vector<Node*> path;
-  for (Node* n = node; n != tree_->root(); n = n->parent) path.push_back(n);
-  std::reverse(path.begin(), path.end());
-  std::vector<Node*> missing;
-  std::vector<std::int64_t> host;
-  for (Node* n : path) {
-    if (!n->device.empty()) continue;
-    if (n->host.empty()) return std::nullopt;  // a gap: nothing to load it from
-    missing.push_back(n);
-    append(host, n->host);
-  }
-  if (!missing.empty()) {
-    if (static_cast<std::int64_t>(host.size()) < config_.load_back_min_tokens) return std::nullopt;
-    if (!load_back_pays(static_cast<std::int64_t>(host.size()))) return std::nullopt;
-    const NodeId op = tree_->next_id();
-    lock(node);  // the path stays while it loads (and eviction below cannot take it)
-    auto device = controller_.load(host, 0, op);
-    if (!device) {
-      evict_device(static_cast<std::int64_t>(host.size()));
-      device = controller_.load(host, 0, op);
-    }
-    if (!device) {
-      unlock(node);
-      return std::nullopt;
-    }
-    std::size_t at = 0;
-    for (Node* n : missing) {
-      n->device.assign(device->begin() + static_cast<std::ptrdiff_t>(at),
-                       device->begin() + static_cast<std::ptrdiff_t>(at + n->key().size()));
-      at += n->key().size();
-      n->load_op = op;
-      refresh(n);
-    }
-    pending_->loads[op] = radix::PendingOps::Op{node, missing};
-    events_.loaded_back_tokens += host.size();
-  }
-  std::vector<std::int64_t> out;
-  for (Node* n : path) {
-    tree_->touch(n);
-    append(out, n->device);
-  }
-  return out;
-}
-
-void HiRadixCache::drop_device(Node* node) {
-  const auto n = static_cast<std::int64_t>(node->device.size());
-  if (!node->host.empty()) {
-    controller_.evict_device(node->device, node->host);
-  } else {
-    device_pool_.allocator().free(node->device);
-    events_.dropped_device_tokens += n;
-  }
-  node->device.clear();
-  refresh(node);
-  events_.evicted_device_tokens += n;
+  return tiers_->load_back(node);
 }
 
 std::int64_t HiRadixCache::evict_device(std::int64_t tokens) {
-  // The index holds the candidates in eviction order: unlocked, no op in flight, no child on
-  // the device. A node without a host copy is dropped when nothing hangs below it; otherwise
-  // (and always under write-back) it is written first and freed on the ack. Under the
-  // write-through policies such a node is one whose write found the host pool full: without
-  // this the device could fill up with inner nodes that nothing ever frees.
-  std::int64_t freed = 0, scheduled = 0;  // scheduled: write-back evictions freed on the ack
-  std::vector<Node*> passed_over;         // host full and a subtree below: kept this call
-  const bool timed = metrics_.attached();  // metrics off: no clock read on this path
-  const auto started =
-      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  while (freed + scheduled < tokens) {
-    Node* n = index_->next_victim(radix::Tier::kDevice);
-    if (n == nullptr) break;
-    if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
-      write_node(n, kEvictionWritePriority);
-      if (n->write_op == 0 && !n->children.empty() && config_.host_tier) {
-        // The host is full (on some rank): host-only leaves make room for its copy (without
-        // it a device of such inner nodes could never be freed, nothing in flight to wait on).
-        evict_host(static_cast<std::int64_t>(n->device.size()));
-        write_node(n, kEvictionWritePriority);
-      }
-      if (n->write_op != 0) {  // out of the index while it writes
-        n->evict_after_write = true;
-        scheduled += static_cast<std::int64_t>(n->device.size());
-        continue;
-      }
-      if (!n->children.empty()) {
-        n->passed_over = true;
-        refresh(n);
-        passed_over.push_back(n);
-        continue;
-      }
-    }
-    freed += static_cast<std::int64_t>(n->device.size());
-    drop_device(n);                       // its parent may become a candidate
-    if (n->host.empty()) remove_leaf(n);  // no KV anywhere: the node goes
-  }
-  for (Node* n : passed_over) {
-    n->passed_over = false;
-    refresh(n);
-  }
-  if (timed && freed + scheduled > 0) {
-    events_.device_eviction_seconds.observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  }
-  return freed;
+  return tiers_->evict_device(tokens);
 }
+
+std::int64_t HiRadixCache::evict_host(std::int64_t tokens) { return tiers_->evict_host(tokens); }
 
 std::int64_t HiRadixCache::evict_host_to_free(std::int64_t target) {
-  const std::int64_t need = target - host_room();
-  return need > 0 ? evict_host(need) : 0;
+  return tiers_->evict_host_to_free(target);
 }
 
-std::int64_t HiRadixCache::evict_host(std::int64_t tokens) {
-  // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
-  // goes may leave its parent such a leaf.
-  std::int64_t freed = 0;
-  while (freed < tokens) {
-    Node* n = index_->next_victim(radix::Tier::kHost);
-    if (n == nullptr) break;
-    controller_.evict_host(n->host);
-    freed += static_cast<std::int64_t>(n->host.size());
-    remove_leaf(n);
-  }
-  events_.evicted_host_tokens += freed;
-  return freed;
-}
-
-void HiRadixCache::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
-  const bool ok = agreed == radix::ArrivedAcks::kOk, local_ok = local == radix::ArrivedAcks::kOk;
-  auto taken = radix::PendingOps::take(pending_->writes, id);
-  if (!taken) return;
-  radix::PendingOps::Op& op = *taken;
-  for (Node* n : op.nodes) {
-    n->write_op = 0;
-    if (!ok) {
-      // The controller freed the host pages of a failed write; where the write worked here but
-      // failed on another rank, this rank drops its copy too, so the trees stay identical.
-      if (local_ok) host_pool_.discard(n->host);
-      n->host.clear();
-      n->evict_after_write = false;
-    }
-    refresh(n);
-  }
-  if (!ok) ++events_.write_failures;
-  unlock(op.holder);
-  for (Node* n : op.nodes) {
-    if (n->evict_after_write) {
-      n->evict_after_write = false;
-      if (n->lock == 0 && n->load_op == 0) drop_device(n);
-    }
-    if (ok) l3_->backup_node(n);
-  }
-}
-
-void HiRadixCache::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
-  const bool ok = agreed == radix::ArrivedAcks::kOk, local_ok = local == radix::ArrivedAcks::kOk;
-  auto taken = radix::PendingOps::take(pending_->loads, id);
-  if (!taken) return;
-  radix::PendingOps::Op& op = *taken;
-  for (Node* n : op.nodes) {
-    n->load_op = 0;
-    if (!ok) {
-      events_.miss_load_failed_tokens += n->device.size();
-      // The device slots are not to be used; the host copy is intact. Where the load worked
-      // here, its host pages went to synced: back to backup with the device copy freed.
-      if (local_ok) {
-        controller_.evict_device(n->device, n->host);
-      } else {
-        device_pool_.allocator().free(n->device);
-      }
-      n->device.clear();
-    }
-    refresh(n);
-  }
-  if (!ok) ++events_.load_failures;
-  unlock(op.holder);
-}
-
-void HiRadixCache::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*local*/) {
-  auto taken = radix::PendingOps::take(pending_->backups, id);
-  if (!taken) return;
-  const std::int64_t completed_tokens = pending_->forgotten_backups.erase(id) != 0 ? 0 : agreed - 1;
-  // The op's pages run from the uppermost part (split off last) down to the holder.
-  std::vector<Node*> nodes = taken->nodes;
-  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
-    int da = 0, db = 0;
-    for (Node* n = a; n != nullptr; n = n->parent) ++da;
-    for (Node* n = b; n != nullptr; n = n->parent) ++db;
-    return da < db;
-  });
-  std::int64_t pages = completed_tokens / page_size_;
-  for (Node* n : nodes) {
-    n->backup_op = 0;
-    const auto own = static_cast<std::int64_t>(n->key().size()) / page_size_;
-    const std::int64_t was = n->stored_pages;
-    n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
-    if (tier_events_) tier_events_->l3_stored(n, was, n->stored_pages, taken->l3_clock);
-    pages = std::max<std::int64_t>(0, pages - own);
-    refresh(n);
-  }
-  unlock(taken->holder);
-}
+std::int64_t HiRadixCache::host_room() const { return tiers_->host_room(); }
 
 std::uint64_t HiRadixCache::event_seq() const { return controller_.events()->seq(); }
 
@@ -580,7 +351,7 @@ bool HiRadixCache::wait_for_events(std::uint64_t seen,
 
 void HiRadixCache::check_events() {
   apply_events();
-  demote();
+  tiers_->demote();
   if (tier_events_) {
     if (pending_->backups.empty()) tier_events_->l3_forget_removals();
     tier_events_->publish();
@@ -590,25 +361,6 @@ void HiRadixCache::check_events() {
   device_used_tokens_.set(static_cast<double>(a.capacity_tokens() - a.free_tokens()));
 }
 
-void HiRadixCache::demote() {
-  if (config_.demote_low_watermark <= 0) return;
-  const double capacity = static_cast<double>(device_pool_.allocator().capacity_tokens());
-  const auto free_tokens = static_cast<double>(device_pool_.allocator().free_tokens());
-  if (free_tokens >= config_.demote_low_watermark * capacity) return;
-  // Tokens already on their way out: write-backs that free their device copy on the ack.
-  std::int64_t leaving = 0;
-  for (const auto& [id, op] : pending_->writes) {
-    for (const Node* n : op.nodes) {
-      if (n->evict_after_write) leaving += static_cast<std::int64_t>(n->device.size());
-    }
-  }
-  const auto target =
-      static_cast<std::int64_t>(config_.demote_high_watermark * capacity - free_tokens) - leaving;
-  if (target <= 0) return;
-  ++events_.demotions;
-  evict_device(target);  // frees synced copies now, writes the others and frees them on the ack
-}
-
 void HiRadixCache::remove_leaf(Node* node) {
   Node* parent = node->parent;
   index_->forget(node);
@@ -616,8 +368,8 @@ void HiRadixCache::remove_leaf(Node* node) {
       radix::GhostSet::parent_name(parent->id, parent == tree_->root(), node->identity), node->id,
       node->key(), page_size_);
   if (tier_events_) tier_events_->leaving(node);  // what it held goes with it
-  tree_->remove_leaf(node);  // freed here
-  refresh(parent);           // may be a leaf now
+  tree_->remove_leaf(node);                       // freed here
+  refresh(parent);                                // may be a leaf now
 }
 
 std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> tokens,
@@ -625,32 +377,11 @@ std::int64_t HiRadixCache::cached_prefix_tokens(std::span<const std::int32_t> to
   return static_cast<std::int64_t>(tree_->prefix_tokens(tokens, identity));
 }
 
-std::int64_t HiRadixCache::local_load_bps() const {
-  const ControllerStats cs = controller_.stats();
-  return radix::CostRule::rate(static_cast<double>(cs.bytes_loaded), cs.load_seconds);
-}
-
 bool HiRadixCache::all_ranks(bool local, const char* tag) {
   bool failed = false;
   const bool all = agreement_->on_every_rank(local, tag, &failed);
   if (failed) ++events_.tp_failures;
   return all;
-}
-
-std::int64_t HiRadixCache::host_room() const {
-  if (!agreement_->agreeing()) return host_pool_.free_tokens();
-  return host_pool_.capacity_tokens() - index_->totals().host_tokens - l3_->reserved_tokens();
-}
-
-bool HiRadixCache::load_back_pays(std::int64_t tokens) {
-  if (!cost_->on()) return true;
-  const bool pays = cost_->moving_pays(radix::CostRule::Move::kLoad, tokens,
-                                       agreement_->load_bps(local_load_bps()));
-  if (!pays) {
-    ++events_.load_backs_refused_by_cost;
-    events_.miss_load_refused_tokens += tokens;
-  }
-  return pays;
 }
 
 void HiRadixCache::apply_events() {
@@ -667,9 +398,9 @@ void HiRadixCache::apply_events() {
   }
   // One rank (or the TP collective failed for good, and each rank goes on alone, counted):
   // apply everything that arrived.
-  for (const auto& [id, v] : arrived_->writes) apply_write_ack(id, v, v);
-  for (const auto& [id, v] : arrived_->loads) apply_load_ack(id, v, v);
-  for (const auto& [id, v] : arrived_->backups) apply_backup_ack(id, v, v);
+  for (const auto& [id, v] : arrived_->writes) tiers_->apply_write_ack(id, v, v);
+  for (const auto& [id, v] : arrived_->loads) tiers_->apply_load_ack(id, v, v);
+  for (const auto& [id, v] : arrived_->backups) l3_->apply_backup_ack(id, v, v);
   arrived_->writes.clear();
   arrived_->loads.clear();
   arrived_->backups.clear();
@@ -687,16 +418,16 @@ void HiRadixCache::agree_and_apply() {
     return;
   }
   const radix::Agreement::Step* step =
-      agreement_->reduce(*pending_, *arrived_, l3_->storage(), page_size_, local_load_bps(),
+      agreement_->reduce(*pending_, *arrived_, l3_->storage(), page_size_, tiers_->local_load_bps(),
                          l3_->local_prefetch_bps());
   if (step == nullptr) {
     ++events_.tp_failures;
     apply_events();  // the collective is failed for good: the local path from now on
     return;
   }
-  for (const auto& a : step->writes) apply_write_ack(a.id, a.agreed, a.local);
-  for (const auto& a : step->loads) apply_load_ack(a.id, a.agreed, a.local);
-  for (const auto& a : step->backups) apply_backup_ack(a.id, a.agreed, a.local);
+  for (const auto& a : step->writes) tiers_->apply_write_ack(a.id, a.agreed, a.local);
+  for (const auto& a : step->loads) tiers_->apply_load_ack(a.id, a.agreed, a.local);
+  for (const auto& a : step->backups) l3_->apply_backup_ack(a.id, a.agreed, a.local);
   for (const auto& p : step->prefetches) {
     if (p.ended) {
       l3_->finish_prefetch(p.id, false, p.pages);  // revoked or finished everywhere
@@ -754,110 +485,6 @@ void HiRadixCache::forget_stored_pages() {
   if (!tier_events_) return;
   tier_events_->l3_cleared();
   tier_events_->publish();
-}
-
-std::string HiRadixCache::describe() const {
-  std::string out;
-  std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {
-    if (n != tree_->root()) {
-      out += str_cat(std::string(static_cast<std::size_t>(depth), ' '),
-                     n->identity.empty() ? "" : str_cat("(", n->identity, ") "), "[",
-                     n->key().front(), "..+", n->key().size(), "] dev ", n->device.size(), " host ",
-                     n->host.size(), n->write_op != 0 ? " writing" : "",
-                     n->load_op != 0 ? " loading" : "", n->backup_op != 0 ? " backing-up" : "",
-                     " lock ", n->lock, " stored ", n->stored_pages, "\n");
-    }
-    for (const Node* c : tree_->ordered_children(n)) walk(c, depth + 1);
-  };
-  walk(tree_->root(), -1);
-  return out;
-}
-
-void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
-  metrics_.attach(registry, std::move(labels));
-  events_.register_in(metrics_);
-  constexpr const char* kUsed = "hicache_pool_used_tokens";
-  constexpr const char* kUsedHelp = "Token slots in use per tier (device: as of the last step)";
-  constexpr const char* kCapacity = "hicache_pool_capacity_tokens";
-  constexpr const char* kCapacityHelp = "Token slots per tier";
-  metrics_.add(kUsed, kUsedHelp, {{"tier", "device"}}, device_used_tokens_);
-  HostKVPool* host = &host_pool_;
-  metrics_.add_gauge_fn(kUsed, kUsedHelp, {{"tier", "host"}}, [host] {
-    return static_cast<double>(host->capacity_tokens() - host->free_tokens());
-  });
-  const auto device_capacity = static_cast<double>(device_pool_.allocator().capacity_tokens());
-  metrics_.add_gauge_fn(kCapacity, kCapacityHelp, {{"tier", "device"}},
-                        [device_capacity] { return device_capacity; });
-  const auto host_capacity = static_cast<double>(host_pool_.capacity_tokens());
-  metrics_.add_gauge_fn(kCapacity, kCapacityHelp, {{"tier", "host"}},
-                        [host_capacity] { return host_capacity; });
-  constexpr const char* kUsage = "hicache_pool_usage_ratio";
-  constexpr const char* kUsageHelp = "Token slots in use over token slots per tier (0 to 1)";
-  const Gauge* device_used = &device_used_tokens_;
-  metrics_.add_gauge_fn(kUsage, kUsageHelp, {{"tier", "device"}}, [device_used, device_capacity] {
-    return device_capacity > 0 ? device_used->value() / device_capacity : 0;
-  });
-  metrics_.add_gauge_fn(kUsage, kUsageHelp, {{"tier", "host"}}, [host, host_capacity] {
-    return host_capacity > 0
-               ? static_cast<double>(host->capacity_tokens() - host->free_tokens()) / host_capacity
-               : 0;
-  });
-}
-
-std::int64_t HiRadixCache::evictable_device_tokens() const {
-  return index_->totals().evictable_device_tokens;
-}
-
-RadixCacheStats HiRadixCache::stats() const {
-  RadixCacheStats s;
-  const radix::CostRule::Inputs& cost = cost_->inputs();
-  s.measured_load_gbps = cost.measured_load_gbps;
-  s.last_load_estimate_s = cost.last_load_estimate_s;
-  s.measured_prefetch_gbps = cost.measured_prefetch_gbps;
-  s.last_prefetch_estimate_s = cost.last_prefetch_estimate_s;
-  s.last_recompute_estimate_s = cost.last_recompute_estimate_s;
-  const auto v = [](const Counter& c) { return static_cast<std::int64_t>(c.value()); };
-  s.demotions = v(events_.demotions);
-  s.evicted_device_tokens = v(events_.evicted_device_tokens);
-  s.evicted_host_tokens = v(events_.evicted_host_tokens);
-  s.load_backs_refused_by_cost = v(events_.load_backs_refused_by_cost);
-  s.load_failures = v(events_.load_failures);
-  s.loaded_back_tokens = v(events_.loaded_back_tokens);
-  s.prefetched_tokens = v(events_.prefetched_tokens);
-  s.prefetches_refused_by_cost = v(events_.prefetches_refused_by_cost);
-  s.resets = v(events_.resets);
-  s.revoked_prefetches = v(events_.revoked_prefetches);
-  s.tp_failures = v(events_.tp_failures);
-  s.write_failures = v(events_.write_failures);
-  const radix::EvictionIndex::Totals& t = index_->totals();
-  s.nodes = t.nodes;
-  s.device_tokens = t.device_tokens;
-  s.evictable_device_tokens = t.evictable_device_tokens;
-  s.host_tokens = t.host_tokens;
-  s.writes_in_flight = t.writing;
-  s.loads_in_flight = t.loading;
-  s.backups_in_flight = t.backing_up;
-  s.stored_tokens = t.stored_tokens;
-  return s;
-}
-
-std::string HiRadixCache::check_invariants() const {
-  std::string problem = tree_->check_node(tree_->root());
-  tree_->for_each_node([&](const Node* n) {
-    if (!problem.empty()) return;
-    problem = tree_->check_node(n);
-    if (!problem.empty()) return;
-    const std::size_t len = n->key().size();
-    if (n->device.empty() && n->host.empty()) {
-      problem = str_cat("node ", n->id, ": no KV");
-    } else if (!n->device.empty() && n->device.size() != len) {
-      problem = str_cat("node ", n->id, ": ", n->device.size(), " device slots for ", len);
-    } else if (!n->host.empty() && n->host.size() != len) {
-      problem = str_cat("node ", n->id, ": ", n->host.size(), " host slots for ", len);
-    }
-  });
-  if (!problem.empty()) return problem;
-  return index_->check(*tree_);
 }
 
 }  // namespace hicache

@@ -34,7 +34,12 @@
 // Inside, a coordinator over the rooms of controller/radix/ (docs/architecture.md, "The radix
 // cache in rooms"): the tree's structure (tree.h), the eviction order and index (eviction.h),
 // the ghosts of evicted pages (ghost_set.h), the TP agreement and the cost rule (agreement.h),
-// the L3 paths (l3_paths.h). This class holds tier policy, locks and the application of acks.
+// the L3 paths and the backups' acks (l3_paths.h), the tier policy: writes, load back, device
+// and host eviction, demotion and the writes' and loads' acks (tier_policy.h), the KV events
+// (tier_events.h). This class holds the public API, the tree edits that keep every room
+// current (split, add, remove, refresh), locks and the step that drains, agrees and hands each
+// ack to its room; its observations (stats, metrics, describe, check_invariants) are in
+// hi_radix_cache_stats.cc.
 //
 // Not thread-safe: the engine's main loop owns it (as it owns the device allocator).
 #pragma once
@@ -70,6 +75,7 @@ struct ArrivedAcks;
 class Agreement;
 class CostRule;
 class L3Paths;
+class TierPolicy;
 class TierEvents;
 }  // namespace radix
 
@@ -321,46 +327,37 @@ class HiRadixCache {
  private:
   // The rooms (controller/radix/): the tree's structure, the eviction order and index, the
   // ghosts of evicted pages, the ops in flight and the acks that arrived, the TP agreement and
-  // the cost rule, the L3 paths. This class coordinates them: tier policy (write-through and
-  // write-back, load back, demotion), locks, acks, metrics.
-  class L3Hooks;  // what the L3 paths ask of the cache (radix::L3Paths::Cache)
+  // the cost rule, the L3 paths, the tier policy, the KV events. This class coordinates them:
+  // the public API, tree edits that keep every room current, locks, the step (check_events:
+  // acks drained, agreed and handed to the room that applies them), metrics (the observations
+  // are in hi_radix_cache_stats.cc).
+  class Hooks;  // what the rooms ask of the cache (radix::L3Paths::Cache, TierPolicy::Cache)
 
   // Tree::split with the tiers divided (slots, digests, stored pages, ops in flight) and both
   // halves refreshed.
   Node* split(Node* node, std::size_t tokens);
   // Tree::add_leaf with its digests set and the index refreshed (no KV yet).
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key, std::string_view identity);
-  // The eviction index's refresh(): every change to a node's tiers, lock, ops in flight, hits
-  // or children is followed by it; check_invariants() checks that none was missed.
+  // The eviction index's refresh() and the KV events' observe(): every change to a node's
+  // tiers, lock, ops in flight, hits or children is followed by it; check_invariants() checks
+  // that none was missed.
   void refresh(Node* node);
-  // Writes a device-only node to the host (the controller's write queue, at `priority`: an
-  // eviction's write before backups); nothing when the host or the queue is full.
-  void write_node(Node* node, std::int64_t priority);
-  void drop_device(Node* node);
   // Takes a leaf without KV out of the tree, remembering its pages as evicted.
   void remove_leaf(Node* node);
-  // Apply an ack given the agreed (worst over the ranks) and this rank's values, encoded as in
-  // radix::ArrivedAcks.
-  void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
-  void apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local);
-  void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local);
   void agree_and_apply();
   void apply_events();
-  void demote();
-  // Cost-aware load back (RadixCacheConfig::recompute_seconds_per_token).
-  bool load_back_pays(std::int64_t tokens);
   // `local` with no TP collective (or one failed for good), else true only when it is true on
   // every rank (one min-reduction under `tag`).
   bool all_ranks(bool local, const char* tag);
-  // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
-  std::int64_t local_load_bps() const;
 
   HiCacheController& controller_;
   DeviceKVPool& device_pool_;
   HostKVPool& host_pool_;
   RadixCacheConfig config_;
   std::int32_t page_size_;
-  WritePolicy policy_;
+  // The write policy is write_through_selective: only then does match_prefix ask the tier
+  // policy whether a node it passed is due for a write (no other room's memory on its path).
+  bool selective_writes_;
   std::unique_ptr<radix::Tree> tree_;
   std::unique_ptr<radix::EvictionIndex> index_;
   std::unique_ptr<radix::GhostSet> ghost_;  // pages that left the tree: the "evicted" misses
@@ -368,8 +365,9 @@ class HiRadixCache {
   std::unique_ptr<radix::ArrivedAcks> arrived_;
   std::unique_ptr<radix::Agreement> agreement_;
   std::unique_ptr<radix::CostRule> cost_;
-  std::unique_ptr<L3Hooks> l3_hooks_;
+  std::unique_ptr<Hooks> hooks_;
   std::unique_ptr<radix::L3Paths> l3_;
+  std::unique_ptr<radix::TierPolicy> tiers_;        // write, load back, evict, demote; their acks
   std::unique_ptr<radix::TierEvents> tier_events_;  // null: no KV events
   // What happened, counted where it happens (the main loop) and read by a scrape on any thread.
   radix::CacheEvents events_;

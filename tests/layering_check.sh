@@ -78,5 +78,14 @@ if [ -d "$root/controller/radix" ]; then
     status=1
   fi
 fi
-[ $status -eq 0 ] && echo "layering ok: ${layers[*]}; controller/radix below its coordinator; python package: core < engine adapters"
+# The rooms' tests (tests/controller/radix) test each room alone: under fakes of its hooks,
+# never through the coordinator.
+if [ -d "$root/tests/controller/radix" ]; then
+  if hits=$(grep -rnE '#include "(controller/(hi_radix_cache|hicache)\.h|tests/controller/radix_test_engine\.h)"' "$root/tests/controller/radix"); then
+    echo "layer violation: a test of controller/radix goes through the coordinator:"
+    echo "$hits"
+    status=1
+  fi
+fi
+[ $status -eq 0 ] && echo "layering ok: ${layers[*]}; controller/radix and its tests below its coordinator; python package: core < engine adapters"
 exit $status

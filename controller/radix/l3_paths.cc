@@ -82,6 +82,32 @@ void L3Paths::backup_node(Node* node) {
   pending_.backups[*id] = PendingOps::Op{node, {node}, clock};
 }
 
+void L3Paths::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*local*/) {
+  auto taken = PendingOps::take(pending_.backups, id);
+  if (!taken) return;
+  const std::int64_t completed_tokens = pending_.forgotten_backups.erase(id) != 0 ? 0 : agreed - 1;
+  // The op's pages run from the uppermost part (split off last) down to the holder.
+  std::vector<Node*> nodes = taken->nodes;
+  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) {
+    int da = 0, db = 0;
+    for (Node* n = a; n != nullptr; n = n->parent) ++da;
+    for (Node* n = b; n != nullptr; n = n->parent) ++db;
+    return da < db;
+  });
+  const std::int32_t page = tree_.page_size();
+  std::int64_t pages = completed_tokens / page;
+  for (Node* n : nodes) {
+    n->backup_op = 0;
+    const auto own = static_cast<std::int64_t>(n->key().size()) / page;
+    const std::int64_t was = n->stored_pages;
+    n->stored_pages = std::max(n->stored_pages, std::min(own, pages));
+    cache_.l3_stored(n, was, n->stored_pages, taken->l3_clock);
+    pages = std::max<std::int64_t>(0, pages - own);
+    cache_.refresh(n);
+  }
+  cache_.unlock(taken->holder);
+}
+
 std::int64_t L3Paths::local_prefetch_bps() const {
   if (storage_ == nullptr) return CostRule::kUnmeasured;
   return CostRule::rate(static_cast<double>(storage_->read_bytes()), storage_->read_seconds());
@@ -290,7 +316,7 @@ void L3Paths::detach() {
   std::vector<NodeId> backups;
   for (const auto& [id, op] : pending_.backups) backups.push_back(id);
   std::sort(backups.begin(), backups.end());
-  for (NodeId id : backups) cache_.apply_backup_ack(id, 1, 1);  // released, nothing stored
+  for (NodeId id : backups) apply_backup_ack(id, 1, 1);  // released, nothing stored
   arrived_.backups.clear();
   revoked_.clear();
   storage_->drain_revokes(revoked_);

@@ -2,8 +2,9 @@
 // chain each node's keys (per cache identity), backups of synced host copies, prefetches that
 // bring a prompt's continuation into host pages and insert it as host-resident nodes, and L3
 // attached or detached at run time. It holds what only L3 needs (the storage controller, the
-// key chain, the host tokens prefetches reserved); the tree's structure, its locks and the
-// eviction index it reaches through the cache it serves (L3Paths::Cache, HiRadixCache).
+// key chain, the host tokens prefetches reserved, the backups' acks); the tree's structure, its
+// locks, the eviction index, host eviction and the KV events it reaches through the cache it
+// serves (L3Paths::Cache, HiRadixCache).
 //
 // TP: every call happens at the same step on every rank; the decisions it takes (room in a
 // queue, in the prefetch budget, on the host) read only state that agreed events change, and a
@@ -46,8 +47,10 @@ class L3Paths {
     virtual Node* add_node(Node* parent, std::span<const std::int32_t> key,
                            std::string_view identity) = 0;
     virtual void refresh(Node* node) = 0;
-    // Applies a backup's ack (agreed and local values as in ArrivedAcks).
-    virtual void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local) = 0;
+    // A backup's agreed ack: `node`'s pages [from, to) are in L3 (the KV events announce them;
+    // `queued_at` is l3_removal_clock() when the backup was queued).
+    virtual void l3_stored(const Node* node, std::int64_t from, std::int64_t to,
+                           std::uint64_t queued_at) = 0;
     // The KV events' L3 removal clock (TierEvents::l3_clock; 0 without events), read as a
     // backup is queued.
     virtual std::uint64_t l3_removal_clock() const = 0;
@@ -81,6 +84,10 @@ class L3Paths {
   // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
   // (by the backups in flight); the node stays locked until the ack. Nothing without L3.
   void backup_node(Node* node);
+  // A backup's ack (agreed and local values as in ArrivedAcks: completed tokens + 1): the
+  // leading pages the ranks completed count as stored (none for a backup whose store was
+  // cleared meanwhile), the lock is released. Nothing for a backup that is not pending.
+  void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local);
 
   // HiRadixCache::prefetch_from_storage, check_prefetch_progress, release_aborted_request.
   bool prefetch(const std::string& request_id, Node* node, std::span<const std::int32_t> tokens,

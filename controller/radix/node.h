@@ -2,7 +2,8 @@
 // field says which room writes it:
 //   tree (tree.h)          key, id, parent, children, same_hash, identity, lock, hits,
 //                          last_access: the structure and what a match records;
-//   tiers (the coordinator, hi_radix_cache.cc, and the L3 paths, l3_paths.h)
+//   tiers (the tier policy, tier_policy.h, the L3 paths, l3_paths.h, and the coordinator's
+//   split, hi_radix_cache.cc)
 //                          device, host, write_op, load_op, backup_op, digests, stored_pages,
 //                          evict_after_write;
 //   eviction (eviction.h)  device_children, passed_over, indexed;

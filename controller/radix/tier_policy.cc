@@ -1,0 +1,295 @@
+#include "controller/radix/tier_policy.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace hicache::radix {
+
+namespace {
+
+template <typename T>
+void append(std::vector<T>& to, const std::vector<T>& from) {
+  to.insert(to.end(), from.begin(), from.end());
+}
+
+}  // namespace
+
+TierPolicy::TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOps& pending,
+                       ArrivedAcks& arrived, Agreement& agreement, CostRule& cost,
+                       CacheEvents& events, HiCacheController& controller,
+                       DeviceKVPool& device_pool, HostKVPool& host_pool, Config config)
+    : cache_(cache),
+      index_(index),
+      controller_(controller),
+      events_(events),
+      device_pool_(device_pool),
+      pending_(pending),
+      policy_(controller.config().write_policy),
+      selective_(policy_ == WritePolicy::kWriteThroughSelective),
+      host_tier_(config.host_tier),
+      tree_(tree),
+      arrived_(arrived),
+      agreement_(agreement),
+      cost_(cost),
+      host_pool_(host_pool),
+      config_(config) {}
+
+void TierPolicy::write_selected(Node* node) {
+  if (node->host.empty() && !node->device.empty() && node->write_op == 0) {
+    write_node(node, kBackupWritePriority);
+  }
+}
+
+void TierPolicy::inserted(Node* leaf) {
+  if (policy_ == WritePolicy::kWriteThrough) write_node(leaf, kBackupWritePriority);
+}
+
+void TierPolicy::write_node(Node* node, std::int64_t priority) {
+  if (!host_tier_) return;  // device only: the node stays device-only
+  const auto tokens = static_cast<std::int64_t>(node->device.size());
+  // TP: the room is judged on what every rank has alike (host_room(), and the writes in flight,
+  // which the write queue holds at most), never on the pool's or the queue's own state, which
+  // the controller's threads change at times that differ between ranks.
+  const bool tp = agreement_.agreeing();
+  if (tp &&
+      (host_room() < tokens || pending_.writes.size() >= controller_.config().queue_capacity)) {
+    return;  // host full or queue full: the node stays device-only
+  }
+  auto host = controller_.reserve_write(tokens);
+  if (!host && !tp) return;  // host full or queue full: the node stays device-only
+  if (host && !controller_.write_reserved(node->device, *host, priority, node->id))
+    return;  // stopped
+  node->write_op = node->id;
+  cache_.lock(node);
+  pending_.writes[node->id] = PendingOps::Op{node, {node}};
+  if (host) {
+    node->host = std::move(*host);
+  } else {
+    // The room was there by the agreed count but not in this rank's pool: something else holds
+    // its pages (the caller broke the contract of host_room()). The write fails here, and the
+    // next check_events makes every rank drop it.
+    arrived_.writes[node->id] = ArrivedAcks::kFailed;
+  }
+  cache_.refresh(node);
+}
+
+std::optional<std::vector<std::int64_t>> TierPolicy::load_back(Node* node) {
+  std::vector<Node*> path;
+  for (Node* n = node; n != tree_.root(); n = n->parent) path.push_back(n);
+  std::reverse(path.begin(), path.end());
+  std::vector<Node*> missing;
+  std::vector<std::int64_t> host;
+  for (Node* n : path) {
+    if (!n->device.empty()) continue;
+    if (n->host.empty()) return std::nullopt;  // a gap: nothing to load it from
+    missing.push_back(n);
+    append(host, n->host);
+  }
+  if (!missing.empty()) {
+    if (static_cast<std::int64_t>(host.size()) < config_.load_back_min_tokens) return std::nullopt;
+    if (!load_back_pays(static_cast<std::int64_t>(host.size()))) return std::nullopt;
+    const NodeId op = tree_.next_id();
+    cache_.lock(node);  // the path stays while it loads (and eviction below cannot take it)
+    auto device = controller_.load(host, 0, op);
+    if (!device) {
+      evict_device(static_cast<std::int64_t>(host.size()));
+      device = controller_.load(host, 0, op);
+    }
+    if (!device) {
+      cache_.unlock(node);
+      return std::nullopt;
+    }
+    std::size_t at = 0;
+    for (Node* n : missing) {
+      n->device.assign(device->begin() + static_cast<std::ptrdiff_t>(at),
+                       device->begin() + static_cast<std::ptrdiff_t>(at + n->key().size()));
+      at += n->key().size();
+      n->load_op = op;
+      cache_.refresh(n);
+    }
+    pending_.loads[op] = PendingOps::Op{node, missing};
+    events_.loaded_back_tokens += host.size();
+  }
+  std::vector<std::int64_t> out;
+  for (Node* n : path) {
+    tree_.touch(n);
+    append(out, n->device);
+  }
+  return out;
+}
+
+bool TierPolicy::load_back_pays(std::int64_t tokens) {
+  if (!cost_.on()) return true;
+  const bool pays =
+      cost_.moving_pays(CostRule::Move::kLoad, tokens, agreement_.load_bps(local_load_bps()));
+  if (!pays) {
+    ++events_.load_backs_refused_by_cost;
+    events_.miss_load_refused_tokens += tokens;
+  }
+  return pays;
+}
+
+std::int64_t TierPolicy::local_load_bps() const {
+  const ControllerStats cs = controller_.stats();
+  return CostRule::rate(static_cast<double>(cs.bytes_loaded), cs.load_seconds);
+}
+
+void TierPolicy::drop_device(Node* node) {
+  const auto n = static_cast<std::int64_t>(node->device.size());
+  if (!node->host.empty()) {
+    controller_.evict_device(node->device, node->host);
+  } else {
+    device_pool_.allocator().free(node->device);
+    events_.dropped_device_tokens += n;
+  }
+  node->device.clear();
+  cache_.refresh(node);
+  events_.evicted_device_tokens += n;
+}
+
+std::int64_t TierPolicy::evict_device(std::int64_t tokens) {
+  // The index holds the candidates in eviction order: unlocked, no op in flight, no child on
+  // the device. A node without a host copy is dropped when nothing hangs below it; otherwise
+  // (and always under write-back) it is written first and freed on the ack. Under the
+  // write-through policies such a node is one whose write found the host pool full: without
+  // this the device could fill up with inner nodes that nothing ever frees.
+  std::int64_t freed = 0, scheduled = 0;  // scheduled: write-back evictions freed on the ack
+  std::vector<Node*> passed_over;         // host full and a subtree below: kept this call
+  const bool timed = cache_.timed();      // metrics off: no clock read on this path
+  const auto started =
+      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  while (freed + scheduled < tokens) {
+    Node* n = index_.next_victim(Tier::kDevice);
+    if (n == nullptr) break;
+    if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
+      write_node(n, kEvictionWritePriority);
+      if (n->write_op == 0 && !n->children.empty() && host_tier_) {
+        // The host is full (on some rank): host-only leaves make room for its copy (without
+        // it a device of such inner nodes could never be freed, nothing in flight to wait on).
+        evict_host(static_cast<std::int64_t>(n->device.size()));
+        write_node(n, kEvictionWritePriority);
+      }
+      if (n->write_op != 0) {  // out of the index while it writes
+        n->evict_after_write = true;
+        scheduled += static_cast<std::int64_t>(n->device.size());
+        continue;
+      }
+      if (!n->children.empty()) {
+        n->passed_over = true;
+        cache_.refresh(n);
+        passed_over.push_back(n);
+        continue;
+      }
+    }
+    freed += static_cast<std::int64_t>(n->device.size());
+    drop_device(n);                              // its parent may become a candidate
+    if (n->host.empty()) cache_.remove_leaf(n);  // no KV anywhere: the node goes
+  }
+  for (Node* n : passed_over) {
+    n->passed_over = false;
+    cache_.refresh(n);
+  }
+  if (timed && freed + scheduled > 0) {
+    events_.device_eviction_seconds.observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  }
+  return freed;
+}
+
+std::int64_t TierPolicy::evict_host_to_free(std::int64_t target) {
+  const std::int64_t need = target - host_room();
+  return need > 0 ? evict_host(need) : 0;
+}
+
+std::int64_t TierPolicy::evict_host(std::int64_t tokens) {
+  // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
+  // goes may leave its parent such a leaf.
+  std::int64_t freed = 0;
+  while (freed < tokens) {
+    Node* n = index_.next_victim(Tier::kHost);
+    if (n == nullptr) break;
+    controller_.evict_host(n->host);
+    freed += static_cast<std::int64_t>(n->host.size());
+    cache_.remove_leaf(n);
+  }
+  events_.evicted_host_tokens += freed;
+  return freed;
+}
+
+std::int64_t TierPolicy::host_room() const {
+  if (!agreement_.agreeing()) return host_pool_.free_tokens();
+  return host_pool_.capacity_tokens() - index_.totals().host_tokens -
+         cache_.prefetch_reserved_tokens();
+}
+
+void TierPolicy::demote() {
+  if (config_.demote_low_watermark <= 0) return;
+  const double capacity = static_cast<double>(device_pool_.allocator().capacity_tokens());
+  const auto free_tokens = static_cast<double>(device_pool_.allocator().free_tokens());
+  if (free_tokens >= config_.demote_low_watermark * capacity) return;
+  // Tokens already on their way out: write-backs that free their device copy on the ack.
+  std::int64_t leaving = 0;
+  for (const auto& [id, op] : pending_.writes) {
+    for (const Node* n : op.nodes) {
+      if (n->evict_after_write) leaving += static_cast<std::int64_t>(n->device.size());
+    }
+  }
+  const auto target =
+      static_cast<std::int64_t>(config_.demote_high_watermark * capacity - free_tokens) - leaving;
+  if (target <= 0) return;
+  ++events_.demotions;
+  evict_device(target);  // frees synced copies now, writes the others and frees them on the ack
+}
+
+void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
+  const bool ok = agreed == ArrivedAcks::kOk, local_ok = local == ArrivedAcks::kOk;
+  auto taken = PendingOps::take(pending_.writes, id);
+  if (!taken) return;
+  PendingOps::Op& op = *taken;
+  for (Node* n : op.nodes) {
+    n->write_op = 0;
+    if (!ok) {
+      // The controller freed the host pages of a failed write; where the write worked here but
+      // failed on another rank, this rank drops its copy too, so the trees stay identical.
+      if (local_ok) host_pool_.discard(n->host);
+      n->host.clear();
+      n->evict_after_write = false;
+    }
+    cache_.refresh(n);
+  }
+  if (!ok) ++events_.write_failures;
+  cache_.unlock(op.holder);
+  for (Node* n : op.nodes) {
+    if (n->evict_after_write) {
+      n->evict_after_write = false;
+      if (n->lock == 0 && n->load_op == 0) drop_device(n);
+    }
+    if (ok) cache_.host_copy_synced(n);
+  }
+}
+
+void TierPolicy::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local) {
+  const bool ok = agreed == ArrivedAcks::kOk, local_ok = local == ArrivedAcks::kOk;
+  auto taken = PendingOps::take(pending_.loads, id);
+  if (!taken) return;
+  PendingOps::Op& op = *taken;
+  for (Node* n : op.nodes) {
+    n->load_op = 0;
+    if (!ok) {
+      events_.miss_load_failed_tokens += n->device.size();
+      // The device slots are not to be used; the host copy is intact. Where the load worked
+      // here, its host pages went to synced: back to backup with the device copy freed.
+      if (local_ok) {
+        controller_.evict_device(n->device, n->host);
+      } else {
+        device_pool_.allocator().free(n->device);
+      }
+      n->device.clear();
+    }
+    cache_.refresh(n);
+  }
+  if (!ok) ++events_.load_failures;
+  cache_.unlock(op.holder);
+}
+
+}  // namespace hicache::radix

@@ -1,0 +1,150 @@
+// radix::TierPolicy: HiRadixCache's tier policy, the decisions that move a node's KV between the
+// device (L1) and the host (L2) and their bookkeeping on the node:
+//   - writes to the host: write_through on insert, write_through_selective once a match brings
+//     a node's hits to the threshold, write_back only when the node is evicted from the device
+//     (the device copy is freed on the write's ack); an eviction's write goes before backups;
+//   - load back of a host-resident path to the device, refused below load_back_min_tokens or
+//     when the cost rule (agreement.h, CostRule) says recomputing is cheaper;
+//   - device and host eviction in the eviction index's order, and demotion between the
+//     watermarks at each step;
+//   - the application of a write's or a load's ack (the agreed and this rank's outcome).
+// It moves KV through the HiCacheController and the pools; the tree's locks, the refresh that
+// keeps the eviction index and the KV events current, a leaf's removal and the L3 backup of a
+// synced copy it asks of the cache it serves (TierPolicy::Cache, HiRadixCache).
+//
+// TP: every call happens at the same step on every rank; a write's room is judged on state that
+// only agreed events change (host_room(), the writes in flight), never on the pool's or the
+// queue's own state (docs/design-notes.md, "Tensor parallelism and collectives").
+//
+// Not thread-safe: the engine's main loop owns it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "controller/hicache_controller.h"
+#include "controller/radix/agreement.h"
+#include "controller/radix/events.h"
+#include "controller/radix/eviction.h"
+#include "controller/radix/node.h"
+#include "controller/radix/tree.h"
+#include "pools/device_kv_pool.h"
+#include "pools/host_kv_pool.h"
+
+namespace hicache::radix {
+
+class alignas(64) TierPolicy {
+ public:
+  // What the tier policy asks of the cache it serves.
+  class Cache {
+   public:
+    // Lock counts on `node` and its ancestors (HiRadixCache::lock / unlock).
+    virtual void lock(Node* node) = 0;
+    virtual void unlock(Node* node) = 0;
+    // After every change to a node's tiers, lock or ops in flight (the eviction index, the KV
+    // events).
+    virtual void refresh(Node* node) = 0;
+    // Takes a leaf without KV out of the tree, remembering its pages as evicted.
+    virtual void remove_leaf(Node* node) = 0;
+    // A write's agreed ack made `node`'s host copy synced: the L3 paths may back it up.
+    virtual void host_copy_synced(Node* node) = 0;
+    // Host tokens that prefetches in flight hold (they count against host_room()).
+    virtual std::int64_t prefetch_reserved_tokens() const = 0;
+    // Metrics are registered: evict_device times its calls (no clock read otherwise).
+    virtual bool timed() const = 0;
+
+   protected:
+    ~Cache() = default;
+  };
+
+  struct Config {
+    // false: device only, nothing is written to the host (evicted pages are gone).
+    bool host_tier = true;
+    std::int32_t write_through_threshold = 2;  // hits before a selective write; >= 1
+    std::int64_t load_back_min_tokens = 0;     // smaller host hits are refused (recomputed)
+    double demote_low_watermark = 0;           // fractions of the device pool; low 0: off
+    double demote_high_watermark = 0;
+  };
+
+  // Write priorities (lower first in the controller's write queue, FIFO among equals): a write
+  // that frees device memory on its ack (write-back eviction and demotion, the copy of an
+  // evicted inner node) goes before backups (write-through and selective writes), which only
+  // add a host copy: a scheduler waiting for device room waits on the first kind.
+  static constexpr std::int64_t kEvictionWritePriority = 0, kBackupWritePriority = 1;
+
+  // Everything referred to outlives this object. The write policy is the controller's.
+  TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOps& pending,
+             ArrivedAcks& arrived, Agreement& agreement, CostRule& cost, CacheEvents& events,
+             HiCacheController& controller, DeviceKVPool& device_pool, HostKVPool& host_pool,
+             Config config);
+
+  // write_through_selective: a match that brought `node`'s hits to the threshold makes it due
+  // for a write (write_selected). Inline: match_prefix asks it of every node it passes.
+  bool selective_write_due(const Node& node) const {
+    return selective_ && node.hits >= config_.write_through_threshold;
+  }
+  // Writes a device-only node with no write in flight to the host (at backup priority);
+  // nothing for any other node, or when the host or the write queue is full.
+  void write_selected(Node* node);
+  // A leaf insert() added with device KV: write_through writes it to the host at once.
+  void inserted(Node* leaf);
+
+  // HiRadixCache::load_back: the device slots of the whole prefix up to `node`, after one
+  // controller load of its host-resident part (those nodes stay locked until the load's ack);
+  // nothing when refused (a node on neither tier, fewer host tokens than load_back_min_tokens,
+  // recomputing cheaper by the cost rule, or the device short even after evicting).
+  std::optional<std::vector<std::int64_t>> load_back(Node* node);
+  // The cost rule for a load back of `tokens` (true when the rule is off); a refusal is counted.
+  bool load_back_pays(std::int64_t tokens);
+
+  // HiRadixCache::evict_device: frees up to `tokens` device tokens in the index's order;
+  // returns how many were freed now (write-back writes, freed on their ack, count towards
+  // `tokens` but not in the result). Fewer when the candidates run out.
+  std::int64_t evict_device(std::int64_t tokens);
+  // HiRadixCache::evict_host: frees host-only leaves (they leave the tree); returns the tokens.
+  std::int64_t evict_host(std::int64_t tokens);
+  // evict_host until host_room() reaches `target` (as far as host-only leaves allow).
+  std::int64_t evict_host_to_free(std::int64_t target);
+  // HiRadixCache::host_room: the pool's free count (one rank), or under TP its capacity less the
+  // tree's host tokens and the prefetches' reservations (the same count on every rank).
+  std::int64_t host_room() const;
+  // When less than the low watermark of the device is free, evicts towards the high one (what
+  // write-backs in flight will free counts as freed). Once per step.
+  void demote();
+
+  // A write's or a load's ack, with the agreed (worst over the ranks) and this rank's values
+  // as encoded in ArrivedAcks. Nothing for an op that is not pending.
+  void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
+  void apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local);
+
+  // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
+  std::int64_t local_load_bps() const;
+
+ private:
+  // Writes a device-only node to the host at `priority`; nothing when the host or the queue is
+  // full (the node stays device-only), or with no host tier.
+  void write_node(Node* node, std::int64_t priority);
+  // Frees `node`'s device copy (its host copy, if any, goes from synced to backup).
+  void drop_device(Node* node);
+
+  // What insert, eviction and the acks read first, in one cache line: the scheduler's calls come
+  // between the other work of a step, which evicts the caches.
+  Cache& cache_;
+  EvictionIndex& index_;
+  HiCacheController& controller_;
+  CacheEvents& events_;
+  DeviceKVPool& device_pool_;
+  PendingOps& pending_;
+  WritePolicy policy_;
+  bool selective_;  // policy_ is write_through_selective
+  bool host_tier_;  // config_.host_tier
+  Tree& tree_;
+  ArrivedAcks& arrived_;
+  Agreement& agreement_;
+  CostRule& cost_;
+  HostKVPool& host_pool_;
+  Config config_;
+};
+
+}  // namespace hicache::radix
