@@ -255,6 +255,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     if (common < child->key().size()) break;
   }
   for (Node* n : to_write) tiers_->write_selected(n);
+  l3_->touch_path(node);  // the L3 pages of what was served here stay younger than tails
   events_.matched_device_tokens += r.device_slots.size();
   events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
   events_.unmatched_tokens +=

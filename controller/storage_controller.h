@@ -209,6 +209,8 @@ class StorageController {
   // (hicache_storage_touch_keys_total{result="dropped"}). Throws InvalidArgument for a bad key.
   void touch(std::vector<std::string> keys);
   static constexpr std::size_t kMaxPendingTouchKeys = std::size_t{1} << 16;
+  // Keys touch() passed to the store so far.
+  std::int64_t touched_keys() const { return static_cast<std::int64_t>(touched_keys_.value()); }
 
   // Moves finished backups' acks into `out` (appends); never blocks.
   std::size_t drain_backup_acks(std::vector<BackupAck>& out);

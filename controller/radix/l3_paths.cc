@@ -105,7 +105,33 @@ void L3Paths::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*lo
     pages = std::max<std::int64_t>(0, pages - own);
     cache_.refresh(n);
   }
+  if (completed_tokens > 0) {
+    touched_.clear();  // new records, younger than every touch so far
+    touch_path(taken->holder);
+  }
   cache_.unlock(taken->holder);
+}
+
+void L3Paths::touch_path(Node* node) {
+  if (storage_ == nullptr || node == nullptr || node->parent == nullptr ||
+      !touched_.insert(node->id).second) {
+    return;
+  }
+  std::vector<Node*> path;
+  for (Node* n = node; n->parent != nullptr; n = n->parent) path.push_back(n);
+  const auto page = static_cast<std::int64_t>(tree_.page_size());
+  std::vector<std::string> keys;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const Node* n = *it;
+    const std::int64_t stored = std::min<std::int64_t>(n->stored_pages,
+                                                       static_cast<std::int64_t>(n->digests.size()));
+    for (std::int64_t i = 0; i < stored; ++i) {
+      keys.push_back(keyer_->key(n->digests[static_cast<std::size_t>(i)]));
+    }
+    // A page past the stored prefix is unreachable in L3 beyond it: the chain ends here.
+    if (stored * page < static_cast<std::int64_t>(n->key().size())) break;
+  }
+  if (!keys.empty()) storage_->touch(std::move(keys));
 }
 
 std::int64_t L3Paths::local_prefetch_bps() const {
@@ -304,6 +330,7 @@ std::optional<std::chrono::steady_clock::time_point> L3Paths::next_deadline(
 
 void L3Paths::detach() {
   if (storage_ == nullptr) return;
+  touched_.clear();
   if (agreement_.agreeing()) {
     storage_->stop_when_idle();
   } else {

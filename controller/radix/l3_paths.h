@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "controller/radix/agreement.h"
@@ -103,6 +104,13 @@ class L3Paths {
   // in request-id order, with the pages it completed here.
   void finish_arrived_prefetches();
 
+  // Recency for L3 (StorageController::touch): the pages L3 holds of the path from the root to
+  // `node`, in prefix order (a chain's head youngest), so that a full store evicts tails before
+  // heads. For a match's deepest node (hits served from the device or host refresh what they
+  // cover) and after a backup's ack (the older head made younger than the new tail). A node is
+  // touched once until L3 gets new records (a later ack). Nothing without L3.
+  void touch_path(Node* node);
+
   // Moves the backup acks and revoked prefetches that arrived into `arrived`.
   void drain_acks();
   // The earliest timeout among the pending prefetches (the timeout policy), or `until`.
@@ -136,6 +144,8 @@ class L3Paths {
   std::unique_ptr<PageKeyer> digest_keyer_;
   std::int64_t reserved_tokens_ = 0;    // host tokens held by prefetches in flight
   std::vector<BackupAck> backup_acks_;  // reused
+  // touch_path(): nodes whose path was touched since L3 last got new records.
+  std::unordered_set<NodeId> touched_;
   std::vector<std::string> revoked_;    // reused
 };
 

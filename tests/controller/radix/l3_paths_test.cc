@@ -10,10 +10,12 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "controller/radix/eviction.h"
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
+#include "storage/record.h"
 #include "tests/controller/radix/fake_locks.h"
 #include "tests/controller/radix/test_pages.h"
 #include "transfer/host_device.h"
@@ -83,7 +85,11 @@ struct Store {
       std::filesystem::temp_directory_path() /
       str_cat("hicache-l3paths-", ::getpid(), "-",
               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  FileStorage file{FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string())}};
+  std::uint64_t capacity_bytes = 0;
+  FileStorage file{FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string()),
+                                     .capacity_bytes = capacity_bytes}};
+  Store() = default;
+  explicit Store(std::uint64_t capacity) : capacity_bytes(capacity) {}
   ~Store() { std::filesystem::remove_all(root); }
 };
 
@@ -299,6 +305,56 @@ TEST(L3Paths, DetachReleasesWhatItHeldAndForgetsL3) {
   EXPECT_EQ(rig.index.check(rig.tree), "");
   rig.paths.backup_node(stored);  // detached: nothing
   EXPECT_EQ(stored->backup_op, 0);
+}
+
+}  // namespace
+}  // namespace hicache::radix
+
+namespace hicache::radix {
+namespace {
+
+// touch_path: a backup's ack touches the path from the root, so the parent's pages (the chain's
+// head) end younger than the child's new page, and a full store evicts another chain's tail,
+// not the head it would strand the child behind (plain write order would evict the parent's
+// first page first).
+TEST(L3Paths, AnAckTouchesThePathSoAFullStoreKeepsTheChainsHead) {
+  std::vector<std::string> one;
+  PageKeyer(key_ns()).keys(pages_from(1, 1), nullptr, one);
+  const std::uint64_t record =
+      record_head_bytes(one[0]) + static_cast<std::uint64_t>(geometry().token_bytes()) * kPage;
+  Store store(4 * record + record / 2);  // room for four records, not five
+  Rig rig(store);
+  auto backup = [&](Node* n) {
+    rig.paths.backup_node(n);
+    ASSERT_NE(n->backup_op, 0);
+    ASSERT_TRUE(rig.wait([&] { return !rig.arrived.backups.empty(); }));
+    rig.apply_backups();
+    ASSERT_EQ(n->backup_op, 0);
+  };
+  auto keys_of = [](Node* n) {
+    std::vector<std::string> keys;
+    for (const PageDigest& d : n->digests) keys.push_back(PageKeyer(key_ns()).key(d));
+    return keys;
+  };
+  Node* p = rig.host_leaf(rig.tree.root(), 1, 2);
+  backup(p);
+  Node* q = rig.host_leaf(rig.tree.root(), 100, 1);
+  backup(q);
+  Node* c = rig.host_leaf(p, 1 + 2 * kPage, 1);
+  backup(c);
+  // The touch thread runs the ack's touch after the write: wait until the store holds p's head
+  // younger than c (a fifth record then evicts q, the oldest).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (rig.storage.touched_keys() < 2 + 1 + 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  ASSERT_EQ(rig.storage.touched_keys(), 2 + 1 + 3);
+  Node* r = rig.host_leaf(rig.tree.root(), 200, 1);
+  backup(r);
+  EXPECT_EQ(store.file.batch_exists(keys_of(p)), 2u);
+  EXPECT_EQ(store.file.batch_exists(keys_of(c)), 1u);
+  EXPECT_EQ(store.file.batch_exists(keys_of(q)), 0u) << "the other chain's record goes";
+  EXPECT_EQ(store.file.stats().evictions, 1u);
 }
 
 }  // namespace
