@@ -43,6 +43,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -52,6 +53,7 @@
 #include "controller/config_schema.h"
 #include "storage/redis_cluster.h"
 #include "tools/workload/cache_flags.h"
+#include "tools/workload/config_file.h"
 #include "tools/workload/engine_stack.h"
 #include "tools/workload/model_presets.h"
 #include "tools/workload/report.h"
@@ -115,7 +117,7 @@ const wl::ToolDefaults& main_job() {
   return kMainJob;
 }
 
-enum class Kind { kInt, kDouble, kString, kBool };
+using Kind = wl::ValueKind;
 
 struct Option {
   const char* name;  // flag without "--", '-' separated; the JSON key has '_'
@@ -278,81 +280,20 @@ void set_cache_key(Settings& s, std::string_view key, const json& value) {
   hicache::workload::set_cache_key(s.cache, key, value);
 }
 
-// A key a HiCacheConfig JSON takes at its top level (SGLang's names included).
-bool is_cache_json_key(std::string_view key) {
-  if (key == "model" || key == "kv_events") return true;
-  for (const auto& k : hicache::config_keys()) {
-    if (k.key == key && key.find('.') == std::string_view::npos) return true;
-  }
-  for (const auto& a : hicache::config_aliases()) {
-    if (a.alias == key) return true;
-  }
-  return false;
-}
-
+// --config FILE: the options above by name, the cache's keys into s.cache.
 void apply_json_file(Settings& s, const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw InvalidArgument(str_cat("--config: cannot read '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const std::exception& e) {
-    throw InvalidArgument(str_cat("--config '", path, "': not JSON: ", e.what()));
-  }
-  if (!j.is_object()) throw InvalidArgument(str_cat("--config '", path, "': not a JSON object"));
-  for (const auto& [key, value] : j.items()) {
-    if (key == "model") {  // the cache's model object, or a preset's name
-      if (value.is_object()) {
-        for (const auto& [inner, v] : value.items()) s.cache["model"][inner] = v;
-      } else if (value.is_string()) {
-        s.model = value.get<std::string>();
-      } else {
-        throw InvalidArgument(str_cat("--config '", path, "': key 'model' is ", value.dump(),
-                                      ", it must be a preset's name or a model object"));
-      }
-      continue;
-    }
+  wl::apply_config_file(path, s.cache, s.model, [&s](std::string_view key) -> std::optional<wl::ToolKey> {
     const Option* o = find_option(key);
-    if (o == nullptr && key.find('-') == std::string::npos) {
-      // The cache's keys: checked by HiCacheConfig when the stack is built.
-      if (is_cache_json_key(key)) {
-        s.cache[key] = value;
-        continue;
-      }
-      if (const auto* k = hicache::find_config_flag(flag_name(key.c_str()))) {  // "layers"
-        set_cache_key(s, k->key, value);
-        continue;
-      }
-    }
-    if (o == nullptr || key.find('-') != std::string::npos) {
-      const std::string near = hicache::nearest_config_key(key);
-      throw InvalidArgument(str_cat("--config '", path, "': unknown key '", key, "'",
-                                    near.empty() ? "" : str_cat("; did you mean '", near, "'?")));
-    }
-    const bool fits = (o->kind == Kind::kString && value.is_string()) ||
-                      (o->kind == Kind::kBool && value.is_boolean()) ||
-                      (o->kind == Kind::kInt && value.is_number_integer()) ||
-                      (o->kind == Kind::kDouble && value.is_number());
-    if (!fits) {
-      static const char* kWant[] = {"an integer", "a number", "a string", "true or false"};
-      throw InvalidArgument(str_cat("--config '", path, "': key '", key, "' is ", value.dump(),
-                                    ", it must be ", kWant[static_cast<int>(o->kind)]));
-    }
-    o->set(s, value.is_string() ? value.get<std::string>() : value.dump());
-  }
+    if (o == nullptr) return std::nullopt;
+    return wl::ToolKey{o->kind, [&s, o](const std::string& text) { o->set(s, text); }};
+  });
 }
 
 Settings parse(int argc, char** argv) {
   Settings s;
   try {
-    for (int i = 1; i < argc; ++i) {  // the file first: flags override it
-      if (std::string_view(argv[i]) == "--config") {
-        if (i + 1 >= argc) throw InvalidArgument("--config: missing file");
-        apply_json_file(s, argv[i + 1]);
-      }
-    }
+    // The files first: flags override them.
+    for (const std::string& path : wl::config_file_arguments(argc, argv)) apply_json_file(s, path);
     for (int i = 1; i < argc; ++i) {
       std::string_view flag = argv[i];
       if (flag == "--help" || flag == "-h") {

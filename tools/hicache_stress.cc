@@ -33,6 +33,16 @@
 // host pool, so host_exhaust (another tenant taking host pages on one rank) is left out; Redis is
 // file-only for now under --tp.
 //
+// --instances N runs N engine processes (each with --tp ranks) over the one file store, as
+// several engines share a directory: each has its own pools and draws its own requests from the
+// same prefix families, so they read each other's pages. Each verifies every page it serves;
+// each counts the pages it read from L3 that it never stored (cross_instance_l3_pages: another
+// instance's). Instance 0's rank 0 alone corrupts, truncates and fills the shared disk; the other
+// faults are each process's own.
+//
+// --config FILE takes the settings as one JSON object (the flags' names with '_', the cache's
+// keys, "model" a preset's name or a model object), as hicache-bench's does; flags override it.
+//
 // The Redis run uses a cluster of 3 masters with a replica each (cluster-node-timeout 1 s).
 //
 // Every page the engine reads from any tier is verified byte for byte against the data its
@@ -54,11 +64,13 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -68,6 +80,7 @@
 #include "tools/stress/fault_storage.h"
 #include "tools/support/redis_launcher.h"
 #include "tools/workload/cache_flags.h"
+#include "tools/workload/config_file.h"
 #include "tools/workload/engine_stack.h"
 #include "tools/workload/model_presets.h"
 #include "transfer/errors.h"
@@ -107,6 +120,7 @@ struct Settings {
          reset_every_s = 6, l3_detach_every_s = 8, l3_detach_window_s = 1;
   std::int64_t tmpfs_mb = 64;
   int tp = 1;
+  int instances = 1;  // engine processes over the one store
   double rank_delay_rate = 0.05;
   int rank_delay_ms = 20;
   std::string report;
@@ -134,11 +148,16 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --host-exhaust-every-s S (4)                            --host-exhaust-window-s S (0.5)
   --reset-every-s S       (6)
   --tp N                  TP ranks, each a process over Gloo (1)
+  --instances N           engine processes over the one file store (each with its own pools
+                          and requests, --tp ranks each); they read each other's pages (1)
   --rank-delay-rate P     per step of the last rank (0.05)  --rank-delay-ms N   (20)
   --tmpfs-mb N            size of the file store's tmpfs (64)
   --model NAME            a model preset for the cache's model keys (the model flags override it)
   --report FILE           also write the table as JSON
   --no-progress           no progress lines on stderr
+  --config FILE           a JSON object of these settings (the names with '_': "seconds",
+                          "faults", "tp", ...) and the cache's keys ("model": a preset's name or
+                          a model object, as in hicache-bench); the flags override it
 Exit code: 0 pass (no wrong byte served, no slot leaked, L3 alive), 1 fail, 2 bad flags.
 Cache settings: the library's (docs/configuration.md), over the scenario's below; on CUDA
 (--device cuda) pages are verified through copies.
@@ -187,27 +206,126 @@ double number(const std::string& flag, const char* v, double min) {
   return x;
 }
 
+// The tool's own settings by JSON key (the flag's name with '_'), for --config.
+const std::map<std::string, hicache::workload::ValueKind>& tool_keys() {
+  using K = hicache::workload::ValueKind;
+  static const std::map<std::string, K> kKeys = {
+      {"seconds", K::kDouble},           {"steps", K::kInt},
+      {"seed", K::kInt},                 {"storage", K::kString},
+      {"faults", K::kString},            {"error_rate", K::kDouble},
+      {"exists_error_rate", K::kDouble}, {"slow_rate", K::kDouble},
+      {"slow_ms", K::kInt},              {"timeout_rate", K::kDouble},
+      {"timeout_ms", K::kInt},           {"corrupt_every_s", K::kDouble},
+      {"truncate_every_s", K::kDouble},  {"disk_full_every_s", K::kDouble},
+      {"disk_full_window_s", K::kDouble}, {"redis_restart_every_s", K::kDouble},
+      {"redis_failover_every_s", K::kDouble}, {"redis_failover_window_s", K::kDouble},
+      {"l3_detach_every_s", K::kDouble}, {"l3_detach_window_s", K::kDouble},
+      {"host_exhaust_every_s", K::kDouble}, {"host_exhaust_window_s", K::kDouble},
+      {"reset_every_s", K::kDouble},     {"tp", K::kInt},
+      {"instances", K::kInt},            {"rank_delay_rate", K::kDouble},
+      {"rank_delay_ms", K::kInt},        {"tmpfs_mb", K::kInt},
+      {"report", K::kString},            {"progress", K::kBool}};
+  return kKeys;
+}
+
+std::map<std::string, double*> double_flags(Settings& s) {
+  return {{"--seconds", &s.seconds},
+          {"--error-rate", &s.error_rate},
+          {"--exists-error-rate", &s.exists_error_rate},
+          {"--slow-rate", &s.slow_rate},
+          {"--timeout-rate", &s.timeout_rate},
+          {"--corrupt-every-s", &s.corrupt_every_s},
+          {"--truncate-every-s", &s.truncate_every_s},
+          {"--disk-full-every-s", &s.disk_full_every_s},
+          {"--disk-full-window-s", &s.disk_full_window_s},
+          {"--redis-restart-every-s", &s.redis_restart_every_s},
+          {"--redis-failover-every-s", &s.redis_failover_every_s},
+          {"--redis-failover-window-s", &s.redis_failover_window_s},
+          {"--l3-detach-every-s", &s.l3_detach_every_s},
+          {"--l3-detach-window-s", &s.l3_detach_window_s},
+          {"--host-exhaust-every-s", &s.host_exhaust_every_s},
+          {"--host-exhaust-window-s", &s.host_exhaust_window_s},
+          {"--reset-every-s", &s.reset_every_s},
+          {"--rank-delay-rate", &s.rank_delay_rate}};
+}
+
+// One of the tool's own flags with its value (from the command line or --config); false when
+// `flag` is not one of them.
+bool set_tool_flag(Settings& s, const std::string& flag, const char* v) {
+  auto doubles = double_flags(s);
+  if (auto it = doubles.find(flag); it != doubles.end()) {
+    *it->second = number(flag, v, 0);
+  } else if (flag == "--steps") {
+    s.steps = static_cast<std::int64_t>(number(flag, v, 0));
+  } else if (flag == "--seed") {
+    s.seed = static_cast<std::uint64_t>(number(flag, v, 0));
+  } else if (flag == "--slow-ms") {
+    s.slow_ms = static_cast<int>(number(flag, v, 0));
+  } else if (flag == "--timeout-ms") {
+    s.timeout_ms = static_cast<int>(number(flag, v, 0));
+  } else if (flag == "--rank-delay-ms") {
+    s.rank_delay_ms = static_cast<int>(number(flag, v, 0));
+  } else if (flag == "--tp") {
+    s.tp = static_cast<int>(number(flag, v, 1));
+  } else if (flag == "--instances") {
+    s.instances = static_cast<int>(number(flag, v, 1));
+  } else if (flag == "--tmpfs-mb") {
+    s.tmpfs_mb = static_cast<std::int64_t>(number(flag, v, 8));
+  } else if (flag == "--report") {
+    s.report = v;
+  } else if (flag == "--model") {
+    s.model = v;
+  } else if (flag == "--progress") {  // --config's "progress": true | false
+    s.progress = std::string_view(v) == "true";
+  } else if (flag == "--storage") {
+    s.storage = v;
+    if (s.storage != "file" && s.storage != "redis") {
+      usage_error(str_cat("--storage: '", v, "': valid are file, redis"));
+    }
+  } else if (flag == "--faults") {
+    s.faults.clear();
+    const std::string list = v;
+    if (list == "all") {
+      s.faults.insert(kFaults.begin(), kFaults.end());
+    } else if (list != "none") {
+      std::stringstream in(list);
+      for (std::string f; std::getline(in, f, ',');) {
+        if (std::find(kFaults.begin(), kFaults.end(), f) == kFaults.end()) {
+          usage_error(str_cat("--faults: unknown fault '", f, "'"));
+        }
+        s.faults.insert(f);
+      }
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// --config FILE: the tool's keys as their flags, the cache's into s.cache.
+void apply_config_file(Settings& s, const std::string& path) {
+  hicache::workload::apply_config_file(
+      path, s.cache, s.model,
+      [&s](std::string_view key) -> std::optional<hicache::workload::ToolKey> {
+        const auto it = tool_keys().find(std::string(key));
+        if (it == tool_keys().end()) return std::nullopt;
+        std::string flag = str_cat("--", key);
+        for (char& c : flag) c = c == '_' ? '-' : c;
+        return hicache::workload::ToolKey{
+            it->second, [&s, flag](const std::string& text) { set_tool_flag(s, flag, text.c_str()); }};
+      });
+}
+
 Settings parse(int argc, char** argv) {
   Settings s;
-  std::map<std::string, double*> doubles = {
-      {"--seconds", &s.seconds},
-      {"--error-rate", &s.error_rate},
-      {"--exists-error-rate", &s.exists_error_rate},
-      {"--slow-rate", &s.slow_rate},
-      {"--timeout-rate", &s.timeout_rate},
-      {"--corrupt-every-s", &s.corrupt_every_s},
-      {"--truncate-every-s", &s.truncate_every_s},
-      {"--disk-full-every-s", &s.disk_full_every_s},
-      {"--disk-full-window-s", &s.disk_full_window_s},
-      {"--redis-restart-every-s", &s.redis_restart_every_s},
-      {"--redis-failover-every-s", &s.redis_failover_every_s},
-      {"--redis-failover-window-s", &s.redis_failover_window_s},
-      {"--l3-detach-every-s", &s.l3_detach_every_s},
-      {"--l3-detach-window-s", &s.l3_detach_window_s},
-      {"--host-exhaust-every-s", &s.host_exhaust_every_s},
-      {"--host-exhaust-window-s", &s.host_exhaust_window_s},
-      {"--reset-every-s", &s.reset_every_s},
-      {"--rank-delay-rate", &s.rank_delay_rate}};
+  try {
+    // The files first: flags override them.
+    for (const std::string& path : hicache::workload::config_file_arguments(argc, argv)) {
+      apply_config_file(s, path);
+    }
+  } catch (const InvalidArgument& e) {
+    usage_error(e.what());
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -220,6 +338,7 @@ Settings parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
     const char* v = argv[++i];
+    if (flag == "--config") continue;  // applied above
     // The cache's flags, but --storage, which is this tool's (it starts its own store).
     if (const auto* k = hicache::find_config_flag(flag.substr(2));
         k != nullptr && flag != "--storage") {
@@ -231,53 +350,19 @@ Settings parse(int argc, char** argv) {
       }
       continue;
     }
-    if (auto it = doubles.find(flag); it != doubles.end()) {
-      *it->second = number(flag, v, 0);
-    } else if (flag == "--steps") {
-      s.steps = static_cast<std::int64_t>(number(flag, v, 0));
-    } else if (flag == "--seed") {
-      s.seed = static_cast<std::uint64_t>(number(flag, v, 0));
-    } else if (flag == "--slow-ms") {
-      s.slow_ms = static_cast<int>(number(flag, v, 0));
-    } else if (flag == "--timeout-ms") {
-      s.timeout_ms = static_cast<int>(number(flag, v, 0));
-    } else if (flag == "--rank-delay-ms") {
-      s.rank_delay_ms = static_cast<int>(number(flag, v, 0));
-    } else if (flag == "--tp") {
-      s.tp = static_cast<int>(number(flag, v, 1));
-    } else if (flag == "--tmpfs-mb") {
-      s.tmpfs_mb = static_cast<std::int64_t>(number(flag, v, 8));
-    } else if (flag == "--report") {
-      s.report = v;
-    } else if (flag == "--model") {
-      s.model = v;
-    } else if (flag == "--storage") {
-      s.storage = v;
-      if (s.storage != "file" && s.storage != "redis") {
-        usage_error(str_cat("--storage: '", v, "': valid are file, redis"));
-      }
-    } else if (flag == "--faults") {
-      s.faults.clear();
-      const std::string list = v;
-      if (list == "all") {
-        s.faults.insert(kFaults.begin(), kFaults.end());
-      } else if (list != "none") {
-        std::stringstream in(list);
-        for (std::string f; std::getline(in, f, ',');) {
-          if (std::find(kFaults.begin(), kFaults.end(), f) == kFaults.end()) {
-            usage_error(str_cat("--faults: unknown fault '", f, "'"));
-          }
-          s.faults.insert(f);
-        }
-      }
-    } else {
+    if (flag == "--progress" || !set_tool_flag(s, flag, v)) {
       usage_error(str_cat("unknown flag: ", flag));
     }
   }
   if (s.tp > 1 && s.storage == "redis") {
     usage_error("--tp > 1 runs on the file store only (--storage file)");
   }
+  if (s.instances > 1 && s.storage == "redis") {
+    usage_error("--instances > 1 runs on the file store only (--storage file): the instances "
+                "share its directory");
+  }
   if (s.tp > 1) s.faults.erase("host_exhaust");  // the radix cache owns the host pool under TP
+  auto doubles = double_flags(s);
   for (const char* rate : {"--error-rate", "--exists-error-rate", "--slow-rate", "--timeout-rate",
                            "--rank-delay-rate"}) {
     if (*doubles[rate] > 1) usage_error(str_cat(rate, ": ", *doubles[rate], " is not a probability"));
@@ -340,15 +425,19 @@ class Tmpfs {
 };
 
 // Requests over 16 families of shared prefixes, each up to 48 pages, plus own pages and a short
-// answer: the tree shares, evicts, loads back and prefetches constantly.
+// answer: the tree shares, evicts, loads back and prefetches constantly. The families derive
+// from the seed alone; the requests drawn from them from the seed and `stream` (--instances:
+// the instance), so instances ask for the same prefixes in their own order.
 class RequestSource {
  public:
-  RequestSource(std::uint64_t seed, std::int32_t page) : rng_(seed), page_(page) {
+  RequestSource(std::uint64_t seed, std::int32_t page, std::uint64_t stream = 0)
+      : rng_(seed), page_(page) {
     for (int f = 0; f < 16; ++f) {
       std::vector<std::int32_t> t;
       for (int i = 0; i < 48 * page; ++i) t.push_back(static_cast<std::int32_t>(rng_() >> 33));
       families_.push_back(std::move(t));
     }
+    if (stream != 0) rng_.seed(seed ^ (stream * 0x9E3779B97F4A7C15ull));
   }
   hicache::SimulatedRequest next() {
     const auto& fam = families_[rng_() % families_.size()];
@@ -404,9 +493,10 @@ bool setup_store(const Settings& s, Store& store) {
     // On the tmpfs the store's capacity follows the filesystem (its free space less the
     // reserve), and the ballast makes the disk fill under it: real ENOSPC, evictions and
     // shrinks. Without a tmpfs the store sits on the machine's disk: a fixed capacity then.
-    // Under --tp every rank's process opens the root: shared. Alone, the store detects it.
+    // Under --tp and --instances every process opens the root: shared. Alone, the store
+    // detects it.
     nlohmann::json file = {{"backend", "file"}, {"root", store_root.string()}};
-    if (s.tp > 1) file["shared"] = true;
+    if (s.tp * s.instances > 1) file["shared"] = true;
     if (!tmpfs->mounted()) file["capacity_bytes"] = s.tmpfs_mb * 3 / 4 << 20;
     storage_json = file.dump();
     std::printf("[hicache-stress] file store on %s (%s)\n", store_root.c_str(),
@@ -439,14 +529,16 @@ bool setup_store(const Settings& s, Store& store) {
   return true;
 }
 
-// This process's place in the TP group.
+// This process's place: its instance (--instances) and its rank in the instance's TP group.
 struct Rank {
   int rank = 0, size = 1;
   std::string rendezvous;   // where the Gloo groups meet (size > 1)
-  std::string result_file;  // size > 1: the rank's table and final tree, for the parent
+  std::string result_file;  // a child process: its table and final tree, for the parent
+  int instance = 0, instances = 1;
 };
 
-// One rank's run (the whole run without --tp): the table on stdout, or into me.result_file.
+// One rank's run (the whole run without --tp and --instances): the table on stdout, or into
+// me.result_file.
 int run_rank(const Settings& s, Store& store, const Rank& me) {
   using namespace hicache;
   const bool tp = me.size > 1;
@@ -457,7 +549,8 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   const fs::path& store_root = store.root;
   // Each rank injects its own storage faults.
   auto faulty = std::make_shared<stress::FaultInjectingStorage>(
-      make_storage(storage_json), s.seed + static_cast<std::uint64_t>(me.rank) * 7919);
+      make_storage(storage_json), s.seed + static_cast<std::uint64_t>(me.rank) * 7919 +
+                                      static_cast<std::uint64_t>(me.instance) * 104729);
   stress::FaultInjectingStorage* inject = faulty.get();
   const stress::FaultRates rates{.error = on("error") ? s.error_rate : 0,
                                  .exists_error = on("exists") ? s.exists_error_rate : 0,
@@ -485,10 +578,16 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   }
   config.engine.max_batch = 8;
   config.engine.max_prefetches = 4;
+  // --instances: a page read from L3 that this process never stored is another instance's.
+  // An MLA rank other than 0 stores nothing (rank 0 backs up for the instance): its reads say
+  // nothing about other instances, so it keeps no ledger.
+  const bool counts_cross_instance =
+      me.instances > 1 && (me.rank == 0 || config.cache.geometry.attention == AttentionKind::kMHA);
+  if (counts_cross_instance) inject->track_own_writes();
   workload::EngineStack stack(config, faulty);
   SimulatedEngine& engine = stack.engine();
   const std::int32_t page = config.cache.geometry.page_size;
-  RequestSource source(s.seed, page);
+  RequestSource source(s.seed, page, static_cast<std::uint64_t>(me.instance));
 
   // Faults on their own clock: each rank's (rank 0's alone for the shared disk). Faults every
   // rank takes at the same step (`agreed`): rank 0's clock, its decisions carried to the others
@@ -497,7 +596,7 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   auto add = [&](const char* name, double every, double window) {
     if (on(name) && every > 0) periodic.push_back({name, every, window, every * 0.5});
   };
-  if (me.rank == 0) {
+  if (me.rank == 0 && me.instance == 0) {  // the shared disk's faults: one process's
     add("corrupt", s.corrupt_every_s, 0);
     add("truncate", s.truncate_every_s, 0);
     add("disk_full", s.disk_full_every_s, s.disk_full_window_s);
@@ -516,7 +615,8 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   std::int64_t submitted = 0, finished = 0, aborted = 0, corrupt_injected = 0, restart_failures = 0;
   std::vector<std::int64_t> held_host;
   // The faults' own draws: the requests' generator must draw the same on every rank.
-  std::mt19937_64 rng(s.seed * 31 + 7 + static_cast<std::uint64_t>(me.rank));
+  std::mt19937_64 rng(s.seed * 31 + 7 + static_cast<std::uint64_t>(me.rank) +
+                      static_cast<std::uint64_t>(me.instance) * 1000003);
   int failed_master = 0;  // the port of the master redis_failover killed, while down
   // What the storage controllers of earlier attaches counted (l3_detach ends each one).
   std::int64_t retired_written = 0, retired_read = 0, retired_failed = 0;
@@ -680,7 +780,7 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
       }
       stop = control[0] == 1;
     }
-    if (s.progress && me.rank == 0 && now - last_progress >= 5) {
+    if (s.progress && me.rank == 0 && me.instance == 0 && now - last_progress >= 5) {
       last_progress = now;
       std::fprintf(stderr, "[hicache-stress] %.0f s: %lld steps, %lld requests done, %lld aborted, %lld wrong pages\n",
                    now, static_cast<long long>(steps), static_cast<long long>(finished),
@@ -855,6 +955,12 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
       {"requests_rejected", es.rejected},
       {"resets", cs.resets},
       {"pass", pass}};
+  if (me.instances > 1) {
+    table["instance"] = me.instance;
+    // Null where this process cannot tell (an MLA rank other than 0).
+    table["cross_instance_l3_pages"] =
+        counts_cross_instance ? nlohmann::json(inject->foreign_reads()) : nlohmann::json();
+  }
   if (tp) {
     table["tp_rank"] = me.rank;
     table["tp_size"] = me.size;
@@ -862,6 +968,8 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
     table["tree_divergences"] = tree_divergences;
     table["tp_failure"] = tp_failure;
     table["tp_main_collectives"] = main_group->calls();
+  }
+  if (!me.result_file.empty()) {
     std::ofstream out(me.result_file);
     out << nlohmann::json{{"table", table}, {"final_tree", final_tree}}.dump() << "\n";
     std::fflush(stdout);
@@ -889,12 +997,12 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   return pass ? 0 : 1;
 }
 
-// The run: the store, then one rank here, or (--tp) a process per rank, forked before any
-// thread exists, whose tables and final trees are compared here.
+// The run: the store, then one rank here, or (--tp, --instances) a process per rank of each
+// instance, forked before any thread exists, whose tables and final trees are compared here.
 int run(const Settings& s) {
   Store store;
   if (!setup_store(s, store)) return 1;
-  if (s.tp <= 1) return run_rank(s, store, Rank{});
+  if (s.tp <= 1 && s.instances <= 1) return run_rank(s, store, Rank{});
   char tmpl[] = "/tmp/hicache-stress-tp-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error(str_cat("mkdtemp: ", std::strerror(errno)));
   const std::string dir = tmpl;
@@ -905,23 +1013,27 @@ int run(const Settings& s) {
       fs::remove_all(dir, ec);
     }
   } remove_dir{dir};
-  std::vector<pid_t> ranks;
-  // A rank never outlives the run: one that failed to start takes the started ones down (they
-  // would wait for it at the rendezvous), and a rank dies with the parent.
+  // Process p is instance p / tp, rank p % tp.
+  const int processes = s.instances * s.tp;
+  auto result_file = [&](int p) { return str_cat(dir, "/process-", p, ".json"); };
+  std::vector<pid_t> children;
+  // A process never outlives the run: one that failed to start takes the started ones down
+  // (they would wait for it at the rendezvous), and a process dies with the parent.
   struct Reap {
-    std::vector<pid_t>& ranks;
+    std::vector<pid_t>& children;
     bool armed = true;
     ~Reap() {
       if (!armed) return;
-      for (pid_t pid : ranks) ::kill(pid, SIGKILL);
-      for (pid_t pid : ranks) {
+      for (pid_t pid : children) ::kill(pid, SIGKILL);
+      for (pid_t pid : children) {
         while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
         }
       }
     }
-  } reap{ranks};
+  } reap{children};
   const pid_t parent = ::getpid();
-  for (int r = 0; r < s.tp; ++r) {
+  for (int p = 0; p < processes; ++p) {
+    const int instance = p / s.tp, r = p % s.tp;
     std::fflush(stdout);
     std::fflush(stderr);
     const pid_t pid = ::fork();
@@ -931,18 +1043,20 @@ int run(const Settings& s) {
       if (::getppid() != parent) std::_Exit(1);  // the parent died before the line above
       int code = 1;
       try {
-        code = run_rank(s, store, Rank{r, s.tp, dir + "/gloo", str_cat(dir, "/rank-", r, ".json")});
+        code = run_rank(s, store,
+                        Rank{r, s.tp, str_cat(dir, "/instance-", instance, "-gloo"),
+                             result_file(p), instance, s.instances});
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "hicache-stress: rank %d: %s\n", r, e.what());
+        std::fprintf(stderr, "hicache-stress: instance %d rank %d: %s\n", instance, r, e.what());
       }
       std::fflush(stdout);
       std::fflush(stderr);
       std::_Exit(code);  // the parent's store and directory are the parent's to remove
     }
-    ranks.push_back(pid);
+    children.push_back(pid);
   }
   bool pass = true;
-  for (pid_t pid : ranks) {
+  for (pid_t pid : children) {
     int status = 0;
     pid_t got = -1;
     while ((got = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
@@ -950,37 +1064,42 @@ int run(const Settings& s) {
     pass = pass && got == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
   reap.armed = false;
-  std::vector<nlohmann::json> results;
-  for (int r = 0; r < s.tp; ++r) {
-    std::ifstream in(str_cat(dir, "/rank-", r, ".json"));
-    nlohmann::json j;
+  std::vector<nlohmann::json> results(static_cast<std::size_t>(processes));
+  bool all_results = true;
+  for (int p = 0; p < processes; ++p) {
+    std::ifstream in(result_file(p));
     try {
-      in >> j;
+      in >> results[static_cast<std::size_t>(p)];
     } catch (const std::exception&) {
-      std::fprintf(stderr, "hicache-stress: rank %d left no result\n", r);
-      pass = false;
-      continue;
+      std::fprintf(stderr, "hicache-stress: instance %d rank %d left no result\n", p / s.tp,
+                   p % s.tp);
+      all_results = false;
     }
-    results.push_back(std::move(j));
   }
-  bool trees_identical = results.size() == static_cast<std::size_t>(s.tp);
-  for (const auto& j : results) trees_identical = trees_identical && j["final_tree"] == results[0]["final_tree"];
-  pass = pass && trees_identical;
-  // MLA: the ranks hold the same KV under one namespace; rank 0 alone backs it up.
+  pass = pass && all_results;
+  // Within an instance: the ranks' final trees are one tree, and (MLA: the ranks hold the same
+  // KV under one namespace) rank 0 alone backed up.
   const bool mla = s.cache["model"].value("attention", "mha") == "mla";
-  bool backups_by_rank_0_only = true;
-  for (const auto& j : results) {
-    if (mla && j["table"]["tp_rank"] != 0 && j["table"]["pages_l2_to_l3"].get<double>() != 0) {
+  bool trees_identical = all_results, backups_by_rank_0_only = true;
+  std::int64_t cross_instance_pages = 0;
+  for (int p = 0; p < processes && all_results; ++p) {
+    const nlohmann::json& j = results[static_cast<std::size_t>(p)];
+    const nlohmann::json& first = results[static_cast<std::size_t>(p / s.tp * s.tp)];
+    trees_identical = trees_identical && j["final_tree"] == first["final_tree"];
+    if (mla && p % s.tp != 0 && j["table"]["pages_l2_to_l3"].get<double>() != 0) {
       backups_by_rank_0_only = false;
     }
+    const auto& cross = j["table"].value("cross_instance_l3_pages", nlohmann::json());
+    if (cross.is_number()) cross_instance_pages += cross.get<std::int64_t>();
   }
-  pass = pass && backups_by_rank_0_only;
-  std::printf("\nhicache-stress, %s store, %d TP ranks over Gloo, seed %llu, faults:",
-              s.storage.c_str(), s.tp, static_cast<unsigned long long>(s.seed));
+  pass = pass && trees_identical && backups_by_rank_0_only;
+  std::printf("\nhicache-stress, %s store, %d instance(s) of %d TP rank(s)%s, seed %llu, faults:",
+              s.storage.c_str(), s.instances, s.tp, s.tp > 1 ? " over Gloo" : "",
+              static_cast<unsigned long long>(s.seed));
   for (const auto& f : s.faults) std::printf(" %s", f.c_str());
   std::printf("\n");
-  if (!results.empty()) {
-    // One row per figure, one column per rank.
+  if (all_results) {
+    // One row per figure, one column per process.
     for (const auto& [k, v] : results[0]["table"].items()) {
       if (k == "faults") {
         for (const auto& [fk, fv] : v.items()) {
@@ -995,23 +1114,33 @@ int run(const Settings& s) {
       std::printf("\n");
     }
   }
-  std::printf("  %-36s %s\n", "final_trees_identical", trees_identical ? "true" : "false");
-  if (mla) {
+  if (s.tp > 1) {
+    std::printf("  %-36s %s\n", "final_trees_identical", trees_identical ? "true" : "false");
+  }
+  if (mla && s.tp > 1) {
     std::printf("  %-36s %s\n", "mla_backups_by_rank_0_only",
                 backups_by_rank_0_only ? "true" : "false");
   }
-  if (!trees_identical && results.size() > 1) {
-    for (std::size_t i = 0; i < 2; ++i) {
-      std::printf("  rank %s's tree:\n%s\n", results[i]["table"]["tp_rank"].dump().c_str(),
-                  results[i]["final_tree"].get<std::string>().c_str());
+  if (s.instances > 1) {
+    std::printf("  %-36s %lld\n", "cross_instance_l3_pages_total",
+                static_cast<long long>(cross_instance_pages));
+  }
+  if (!trees_identical && all_results) {
+    for (int p = 0; p < processes; ++p) {
+      std::printf("  instance %d rank %d's tree:\n%s\n", p / s.tp, p % s.tp,
+                  results[static_cast<std::size_t>(p)]["final_tree"].get<std::string>().c_str());
     }
   }
   if (!s.report.empty()) {
     nlohmann::json all = nlohmann::json::array();
-    for (const auto& j : results) all.push_back(j["table"]);
+    for (const auto& j : results) all.push_back(j.is_object() ? j["table"] : nlohmann::json());
     nlohmann::json report{
         {"ranks", all}, {"final_trees_identical", trees_identical}, {"pass", pass}};
-    if (mla) report["mla_backups_by_rank_0_only"] = backups_by_rank_0_only;
+    if (mla && s.tp > 1) report["mla_backups_by_rank_0_only"] = backups_by_rank_0_only;
+    if (s.instances > 1) {
+      report["instances"] = s.instances;
+      report["cross_instance_l3_pages"] = cross_instance_pages;
+    }
     std::ofstream(s.report) << report.dump(2) << "\n";
   }
   std::printf("[hicache-stress] %s\n", pass ? "PASS" : "FAIL");

@@ -91,6 +91,12 @@ std::vector<IoResult> FaultInjectingStorage::do_batch_get(std::span<const std::s
       results[i] = IoResult::error("injected: read error");
     }
   }
+  if (track_own_writes_) {
+    MutexLock lock(ledger_mu_);
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (results[i].is_ok() && own_keys_.count(keys[i]) == 0) ++foreign_reads_;
+    }
+  }
   return results;
 }
 
@@ -125,6 +131,12 @@ std::vector<IoResult> FaultInjectingStorage::do_batch_set(std::span<const std::s
   if (!pass_keys.empty()) {
     const auto inner = inner_->batch_set(pass_keys, pass_src);
     for (std::size_t j = 0; j < inner.size(); ++j) results[where[j]] = inner[j];
+  }
+  if (track_own_writes_) {
+    MutexLock lock(ledger_mu_);
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (results[i].is_ok()) own_keys_.insert(keys[i]);
+    }
   }
   return results;
 }

@@ -5,6 +5,10 @@
 // delays batches (slow storage), times batches out (a delay, then every key an error), fails
 // sets as a full disk would, and fails exists queries. Everything it injects is counted.
 //
+// It can also keep a ledger of the keys stored through it (track_own_writes): a page read back
+// whose key this process never stored was written by another process on the same store, which
+// is how hicache-stress --instances counts the L3 hits one instance takes from another's pages.
+//
 // Corruptors change stored records behind the backend's back: flip one byte of a random record,
 // or truncate one, in the file store's directory or in Redis (RANDOMKEY, SETRANGE / SET). The
 // backend must detect every one when it is read (a miss counted as a bad record), never serve it.
@@ -17,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <unordered_set>
 
 #include "storage/storage_backend.h"
 #include "transfer/mutex.h"
@@ -45,6 +50,10 @@ class FaultInjectingStorage final : public StorageBackend {
   // While on, every set fails with "No space left on device" (for stores without a real one).
   void set_disk_full(bool on) { disk_full_ = on; }
   InjectedCounts injected() const;
+  // From now on, remember every key a set stored and count the pages a get read whose key was
+  // never stored here (foreign_reads). Off by default (the ledger grows with the keys stored).
+  void track_own_writes() { track_own_writes_ = true; }
+  std::uint64_t foreign_reads() const { return foreign_reads_.load(); }
   StorageBackend& inner() { return *inner_; }
 
   std::string_view name() const override { return "fault-injecting"; }
@@ -72,6 +81,10 @@ class FaultInjectingStorage final : public StorageBackend {
   std::mt19937_64 rng_ HICACHE_GUARDED_BY(mu_);
   FaultRates rates_ HICACHE_GUARDED_BY(mu_);
   std::atomic<bool> disk_full_{false};
+  std::atomic<bool> track_own_writes_{false};
+  mutable Mutex ledger_mu_;
+  std::unordered_set<std::string> own_keys_ HICACHE_GUARDED_BY(ledger_mu_);
+  std::atomic<std::uint64_t> foreign_reads_{0};
   std::atomic<std::uint64_t> errors_{0}, exists_errors_{0}, slow_{0}, timeouts_{0},
       disk_full_sets_{0};
 };
