@@ -193,9 +193,15 @@ class _AckQueue:
 
 class _ReleaseQueue:
     """host_mem_release_queue: the drop-in frees released host pages at once, so nothing is
-    ever queued here. qsize() is 0; get() raises queue.Empty, after waiting `timeout` seconds
-    (without the GIL) as queue.Queue would; a blocking get() without a timeout raises at once,
-    since nothing can arrive to end it."""
+    ever queued here. qsize() is 0; get() raises queue.Empty after waiting as queue.Queue would
+    (without the GIL): `timeout` seconds, or, blocking without a timeout, until the controller
+    closes (close() ends the wait, since nothing else ever can)."""
+
+    def __init__(self):
+        self._closed = threading.Event()
+
+    def close(self):
+        self._closed.set()
 
     def qsize(self):
         return 0
@@ -212,11 +218,11 @@ class _ReleaseQueue:
     def get(self, block=True, timeout=None):
         if timeout is not None and timeout < 0:
             raise ValueError("'timeout' must be a non-negative number")
-        if block and timeout is None:
-            raise queue.Empty("hicache: host_mem_release_queue never holds anything (the "
-                              "drop-in frees released host pages at once)")
         if block:
-            threading.Event().wait(timeout)
+            self._closed.wait(timeout)
+        if block and timeout is None:
+            raise queue.Empty("hicache: the controller closed; host_mem_release_queue never "
+                              "holds anything (the drop-in frees released host pages at once)")
         raise queue.Empty
 
     def get_nowait(self):

@@ -626,4 +626,5 @@ class HiCacheController:
         return json.loads(self._cache.metrics_json())
 
     def close(self):
+        self.host_mem_release_queue.close()  # ends a get() waiting on it without a timeout
         self._cache.close()
