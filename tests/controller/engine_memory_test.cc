@@ -276,14 +276,30 @@ TEST_P(EnginePerLayerMemory, PagesRoundTripThroughBuffersAtUnrelatedAddresses) {
   config.device_tokens = kDeviceTokens;
   config.host_size = HostPoolSize{.tokens = kHostTokens};
   config.host_layout = HostLayout::kPageFirst;
-  config.controller.io_backend =
-      std::string_view(c.layout) == "direct" ? IoBackend::kDirect : IoBackend::kKernel;
+  const bool direct = std::string_view(c.layout) == "direct";
+  config.controller.io_backend = direct ? IoBackend::kDirect : IoBackend::kKernel;
   config.metrics = false;
-  HiCacheParts parts{.device = device_.get()};
-  parts.device_k = k;
-  parts.device_v = v;
-  parts.device_layer_bytes = static_cast<std::size_t>(run);
-  HiCache hc(config, std::move(parts));
+  auto parts_for = [&] {
+    HiCacheParts parts{.device = device_.get()};
+    parts.device_k = k;
+    parts.device_v = v;
+    parts.device_layer_bytes = static_cast<std::size_t>(run);
+    return parts;
+  };
+  if (direct && std::string_view(c.backend) == "cuda") {
+    // page_first with direct copies on CUDA is refused by design (one token of one layer per
+    // copy), naming the layout and the io backend; page_first_direct is direct's layout there.
+    try {
+      HiCache refused(config, parts_for());
+      ADD_FAILURE() << "page_first with io_backend 'direct' on CUDA was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'page_first' with io_backend 'direct' on CUDA"),
+                std::string::npos)
+          << e.what();
+    }
+    config.host_layout = HostLayout::kPageFirstDirect;
+  }
+  HiCache hc(config, parts_for());
   ASSERT_NE(hc.device_pool().layout().layer_offsets, nullptr);
 
   std::vector<std::byte> image(static_cast<std::size_t>(total));
