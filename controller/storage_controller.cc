@@ -497,7 +497,12 @@ void StorageController::revoke(PrefetchOperation& op) {
 void StorageController::finish(PrefetchOperation& op) {
   {
     MutexLock lock(op.mu_);
-    if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
+    if (op.stage_ == PrefetchStage::kLoading) {
+      op.stage_ = PrefetchStage::kFinished;
+      if (!op.terminate_ && op.completed_pages_.load() == op.hit_pages_.load()) {
+        op.io_done_at_ = std::chrono::steady_clock::now();  // every page landed
+      }
+    }
   }
   op.cv_.notify_all();
   notify_events();
@@ -662,8 +667,12 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
     op.budget_.release();
     prefetched_pages_ += agreed;
     ++terminated_;
-    prefetch_latency_.observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - op.queued_at_).count());
+    const auto now = std::chrono::steady_clock::now();
+    prefetch_latency_.observe(std::chrono::duration<double>(now - op.queued_at_).count());
+    MutexLock lock(op.mu_);
+    if (op.io_done_at_) {
+      prefetch_confirm_latency_.observe(std::chrono::duration<double>(now - *op.io_done_at_).count());
+    }
   }
   {
     MutexLock lock(op.mu_);
@@ -695,6 +704,10 @@ void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels
   constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
   metrics_.add(kLatency, kLatencyHelp, {{"direction", "l2_to_l3"}}, backup_latency_);
   metrics_.add(kLatency, kLatencyHelp, {{"direction", "l3_to_l2"}}, prefetch_latency_);
+  metrics_.add("hicache_prefetch_confirm_seconds",
+               "Time from a prefetch's last page landing in host memory to the cache taking its "
+               "pages (terminate_prefetch), for prefetches that read their whole hit",
+               {}, prefetch_confirm_latency_);
   constexpr const char* kTouch = "hicache_storage_touch_keys_total";
   constexpr const char* kTouchHelp =
       "Keys of the recency hints for L3 (chains the cache served or backed up), by result";

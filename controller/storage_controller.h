@@ -147,6 +147,9 @@ class PrefetchOperation {
   std::condition_variable cv_;
   PrefetchStage stage_ HICACHE_GUARDED_BY(mu_) = PrefetchStage::kQueued;
   bool worker_started_ HICACHE_GUARDED_BY(mu_) = false;
+  // When the I/O worker finished reading every page of the hit (not cut short by a terminate):
+  // terminate_prefetch measures from it how long the fetched pages waited to be taken.
+  std::optional<std::chrono::steady_clock::time_point> io_done_at_ HICACHE_GUARDED_BY(mu_);
   std::string error_ HICACHE_GUARDED_BY(mu_);
   std::atomic<bool> terminate_{false};
   std::atomic<std::int64_t> hit_pages_{0};
@@ -265,6 +268,9 @@ class StorageController {
   // brought them (the L3 -> host bandwidth the radix cache weighs against recomputing).
   std::int64_t read_bytes() const { return static_cast<std::int64_t>(read_bytes_.value()); }
   double read_seconds() const { return static_cast<double>(read_ns_.value()) * 1e-9; }
+  // hicache_prefetch_confirm_seconds: from the last page of a prefetch that read its whole hit
+  // to the terminate_prefetch that took its pages.
+  const Histogram& prefetch_confirm_latency() const { return prefetch_confirm_latency_; }
   // Pages per storage call: io_batch_pages, or its automatic value.
   std::int64_t batch_pages() const { return batch_pages_; }
   // Backup payload bytes the store accepted so far.
@@ -354,6 +360,10 @@ class StorageController {
   Counter failed_ops_, read_bytes_, read_ns_, written_bytes_;
   Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
   Histogram backup_latency_, prefetch_latency_;
+  // From a prefetch's last read (every page of its hit read, not cut short) to the
+  // terminate_prefetch that hands its pages to the cache: how long fetched pages wait for the
+  // engine to take them (hicache_prefetch_confirm_seconds).
+  Histogram prefetch_confirm_latency_;
   // The agreed L3 hits (tokens) and, of the revoked ones, why: below the threshold (a full
   // miss or some pages), or some rank without host room (all of the hit unfulfilled).
   Counter hit_tokens_, unfulfilled_below_threshold_, unfulfilled_host_capacity_;

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
 #include "transfer/errors.h"
@@ -669,6 +671,45 @@ TEST(StorageController, StorageFailureMidPrefetchKeepsThePrefixAndLaterOnesWork)
   EXPECT_EQ(res.tokens, 6 * kPage) << "the threads survived: L3 is still on";
   r.host.free(res.host_slots);
   EXPECT_EQ(r.host.free_tokens(), free_before);
+}
+
+// hicache_prefetch_confirm_seconds: from the last page of a prefetch that read its whole hit to
+// the terminate_prefetch that takes it; a prefetch whose reads stopped short (a failed page) or
+// that was revoked (a full miss) adds nothing.
+TEST(StorageController, ConfirmLatencyRunsFromTheLastPageToTerminateForWholeReadsOnly) {
+  Rank r(HostLayout::kPageFirst, "confirm");
+  LocalCollective local;
+  MetricsRegistry registry;  // outlives the controller, which forgets its series at the end
+  StorageController c(r.host, r.storage, test_ns(), local, local, local, {.io_batch_pages = 2});
+  c.register_metrics(registry);
+  const auto confirm = [&] {
+    const auto all = nlohmann::json::parse(registry.json_text());
+    const auto& series = all.at("hicache_prefetch_confirm_seconds").at("series").at(0);
+    return std::pair{series.at("count").get<std::uint64_t>(), series.at("sum").get<double>()};
+  };
+  const auto tokens = tokens_for(9, 2);
+  seed_storage(r.file, r.host, tokens, 4);
+  auto op = c.prefetch("whole", tokens);
+  ASSERT_TRUE(eventually([&] { return op->stage() == PrefetchStage::kFinished; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the pages wait to be taken
+  PrefetchResult res = c.terminate_prefetch(*op);
+  EXPECT_EQ(res.tokens, 4 * kPage);
+  r.host.free(res.host_slots);
+  auto [count, sum] = confirm();
+  EXPECT_EQ(count, 1u);
+  EXPECT_GE(sum, 0.05);
+  EXPECT_LT(sum, 10.0);
+  r.storage.get_fail_from = 4 + 2;  // reads (4 so far) stop after 2 of the next 4 pages
+  op = c.prefetch("short", tokens);
+  res = wait_and_terminate(c, *op);
+  EXPECT_EQ(res.tokens, 2 * kPage);
+  r.host.free(res.host_slots);
+  r.storage.get_fail_from = -1;
+  op = c.prefetch("miss", tokens_for(4, 77));  // nothing stored: revoked
+  res = wait_and_terminate(c, *op);
+  EXPECT_TRUE(res.revoked);
+  std::tie(count, sum) = confirm();
+  EXPECT_EQ(count, 1u) << "a prefetch cut short or revoked is not a confirmation";
 }
 
 TEST(StorageController, TerminateRacingTheWorkerFreesEveryPageExactlyOnce) {

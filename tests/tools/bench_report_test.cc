@@ -122,6 +122,8 @@ TEST(HicacheBench, CompareReportAddsUpForEveryWorkload) {
     EXPECT_EQ(j["configurations"][1]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
     EXPECT_GT(j["configurations"][2]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
     EXPECT_GT(j["configurations"][2]["verified_pages"].get<double>(), 0);
+    // Prefetch confirmation: none without L3 (InstancesShareL3... checks it with L3 hits).
+    EXPECT_EQ(j["configurations"][1]["prefetch_confirm_ms"]["count"].get<double>(), 0);
     std::ifstream svg(plot.path);
     std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
     EXPECT_EQ(text.rfind("<svg", 0), 0u);
@@ -149,6 +151,13 @@ TEST(HicacheBench, InstancesShareL3AcrossProcessesForMhaAndMla) {
     EXPECT_GT(c["tokens"]["storage_hit"].get<double>(), 0);
     EXPECT_GT(c["tokens"]["cross_instance_storage_hit"].get<double>(), 0);
     EXPECT_GT(c["verified_pages"].get<double>(), 0);
+    // Prefetch confirmation (last page landed -> the cache took the pages), over both
+    // instances: counted, and p50 <= p99 (the bucket bounds that hold them, in ms).
+    const json& confirm = c["prefetch_confirm_ms"];
+    EXPECT_GT(confirm["count"].get<double>(), 0) << confirm;
+    EXPECT_GT(confirm["p50_at_most"].get<double>(), 0) << confirm;
+    EXPECT_LE(confirm["p50_at_most"].get<double>(), confirm["p99_at_most"].get<double>())
+        << confirm;
     if (model == kTinyMla) {
       EXPECT_EQ(c["page_bytes"].get<double>(), kTinyMlaPageBytes);
     }

@@ -324,6 +324,12 @@ std::map<std::string, double> Runner::l3_counters() const {
   c["l3_to_l2_seconds"] = 0;
   if (const StorageController* sc = const_cast<EngineStack&>(stack_).storage_controller()) {
     c["l3_to_l2_seconds"] = sc->read_seconds();
+    // The confirmation histogram's buckets: counts add up over ranks and instances, and the
+    // report reads its percentiles from the sums (summarize: prefetch_confirm_ms).
+    const auto counts = sc->prefetch_confirm_latency().counts();
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      c[str_cat("prefetch_confirm_bucket_", i)] = static_cast<double>(counts[i]);
+    }
   }
   c["storage_errors"] = metric("hicache_storage_op_failures_total", {});
   if (const StorageBackend* b = const_cast<EngineStack&>(stack_).storage()) {
