@@ -59,6 +59,11 @@ PrefetchStage PrefetchOperation::stage() const {
   return stage_;
 }
 
+bool PrefetchOperation::io_done() const {
+  MutexLock lock(mu_);
+  return io_done_at_.has_value();
+}
+
 std::string PrefetchOperation::error() const {
   MutexLock lock(mu_);
   return error_;

@@ -127,6 +127,9 @@ class PrefetchOperation {
   std::int64_t completed_tokens() const { return completed_pages_.load() * page_size_; }
   // The first storage error met on this rank, if any.
   std::string error() const;
+  // True once the I/O worker read every page of the hit (not cut short): the pages wait in host
+  // memory for terminate_prefetch.
+  bool io_done() const;
 
   PrefetchOperation(std::string request_id, std::vector<std::int32_t> tokens,
                     std::optional<PageDigest> prior, std::int64_t page_size);

@@ -49,6 +49,8 @@ struct PendingOps {
     // the pages every rank had completed then).
     bool agreed_ready = false;
     std::int64_t agreed_pages = 0;
+    // Steps (check_events calls) begun since its I/O was seen done on this rank; -1 before.
+    std::int64_t steps_since_landed = -1;
   };
   std::unordered_map<std::string, Prefetch> prefetches;
   // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each

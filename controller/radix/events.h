@@ -4,7 +4,9 @@
 // metrics, in one place.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <vector>
 
 #include "transfer/metrics.h"
 
@@ -35,6 +37,13 @@ struct CacheEvents {
       prefill_computed_tokens;
   // Seconds per evict_device call that evicted (or scheduled) anything.
   Histogram device_eviction_seconds;
+  // Per prefetch that read its whole hit: the steps (check_events calls) that began between its
+  // last page landing and the cache taking its pages. 0 or 1: taken at the first step after
+  // the I/O; more: the prefetch policy or the ranks' agreement held it (hicache_prefetch_
+  // confirm_steps).
+  static constexpr std::array<double, 9> kConfirmStepBounds = {0, 1, 2, 3, 4, 8, 16, 32, 64};
+  Histogram prefetch_confirm_steps{
+      std::vector<double>(kConfirmStepBounds.begin(), kConfirmStepBounds.end())};
 
   // Counts one prefill (SGLang's per-batch prefill accounting): prompt tokens served from the
   // device, loaded back from the host, brought from L3 by a prefetch, and computed. Throws

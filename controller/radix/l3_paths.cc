@@ -239,8 +239,13 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
   arrived_.revoked.erase(request_id);
   auto node_handle = pending_.prefetches.extract(request_id);
   PendingOps::Prefetch& p = node_handle.mapped();
+  // Whether every page had landed, asked before terminate (which cuts a prefetch short).
+  const bool landed = p.steps_since_landed >= 0 || p.op->io_done();
   const PrefetchResult r = storage_->terminate_prefetch(*p.op, agreed_pages);
   reserved_tokens_ -= p.reserved;
+  if (landed && !aborted && !r.revoked) {
+    events_.prefetch_confirm_steps.observe(static_cast<double>(std::max<std::int64_t>(0, p.steps_since_landed)));
+  }
   if (r.revoked && !aborted) {
     ++events_.revoked_prefetches;
     events_.miss_revoked_tokens += p.tokens.size();
@@ -310,6 +315,14 @@ std::int64_t L3Paths::insert_host(Node* node, std::span<const std::int32_t> toke
 
 void L3Paths::drain_acks() {
   if (storage_ == nullptr) return;
+  // A step begins (check_events): count it for every prefetch whose pages wait in host memory.
+  for (auto& [id, p] : pending_.prefetches) {
+    if (p.steps_since_landed >= 0) {
+      ++p.steps_since_landed;
+    } else if (p.op->io_done()) {
+      p.steps_since_landed = 1;
+    }
+  }
   backup_acks_.clear();
   storage_->drain_backup_acks(backup_acks_);
   for (const BackupAck& a : backup_acks_) arrived_.backups[a.id] = a.completed_tokens + 1;

@@ -1,6 +1,7 @@
 // HiRadixCache with L3 (its L3 paths): backups, prefetches (continuation, counting, corrupt
 // records, cost, revoke/abort), identities in L3 keys, attach/detach, a shared store.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "tests/controller/radix_test_engine.h"
 
@@ -319,6 +321,37 @@ TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   EXPECT_EQ(aborter.host_pool.free_tokens(), aborter.host_pool.capacity_tokens());
   EXPECT_EQ(aborter.cache.check_invariants(), "");
   EXPECT_THROW(aborter.cache.unlock(m.last_host_node), StateError) << "the root lock was returned";
+}
+
+// hicache_prefetch_confirm_steps: a prefetch that read its whole hit is taken at the first step
+// after its last page landed (0 or 1 steps begun in between: none when it landed within the
+// step that took it); a revoked prefetch (a full miss) counts nothing.
+TEST(HiRadixCacheStorage, APrefetchIsTakenAtTheFirstStepAfterItsPagesLanded) {
+  L3 l3("confirm");
+  const auto a = seq({1, 2, 3, 4});
+  store_in_l3(l3, a);
+  MetricsRegistry registry;  // outlives the engine, which forgets its series at the end
+  // wait_complete: the prefetch ends once every page landed (best_effort ends it when asked).
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3, {.policy = PrefetchPolicy::kWaitComplete});
+  e.cache.register_metrics(registry);
+  const auto confirm_steps = [&] {
+    const auto all = nlohmann::json::parse(registry.json_text());
+    const auto& series = all.at("hicache_prefetch_confirm_steps").at("series").at(0);
+    return std::pair{series.at("count").get<std::uint64_t>(), series.at("sum").get<double>()};
+  };
+  ASSERT_TRUE(e.cache.prefetch_from_storage("whole", e.cache.match_prefix(a).last_host_node, a));
+  while (!e.cache.check_prefetch_progress("whole")) e.cache.check_events();
+  EXPECT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage);
+  auto [count, sum] = confirm_steps();
+  EXPECT_EQ(count, 1u);
+  EXPECT_LE(sum, 1.0);
+  const auto never = seq({7, 8, 9, 10});
+  ASSERT_TRUE(
+      e.cache.prefetch_from_storage("miss", e.cache.match_prefix(never).last_host_node, never));
+  while (!e.cache.check_prefetch_progress("miss")) e.cache.check_events();
+  EXPECT_EQ(e.cache.stats().revoked_prefetches, 1);
+  std::tie(count, sum) = confirm_steps();
+  EXPECT_EQ(count, 1u) << "a revoked prefetch is not a confirmation";
 }
 
 // Each prefetch asked for counts once by outcome, and every token of an agreed L3 hit reaches

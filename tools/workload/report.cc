@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <map>
 
+#include "controller/radix/events.h"
 #include "transfer/errors.h"
 #include "transfer/metrics.h"
 
@@ -25,22 +26,23 @@ json stats_ms(const std::vector<double>& seconds) {
 double ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
 
 // Prefetch confirmation (a prefetch's last page landed -> the cache took its pages), from the
-// summed buckets of hicache_prefetch_confirm_seconds: the count, and for p50 / p99 the upper
-// bound (ms) of the bucket that holds the percentile (-1 past the last bound), so each is an
-// "at most".
-json confirm_ms(std::map<std::string, double>& counters) {
-  const std::vector<double> bounds = Histogram::latency_bounds();
+// summed buckets (counters "<prefix>_bucket_<i>") of a histogram with `bounds`: the count, and
+// for p50 / p99 the upper bound (times `scale`) of the bucket that holds the percentile (-1
+// past the last bound), so each is an "at most". hicache_prefetch_confirm_seconds (in ms) and
+// hicache_prefetch_confirm_steps.
+json bucket_percentiles(std::map<std::string, double>& counters, const std::string& prefix,
+                        const std::vector<double>& bounds, double scale) {
   std::vector<double> counts;
   double total = 0;
   for (std::size_t i = 0; i <= bounds.size(); ++i) {
-    counts.push_back(counters[str_cat("prefetch_confirm_bucket_", i)]);
+    counts.push_back(counters[str_cat(prefix, "_bucket_", i)]);
     total += counts.back();
   }
   const auto at_most = [&](double q) {
     double seen = 0;
     for (std::size_t i = 0; i < counts.size(); ++i) {
       seen += counts[i];
-      if (total > 0 && seen >= q * total) return i < bounds.size() ? bounds[i] * 1e3 : -1.0;
+      if (total > 0 && seen >= q * total) return i < bounds.size() ? bounds[i] * scale : -1.0;
     }
     return 0.0;
   };
@@ -194,7 +196,13 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
         {"l2_to_l3", tier("l2_to_l3_bytes", nullptr)},
         {"l3_to_l2", tier("l3_to_l2_bytes", "l3_to_l2_seconds")}}},
       {"queue_depth_max", maxima},
-      {"prefetch_confirm_ms", confirm_ms(counters)},
+      {"prefetch_confirm_ms",
+       bucket_percentiles(counters, "prefetch_confirm", Histogram::latency_bounds(), 1e3)},
+      {"prefetch_confirm_steps",
+       bucket_percentiles(counters, "prefetch_confirm_steps",
+                          std::vector<double>(radix::CacheEvents::kConfirmStepBounds.begin(),
+                                              radix::CacheEvents::kConfirmStepBounds.end()),
+                          1)},
       {"missed_tokens_prefetch_revoked", counters["missed_tokens_prefetch_revoked"]},
       {"missed_tokens_evicted", counters["missed_tokens_evicted"]},
       {"storage_errors", storage_errors},
@@ -286,12 +294,16 @@ std::string format_table(const std::vector<json>& summaries) {
   };
   by_rank("L3 hit tokens by rank", "storage_hit_tokens");
   by_rank("L2->L3 pages by rank", "l2_to_l3_pages");
-  add("prefetch confirm ms p50/p99 (<=)", [](const json& s) {
-    const json& c = s["prefetch_confirm_ms"];
-    if (c["count"].get<double>() == 0) return std::string("-");
-    return fmt("%.3g", c["p50_at_most"].get<double>()) + " / " +
-           fmt("%.3g", c["p99_at_most"].get<double>());
-  });
+  for (const auto& [label, key] : {std::pair{"prefetch confirm ms p50/p99 (<=)", "prefetch_confirm_ms"},
+                                    std::pair{"prefetch confirm steps p50/p99 (<=)",
+                                              "prefetch_confirm_steps"}}) {
+    add(label, [key = std::string(key)](const json& s) {
+      const json& c = s[key];
+      if (c["count"].get<double>() == 0) return std::string("-");
+      return fmt("%.3g", c["p50_at_most"].get<double>()) + " / " +
+             fmt("%.3g", c["p99_at_most"].get<double>());
+    });
+  }
   add("storage errors", num("%.0f", [](const json& s) { return s["storage_errors"].get<double>(); }));
   add("pages verified", num("%.0f", [](const json& s) { return s["verified_pages"].get<double>(); }));
   add("wrong pages", num("%.0f", [](const json& s) { return s["mismatched_pages"].get<double>(); }));
