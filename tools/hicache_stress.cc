@@ -129,7 +129,8 @@ struct Settings {
 
 constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --seconds S             run time (default 60)
-  --steps N               stop after N engine steps instead (0: by time)
+  --steps N               stop after N engine steps instead (0: by time; --seconds on the
+                          command line clears steps a --config file set)
   --seed N                workload and fault seed (1)
   --storage file|redis    L3: a file store on a tmpfs it mounts (or a temporary directory), or
                           a Redis Cluster it starts on free loopback ports (3 masters with a
@@ -154,7 +155,8 @@ constexpr const char* kUsage = R"(usage: hicache-stress [options]
   --tmpfs-mb N            size of the file store's tmpfs (64)
   --model NAME            a model preset for the cache's model keys (the model flags override it)
   --report FILE           also write the table as JSON
-  --no-progress           no progress lines on stderr
+  --no-progress           no progress lines on stderr (--progress: on again, over a
+                          --config file's "progress": false)
   --config FILE           a JSON object of these settings (the names with '_': "seconds",
                           "faults", "tp", ...) and the cache's keys ("model": a preset's name or
                           a model object, as in hicache-bench); the flags override it
@@ -332,8 +334,8 @@ Settings parse(int argc, char** argv) {
       std::fputs(usage().c_str(), stdout);
       std::exit(0);
     }
-    if (flag == "--no-progress") {
-      s.progress = false;
+    if (flag == "--no-progress" || flag == "--progress") {
+      s.progress = flag == "--progress";
       continue;
     }
     if (i + 1 >= argc) usage_error(str_cat("unknown flag or missing value: ", flag));
@@ -350,9 +352,8 @@ Settings parse(int argc, char** argv) {
       }
       continue;
     }
-    if (flag == "--progress" || !set_tool_flag(s, flag, v)) {
-      usage_error(str_cat("unknown flag: ", flag));
-    }
+    if (!set_tool_flag(s, flag, v)) usage_error(str_cat("unknown flag: ", flag));
+    if (flag == "--seconds") s.steps = 0;  // the command line's run time over a file's steps
   }
   if (s.tp > 1 && s.storage == "redis") {
     usage_error("--tp > 1 runs on the file store only (--storage file)");

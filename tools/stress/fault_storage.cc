@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -128,14 +129,27 @@ std::vector<IoResult> FaultInjectingStorage::do_batch_set(std::span<const std::s
       where.push_back(i);
     }
   }
+  // The ledger takes a key before the store does, so that another storage thread of this
+  // process that reads it as soon as it lands never counts it as another instance's; a key the
+  // store then refused leaves the ledger again (unless it was stored here before).
+  std::vector<std::string> new_in_ledger;
+  if (track_own_writes_) {
+    MutexLock lock(ledger_mu_);
+    for (const std::string& k : pass_keys) {
+      if (own_keys_.insert(k).second) new_in_ledger.push_back(k);
+    }
+  }
   if (!pass_keys.empty()) {
     const auto inner = inner_->batch_set(pass_keys, pass_src);
     for (std::size_t j = 0; j < inner.size(); ++j) results[where[j]] = inner[j];
   }
-  if (track_own_writes_) {
+  if (!new_in_ledger.empty()) {
     MutexLock lock(ledger_mu_);
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      if (results[i].is_ok()) own_keys_.insert(keys[i]);
+    for (std::size_t j = 0; j < pass_keys.size(); ++j) {
+      if (!results[where[j]].is_ok() &&
+          std::find(new_in_ledger.begin(), new_in_ledger.end(), pass_keys[j]) != new_in_ledger.end()) {
+        own_keys_.erase(pass_keys[j]);
+      }
     }
   }
   return results;
