@@ -298,6 +298,24 @@ InstanceResult Runner::result() const {
       metric("hicache_ops_total", {{"direction", "l2_to_l1"}, {"outcome", "failed"}});
   for (const auto& [k, v] : l3_counters()) c[k] = v;
   for (const auto& [k, v] : retired_l3_) c[k] += v;
+  // Prefetch confirmation in steps begun (hicache_prefetch_confirm_steps, this rank's series;
+  // the radix cache's, so it outlives an L3 detach and is not in l3_counters): its cumulative
+  // buckets as per-bucket counts.
+  HiCache& hicache = const_cast<EngineStack&>(stack_).hicache();
+  const auto all = nlohmann::json::parse(hicache.metrics().json_text());
+  const std::string rank = std::to_string(hicache.config().tp.rank);
+  if (auto f = all.find("hicache_prefetch_confirm_steps"); f != all.end()) {
+    for (const auto& series : f->at("series")) {
+      if (series.at("labels").value("tp_rank", "") != rank) continue;
+      double below = 0;
+      const auto& buckets = series.at("buckets");
+      for (std::size_t i = 0; i < buckets.size(); ++i) {
+        const double cumulative = buckets[i][1].get<double>();
+        c[str_cat("prefetch_confirm_steps_bucket_", i)] = cumulative - below;
+        below = cumulative;
+      }
+    }
+  }
   if (options_.l3_detach_every > 0) c["l3_detaches"] = static_cast<double>(l3_detaches_);
   out.first_mismatch = stack_.engine().first_mismatch();
   return out;
@@ -331,23 +349,6 @@ std::map<std::string, double> Runner::l3_counters() const {
     const auto counts = sc->prefetch_confirm_latency().counts();
     for (std::size_t i = 0; i < counts.size(); ++i) {
       c[str_cat("prefetch_confirm_bucket_", i)] = static_cast<double>(counts[i]);
-    }
-    // The same in steps begun (hicache_prefetch_confirm_steps, this rank's series): its
-    // cumulative buckets as per-bucket counts.
-    HiCache& hicache = const_cast<EngineStack&>(stack_).hicache();
-    const auto all = nlohmann::json::parse(hicache.metrics().json_text());
-    const std::string rank = std::to_string(hicache.config().tp.rank);
-    if (auto f = all.find("hicache_prefetch_confirm_steps"); f != all.end()) {
-      for (const auto& series : f->at("series")) {
-        if (series.at("labels").value("tp_rank", "") != rank) continue;
-        double below = 0;
-        const auto& buckets = series.at("buckets");
-        for (std::size_t i = 0; i < buckets.size(); ++i) {
-          const double cumulative = buckets[i][1].get<double>();
-          c[str_cat("prefetch_confirm_steps_bucket_", i)] = cumulative - below;
-          below = cumulative;
-        }
-      }
     }
   }
   c["storage_errors"] = metric("hicache_storage_op_failures_total", {});
