@@ -17,15 +17,18 @@ mapping, as vLLM's primary CPU tier is) move through:
            threads as there are jobs in flight (Store.time_batches), without Python;
 
 all three on one store per round (a file store in a fresh directory, or with --redis a Redis
-server, which each round flushes). Prints GB/s of each, the ratios adapter / C++ (target >=
-0.9) and each adapter's job latency (submit to reported) p50 / p99. Rounds as in
-tools/bench_rounds.py (fresh store and keys, order rotating, sync before each step, best of
---reps; each round reads what it stored --get-passes times). Every get is checked after its clock stops: the rows read back must equal the rows
+server, which each round flushes). Prints the best GB/s of each, the ratios adapter / C++
+(target >= 0.9) and each adapter's job latency (submit to reported) p50 / p99. Rounds as in
+tools/bench_rounds.py (fresh store and keys, order rotating, sync before each step; each round
+stores --set-passes sets of fresh blocks and reads them back --get-passes times). A ratio is the median over the groups of the adapter's
+figure over the C++ figure of the same group (the two ran back to back): on these VMs one
+step's figure swings 30% from group to group, so the ratio of the two sides' bests compares
+two different minutes of the machine, and each paired ratio does not. Every get is checked after its clock stops: the rows read back must equal the rows
 stored; the exit status is 1 when any byte differs.
 
     PYTHONPATH=build/python /usr/bin/python3 tools/adapter_bench.py [--dir D] [--reps N]
         [--redis [redis://]HOST:PORT] [--models L:H:D,...] [--jobs 1,4] [--mib M] [--job-mib J]
-        [--get-passes P] [--quick]
+        [--set-passes P] [--get-passes P] [--quick]
 """
 import argparse
 import ctypes
@@ -40,7 +43,7 @@ import time
 from collections import namedtuple
 
 import hicache
-from bench_rounds import best_of_rounds, size_label
+from bench_rounds import paired_median, run_rounds, size_label
 from hicache.lmcache import HiCacheL2Adapter
 from hicache.vllm import HiCacheTier
 
@@ -137,8 +140,8 @@ def drive_adapter(adapter, region, keys, jobs, in_flight, load, latencies):
     return time.perf_counter() - t0
 
 
-def bench(storage_for, root, geometry, tokens, n, job_blocks, in_flight, reps, get_passes,
-          trace):
+def bench(storage_for, root, geometry, tokens, n, job_blocks, in_flight, reps, set_passes,
+          get_passes, trace):
     row = row_bytes(tokens, *geometry)
     region = Region(n, row)
     jobs = [(b, min(job_blocks, n - b)) for b in range(0, n, job_blocks)]
@@ -152,31 +155,35 @@ def bench(storage_for, root, geometry, tokens, n, job_blocks, in_flight, reps, g
                            storage=store, namespace=namespace)
         adapter = HiCacheL2Adapter(storage=store, namespace="bench")
         rng = random.Random(f"{rep}-{row}-{in_flight}")
-        vllm_keys = [rng.randbytes(32) + bytes(4) for _ in range(n)]  # OffloadKey: hash + group
-        lmc_keys = [f"bench/llama@01000000@0@{rng.getrandbits(256):064x}" for _ in range(n)]
+        # Fresh keys for each set pass (the store deduplicates); get pass g reads set pass
+        # g % set_passes.
+        vllm_keys = [[rng.randbytes(32) + bytes(4) for _ in range(n)]  # OffloadKey: hash, group
+                     for _ in range(set_passes)]
+        lmc_keys = [[f"bench/llama@01000000@0@{rng.getrandbits(256):064x}" for _ in range(n)]
+                    for _ in range(set_passes)]
         # the C++ side's records are named as the adapter names LMCache's (other hashes)
-        cpp_names = [[adapter.record_name(f"bench/llama@01000000@0@{rng.getrandbits(256):064x}")
-                      for _ in range(c)] for _, c in jobs]
+        cpp_names = [[[adapter.record_name(f"bench/llama@01000000@0@{rng.getrandbits(256):064x}")
+                       for _ in range(c)] for _, c in jobs] for _ in range(set_passes)]
 
-        def cpp(load):
+        def cpp(load, p):
             names, ranges = [], []
-            for (first, count), batch in zip(jobs, cpp_names):
+            for (first, count), batch in zip(jobs, cpp_names[p]):
                 base = first + (n if load else 0)
                 names.append(batch)
                 ranges.append([[(region.base + (base + i) * row, row)] for i in range(count)])
             return store._s.time_batches(names, ranges, load, in_flight)
 
-        def step(side, load):
+        def step(side, load, p):
             def run():
                 if load:
                     region.clear_targets()
                 if side == "cpp":
-                    s = cpp(load)
+                    s = cpp(load, p)
                 elif side == "vllm":
-                    s = drive_tier(tier, vllm_keys, jobs, in_flight, load,
+                    s = drive_tier(tier, vllm_keys[p], jobs, in_flight, load,
                                    latencies[("vllm", "get" if load else "set")])
                 else:
-                    s = drive_adapter(adapter, region, lmc_keys, jobs, in_flight, load,
+                    s = drive_adapter(adapter, region, lmc_keys[p], jobs, in_flight, load,
                                       latencies[("lmcache", "get" if load else "set")])
                 if load:  # after the clock: every byte read back
                     mismatched[0] += region.verify_targets()
@@ -189,12 +196,13 @@ def bench(storage_for, root, geometry, tokens, n, job_blocks, in_flight, reps, g
             if storage_for(rep_root).get("backend") == "redis":
                 store.clear()
 
-        groups = [[step(side, False) for side in SIDES]]
-        groups += [[step(side, True) for side in SIDES] for _ in range(get_passes)]
+        groups = [[step(side, False, p) for side in SIDES] for p in range(set_passes)]
+        groups += [[step(side, True, g % set_passes) for side in SIDES]
+                   for g in range(get_passes)]
         return n * row, groups, close
 
-    best = best_of_rounds(reps, root, make_round, trace)
-    return row, best, latencies, mismatched[0]
+    figures = run_rounds(reps, root, make_round, trace)
+    return row, figures, latencies, mismatched[0]
 
 
 def parse_models(text):
@@ -232,7 +240,9 @@ def main():
                     help="MiB a job moves (whole blocks, at least one): 16 blocks of 512 KiB, "
                          "4 of 2 MiB")
     ap.add_argument("--mib", type=int, default=64, help="MiB each side moves per step")
-    ap.add_argument("--reps", type=int, default=3, help="rounds (a fresh store each)")
+    ap.add_argument("--reps", type=int, default=5, help="rounds (a fresh store each)")
+    ap.add_argument("--set-passes", type=int, default=3,
+                    help="sets of fresh blocks per side, per round")
     ap.add_argument("--get-passes", type=int, default=3,
                     help="gets of what a round stored, per side (reads are short)")
     ap.add_argument("--quick", action="store_true",
@@ -242,9 +252,10 @@ def main():
         ap.error(f"--job-mib: {args.job_mib} is not >= 1")
     job_bytes = args.job_mib << 20
     if args.quick:
-        args.models, args.mib, args.reps, args.get_passes = [(2, 2, 64)], 1, 1, 1
+        args.models, args.mib, args.reps = [(2, 2, 64)], 1, 1
+        args.set_passes, args.get_passes = 1, 1
         job_bytes = 64 << 10
-    for name in ("block_tokens", "mib", "reps", "get_passes"):
+    for name in ("block_tokens", "mib", "reps", "set_passes", "get_passes"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not >= 1")
     if args.redis:
@@ -261,8 +272,9 @@ def main():
             return {"backend": "file", "root": rep_root, "io_threads": 4}
         where = "file store in {root}"
     root = tempfile.mkdtemp(prefix="hicache-adapterbench-", dir=args.dir)
-    print(f"{where.format(root=root)}; {os.cpu_count()} CPUs; best of {args.reps} rounds; "
-          f"jobs of {size_label(job_bytes)}")
+    print(f"{where.format(root=root)}; {os.cpu_count()} CPUs; {args.reps} rounds; jobs of "
+          f"{size_label(job_bytes)}; GB/s: the best step; ratios: the median of the paired "
+          "steps' ratios")
     print(f"{'block':>8} {'jobs':>4} {'op':>3} {'C++ GB/s':>8} {'vLLM GB/s':>9} "
           f"{'LMCache GB/s':>12} {'vLLM/C++':>8} {'LMCache/C++':>11} "
           f"{'vLLM p50/p99 ms':>15} {'LMCache p50/p99 ms':>18}")
@@ -274,16 +286,17 @@ def main():
             job_blocks = max(1, job_bytes // row)
             n = max(job_blocks * 8, (args.mib << 20) // row)  # 8 jobs at least
             for in_flight in args.jobs:
-                row, best, lat, bad = bench(
+                row, figures, lat, bad = bench(
                     storage_for, root, geometry, args.block_tokens, n, job_blocks,
-                    in_flight, args.reps, args.get_passes,
+                    in_flight, args.reps, args.set_passes, args.get_passes,
                     bool(os.environ.get("HICACHE_BENCH_TRACE")))
                 mismatched += bad
+                best = {name: max(f) for name, f in figures.items()}
                 for op in ("set", "get"):
                     cpp = best[f"cpp_{op}"]
                     cells = []
                     for side in ("vllm", "lmcache"):
-                        ratio = best[f"{side}_{op}"] / cpp
+                        ratio = paired_median(figures, f"{side}_{op}", f"cpp_{op}")
                         worst[side] = min(worst[side], ratio)
                         ms = lat[(side, op)]
                         cells.append((ratio, f"{percentile(ms, 0.5) * 1e3:.2f}/"

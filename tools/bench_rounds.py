@@ -11,14 +11,35 @@ lands on the next:
   again), and the order inside a group rotates from group to group and round to round, so no
   side always goes first;
 - the page cache's dirty pages are flushed (os.sync) before each step;
-- each figure is the best of the rounds.
+- each figure is the best of the rounds; `run_rounds` also keeps every step's figure, so that a
+  caller can compare two sides step by step: the sides of one group run back to back, so the
+  ratio of their figures in one group is free of the drift between groups, and the median of
+  those ratios is a steadier figure than the ratio of two bests (each side's best may come from
+  another minute of the machine's).
 """
 import os
 import shutil
 
 
 def best_of_rounds(reps, root, make_round, trace=False):
-    """Runs `reps` rounds; returns {step name: best GB/s}.
+    """Runs `reps` rounds (run_rounds); returns {step name: best GB/s}."""
+    return {name: max(figures) for name, figures in run_rounds(reps, root, make_round,
+                                                               trace).items()}
+
+
+def paired_median(samples, side, base):
+    """The median over the groups of samples[side][i] / samples[base][i]: the i-th figures of
+    two step names that always share a group (run_rounds keeps them in group order)."""
+    if not samples[side] or len(samples[side]) != len(samples[base]):
+        raise ValueError(f"paired_median: {len(samples[side])} figures of {side}, "
+                         f"{len(samples[base])} of {base}")
+    ratios = sorted(a / b for a, b in zip(samples[side], samples[base]))
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+
+def run_rounds(reps, root, make_round, trace=False):
+    """Runs `reps` rounds; returns {step name: [GB/s of each run of the step, in order]}.
 
     make_round(rep, rep_root) -> (nbytes, groups, close): the round's store lives under
     rep_root (created by make_round if it needs it, removed here afterwards); `groups` is a
@@ -26,7 +47,7 @@ def best_of_rounds(reps, root, make_round, trace=False):
     close() runs after the round's last step, once the groups are dropped (a store that only
     the steps hold is then gone before its directory is removed).
     """
-    best = {}
+    figures = {}
     for rep in range(reps):
         rep_root = os.path.join(root, f"r{rep}")
         nbytes, groups, close = make_round(rep, rep_root)
@@ -38,13 +59,13 @@ def best_of_rounds(reps, root, make_round, trace=False):
                     gbps = nbytes / step() / 1e9
                     if trace:
                         print(rep, name, round(gbps, 2), flush=True)
-                    best[name] = max(best.get(name, 0.0), gbps)
+                    figures.setdefault(name, []).append(gbps)
         finally:
             groups = group = step = None  # noqa: F841 (drops the round's store)
             close()
             close = None  # what it closed goes too
             shutil.rmtree(rep_root, ignore_errors=True)
-    return best
+    return figures
 
 
 def size_label(nbytes):
