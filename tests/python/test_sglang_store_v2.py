@@ -509,3 +509,18 @@ def test_batch_calls_never_raise(tmp_path):
     assert fresh.get_stats()["v2_exists_errors"] == 1
     assert fresh.get_stats()["v2_transfer_errors"] == 1
     assert c.store.get_stats()["v2_transfer_errors"] == 3
+
+
+def test_the_docs_table_of_v2_methods_is_the_stores():
+    """docs/sglang.md's storage v2 table names SGLang's v2 methods, each one HiCacheStore's own
+    (not SGLang's default, which raises or only records the pool)."""
+    import pathlib
+    from test_sglang_store import doc_table
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    rows = doc_table(doc, "| method | `HiCacheStore` |")
+    named = {first.strip("`").split("(")[0] for first, _ in rows}
+    assert named == {"register_mem_host_pool_v2", "batch_exists_v2", "batch_get_v2",
+                     "batch_set_v2"}
+    from hicache.sglang._v2 import _StorageV2
+    for method in named:
+        assert getattr(HiCacheStore, method) is getattr(_StorageV2, method)

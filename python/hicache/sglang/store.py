@@ -19,6 +19,10 @@ page is one record (`-kv`). With the page_first layouts every record is one cont
 the host pool and moves in place; with layer_first a record is gathered from (and scattered to)
 one range per layer, one host copy. Every record carries hicache's header and checksum: a
 corrupt, truncated or foreign record is a miss (False), never bytes handed to SGLang.
+
+Hybrid models (SGLang's storage v2: register_mem_host_pool_v2, batch_exists_v2, batch_get_v2,
+batch_set_v2) are served by the methods HiCacheStore takes from _v2._StorageV2; the KV pool
+keeps these records there too.
 """
 
 import json
