@@ -460,6 +460,10 @@ def test_registration_reads_the_pools_geometry_and_refuses_a_conflict(tmp_path):
         HiCacheStore(config(tmp_path), {}).register_mem_host_pool_v2(anchor, "kv")
     with pytest.raises(ValueError, match="pool name"):
         c.store.register_mem_host_pool_v2(pools["swa"], "swa/1")
+    long = HiCacheStore(config(tmp_path, model="m" * 150), {})
+    long.register_mem_pool_host(kv_pool())
+    with pytest.raises(ValueError, match="pool 'mamba': bad storage key"):
+        long.register_mem_host_pool_v2(mamba_pool(), "mamba")
     assert set(c.store.registered_pools) == {"kv", "mamba", "swa", "indexer"}
 
 

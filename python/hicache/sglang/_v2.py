@@ -232,6 +232,10 @@ class SidecarPool:
         self.prefix = (_hicache.key_prefix(model, fingerprint, "+".join(dtypes), layout, page,
                                            tp_rank, tp_size, shared)
                        + f".pool-{name}.b{geometry}")
+        try:  # a namespace too long for a record name fails here, not on every call
+            _hicache.validate_key(f"{self.prefix}-{'0' * 64}-s")
+        except ValueError as e:
+            raise ValueError(f"hicache: pool '{name}': {e}") from None
 
     def same_geometry(self, other):
         return (self.prefix, self._extents) == (other.prefix, other._extents)
