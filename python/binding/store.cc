@@ -32,13 +32,15 @@ void check_ranges(const std::vector<std::string>& keys, const Ranges& ranges, bo
 }
 
 // Without the GIL: one range moves in place; several are gathered into (scattered from) one
-// record through a staging buffer.
+// record through a staging buffer. `staged` (get only) reads every record through a staging
+// buffer, so that a record the store rejects (corrupt, truncated, foreign) leaves the caller's
+// memory untouched: its bytes are copied out only when the record was good.
 std::vector<IoResult> move_ranges(StorageBackend& store, const std::vector<std::string>& keys,
-                                  const Ranges& ranges, bool get) {
+                                  const Ranges& ranges, bool get, bool staged = false) {
   std::vector<std::vector<std::byte>> staging(keys.size());
   std::vector<ByteSpan> spans(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (ranges[i].size() == 1) {
+    if (ranges[i].size() == 1 && !(get && staged)) {
       spans[i] = ByteSpan(reinterpret_cast<std::byte*>(ranges[i][0].first), ranges[i][0].second);
       continue;
     }
@@ -71,10 +73,10 @@ std::vector<IoResult> move_ranges(StorageBackend& store, const std::vector<std::
 }
 
 std::vector<IoResult> io_ptrs(StorageBackend& store, const std::vector<std::string>& keys,
-                              const Ranges& ranges, bool get) {
+                              const Ranges& ranges, bool get, bool staged = false) {
   check_ranges(keys, ranges, get);
   py::gil_scoped_release nogil;
-  return move_ranges(store, keys, ranges, get);
+  return move_ranges(store, keys, ranges, get, staged);
 }
 
 }  // namespace
@@ -125,8 +127,18 @@ std::vector<IoResult> PyStore::batch_set(const py::sequence& keys, const py::seq
   return io(keys, buffers, false);
 }
 
-std::vector<IoResult> PyStore::batch_get_ptrs(const py::sequence& keys, const Ranges& ranges) {
-  return io_ptrs(*store_, keys_of(keys), ranges, true);
+std::vector<bool> PyStore::exists_each(const py::sequence& keys) {
+  const auto k = keys_of(keys);
+  std::vector<bool> out(k.size(), false);
+  py::gil_scoped_release nogil;
+  for (std::size_t i = 0; i < k.size(); ++i)
+    out[i] = store_->batch_exists(std::span(&k[i], 1)) == 1;
+  return out;
+}
+
+std::vector<IoResult> PyStore::batch_get_ptrs(const py::sequence& keys, const Ranges& ranges,
+                                              bool staged) {
+  return io_ptrs(*store_, keys_of(keys), ranges, true, staged);
 }
 std::vector<IoResult> PyStore::batch_set_ptrs(const py::sequence& keys, const Ranges& ranges) {
   return io_ptrs(*store_, keys_of(keys), ranges, false);
@@ -303,7 +315,9 @@ void register_store(py::module_& m) {
       .def("batch_exists", &PyStore::batch_exists, py::arg("keys"))
       .def("batch_get", &PyStore::batch_get, py::arg("keys"), py::arg("buffers"))
       .def("batch_set", &PyStore::batch_set, py::arg("keys"), py::arg("buffers"))
-      .def("batch_get_ptrs", &PyStore::batch_get_ptrs, py::arg("keys"), py::arg("ranges"))
+      .def("exists_each", &PyStore::exists_each, py::arg("keys"))
+      .def("batch_get_ptrs", &PyStore::batch_get_ptrs, py::arg("keys"), py::arg("ranges"),
+           py::arg("staged") = false)
       .def("batch_set_ptrs", &PyStore::batch_set_ptrs, py::arg("keys"), py::arg("ranges"))
       .def("pages_io", &PyStore::pages_io, py::arg("layout"), py::arg("keys"),
            py::arg("host_indices"), py::arg("get"))

@@ -66,13 +66,18 @@ class PyStore {
 
   // Leading keys that are stored.
   std::size_t batch_exists(const py::sequence& keys);
+  // Whether each key is stored, every key asked (a sparse set: SGLang's trailing-window pools).
+  std::vector<bool> exists_each(const py::sequence& keys);
   // One buffer per key (buffers.h's region_of); the key's record is read into (written from)
   // the buffer's memory in place.
   std::vector<IoResult> batch_get(const py::sequence& keys, const py::sequence& buffers);
   std::vector<IoResult> batch_set(const py::sequence& keys, const py::sequence& buffers);
   // Raw ranges: a key with several ranges is gathered into one record on set and scattered from
   // it on get (one copy); with one range it moves in place. Null or empty ranges are refused.
-  std::vector<IoResult> batch_get_ptrs(const py::sequence& keys, const Ranges& ranges);
+  // `staged` reads every record through a staging buffer (one copy): a key that is not ok
+  // leaves its ranges untouched.
+  std::vector<IoResult> batch_get_ptrs(const py::sequence& keys, const Ranges& ranges,
+                                       bool staged = false);
   std::vector<IoResult> batch_set_ptrs(const py::sequence& keys, const Ranges& ranges);
 
   // SGLang's pages (hicache.sglang): each key's records from / into its host pool page; True

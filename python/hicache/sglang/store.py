@@ -19,12 +19,17 @@ page is one record (`-kv`). With the page_first layouts every record is one cont
 the host pool and moves in place; with layer_first a record is gathered from (and scattered to)
 one range per layer, one host copy. Every record carries hicache's header and checksum: a
 corrupt, truncated or foreign record is a miss (False), never bytes handed to SGLang.
+
+Hybrid models (SGLang's storage v2: register_mem_host_pool_v2, batch_exists_v2, batch_get_v2,
+batch_set_v2) are served by the methods HiCacheStore takes from _v2._StorageV2; the KV pool
+keeps these records there too.
 """
 
 import json
 import os
 
 from .. import _hicache
+from ._v2 import _StorageV2
 
 try:  # subclass SGLang's interface when SGLang is installed; work without it
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -60,7 +65,7 @@ def _dtype_name(dtype):
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
-class HiCacheStore(_Base):
+class HiCacheStore(_StorageV2, _Base):
     """SGLang's HiCacheStorage over hicache's file store, Redis or Redis Cluster.
 
     Results follow SGLang's interface: batch_exists counts consecutive hits from the first key;
@@ -118,11 +123,22 @@ class HiCacheStore(_Base):
         self._store = _hicache.Store(json.dumps(storage))
         self._pool = None
         self._prefix = None
+        self._v2_init()
 
     # --- the host pool --------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host):
         """Reads the host pool's buffer, layout and geometry once; every page moves by pointer."""
+        layout, prefix, buf = self._kv_geometry(mem_pool_host)
+        self._layout = layout
+        self._record_bytes = layout.record_bytes
+        self._pool = mem_pool_host
+        self._buf = buf  # keeps the memory alive
+        self._prefix = prefix
+
+    def _kv_geometry(self, mem_pool_host):
+        """(PageLayout, namespace prefix, kv_buffer) of a KV host pool; ValueError naming what
+        is wrong with it."""
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in _LAYOUTS:
             raise ValueError(f"hicache: host pool layout {layout!r}: valid are {', '.join(_LAYOUTS)}")
@@ -156,13 +172,10 @@ class HiCacheStore(_Base):
         prefix = _hicache.key_prefix(
             self.model_name, self._fingerprint, _dtype_name(buf.dtype), layout, page,
             self.tp_rank, self.tp_size, mla)
-        self._layout = _hicache.PageLayout(
+        page_layout = _hicache.PageLayout(
             prefix=prefix, layout=layout, mla=mla, page=page, layers=layers, slots=slots,
             row_bytes=row * es, base=buf.data_ptr(), half=0 if mla else (buf.numel() // 2) * es)
-        self._record_bytes = self._layout.record_bytes
-        self._pool = mem_pool_host
-        self._buf = buf  # keeps the memory alive
-        self._prefix = prefix
+        return page_layout, prefix, buf
 
     def _ready(self):
         if self._prefix is None:
@@ -260,8 +273,12 @@ class HiCacheStore(_Base):
 
     def get_stats(self):
         """The store's counters since it was opened (a dict: keys asked, hits, misses, errors,
-        bad records, bytes, evictions, size)."""
-        return json.loads(self._store.stats_json())
+        bad records, bytes, evictions, size), and the v2 calls' failures (v2_transfer_errors:
+        transfers answered all False for an error; v2_exists_errors: batch_exists_v2 calls
+        answered nothing for one)."""
+        stats = json.loads(self._store.stats_json())
+        stats.update(self._v2_stats())
+        return stats
 
     def metrics_text(self):
         """The store's Prometheus text exposition (hicache_storage_*)."""
