@@ -102,6 +102,8 @@ AsyncStore::~AsyncStore() {
   if (own_metrics_) store_->unregister_metrics();
   MutexLock lock(pins_mu_);
   pins_.clear();  // with the GIL (pybind11 destroys us with it held)
+  rows_ = Region{};
+  rows_obj_ = py::object();
 }
 
 int AsyncStore::event_fd() const {
@@ -170,7 +172,29 @@ std::uint64_t AsyncStore::submit_batch_delete(const py::sequence& keys) {
   return submit(Kind::kDelete, keys, nullptr);
 }
 
-std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::sequence* buffers) {
+void AsyncStore::bind_rows(const py::object& region, std::size_t row_bytes) {
+  if (rows_obj_) throw InvalidArgument("AsyncStore.bind_rows: a region is bound already");
+  if (row_bytes == 0) throw InvalidArgument("AsyncStore.bind_rows: row_bytes 0");
+  Region r = region_of(region, /*writable=*/true, 0);
+  if (r.size == 0 || r.size % row_bytes != 0) {
+    throw InvalidArgument(str_cat("AsyncStore.bind_rows: a region of ", r.size,
+                                  " bytes is not a whole number of ", row_bytes, "-byte rows"));
+  }
+  row_count_ = r.size / row_bytes;
+  row_bytes_ = row_bytes;
+  rows_ = std::move(r);
+  rows_obj_ = region;
+}
+
+std::uint64_t AsyncStore::submit_rows_get(const py::sequence& keys, const py::sequence& rows) {
+  return submit(Kind::kGet, keys, nullptr, &rows);
+}
+std::uint64_t AsyncStore::submit_rows_set(const py::sequence& keys, const py::sequence& rows) {
+  return submit(Kind::kSet, keys, nullptr, &rows);
+}
+
+std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::sequence* buffers,
+                                 const py::sequence* rows) {
   const char* what = kKindNames[index_of(kind)];
   {
     MutexLock lock(mu_);
@@ -195,6 +219,24 @@ std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::
         throw InvalidArgument(str_cat("submit_batch_", what, ": buffer ", i, " is empty"));
       }
       job.buffers.emplace_back(regions.back().data, regions.back().size);
+    }
+  }
+  if (rows != nullptr) {
+    if (!rows_obj_) {
+      throw InvalidArgument(str_cat("submit_rows_", what, ": no region bound (bind_rows)"));
+    }
+    if (k.size() != rows->size()) {
+      throw InvalidArgument(
+          str_cat("submit_rows_", what, ": ", k.size(), " keys but ", rows->size(), " rows"));
+    }
+    job.buffers.reserve(k.size());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      const auto r = (*rows)[i].cast<std::int64_t>();
+      if (r < 0 || static_cast<std::uint64_t>(r) >= row_count_) {
+        throw InvalidArgument(str_cat("submit_rows_", what, ": row ", i, " is ", r,
+                                      ", outside the bound region's 0..", row_count_ - 1));
+      }
+      job.buffers.emplace_back(rows_.data + static_cast<std::size_t>(r) * row_bytes_, row_bytes_);
     }
   }
   job.names.reserve(k.size());
@@ -396,6 +438,9 @@ void register_async_store(py::module_& m) {
            py::arg("memoryviews"))
       .def("submit_batch_exists", &AsyncStore::submit_batch_exists, py::arg("keys"))
       .def("submit_batch_delete", &AsyncStore::submit_batch_delete, py::arg("keys"))
+      .def("bind_rows", &AsyncStore::bind_rows, py::arg("region"), py::arg("row_bytes"))
+      .def("submit_rows_get", &AsyncStore::submit_rows_get, py::arg("keys"), py::arg("rows"))
+      .def("submit_rows_set", &AsyncStore::submit_rows_set, py::arg("keys"), py::arg("rows"))
       .def("drain_completions",
            [](AsyncStore& s) {
              py::list out;

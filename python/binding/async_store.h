@@ -7,6 +7,9 @@
 //   submit_batch_set(keys, memoryviews) -> id     store each buffer under its key
 //   submit_batch_exists(keys) -> id               which keys are stored
 //   submit_batch_delete(keys) -> id               remove keys (LMCache's eviction)
+//   bind_rows(view, row_bytes)                    one region of rows, for the calls below
+//   submit_rows_get(keys, rows) -> id             read key i into row rows[i] of the region
+//   submit_rows_set(keys, rows) -> id             store row rows[i] under key i
 //   event_fd() -> int                             readable while completions wait to be drained
 //   drain_completions() -> [(id, ok, error, per_key)]   never blocks; clears the eventfd
 //   close()                                       finishes every accepted job, then stops
@@ -21,6 +24,10 @@
 // and write the buffers' memory in place, and each buffer's export (hence its memory) is held
 // from submit until its job's completion has been drained (or the AsyncStore is destroyed);
 // the caller must not touch a buffer of a get before its completion.
+// Rows: a caller whose buffers are the rows of one region (vLLM's primary CPU tier) binds it
+// once, and then names rows by number: no memoryview is made, exported or pinned per key. The
+// region (a writable C-contiguous buffer whose size is a multiple of row_bytes, or a host
+// tensor) stays exported until the AsyncStore is destroyed; bind_rows is allowed once.
 //
 // Completions: (id, ok, error, per_key). get: per_key[i] is True when key i was read into its
 // buffer (a missed key's buffer is unspecified); ok is False only when a key hit an I/O error
@@ -32,7 +39,8 @@
 // Threads: every method is called with the GIL held and may be called from several Python
 // threads at once; submit never blocks (bad input raises ValueError before anything is queued:
 // a key/buffer count mismatch, an empty batch, an empty key, a buffer that cannot be written
-// for a get; a full queue completes the job as failed at once, no exception). Workers never
+// for a get, a row outside the bound region or rows without one; a full queue completes the job
+// as failed at once, no exception). Workers never
 // take the GIL. Errors: ValueError for bad input, RuntimeError for a submit after close().
 #ifndef HICACHE_PYTHON_BINDING_ASYNC_STORE_H_
 #define HICACHE_PYTHON_BINDING_ASYNC_STORE_H_
@@ -92,6 +100,11 @@ class AsyncStore {
   std::uint64_t submit_batch_set(const py::sequence& keys, const py::sequence& buffers);
   std::uint64_t submit_batch_exists(const py::sequence& keys);
   std::uint64_t submit_batch_delete(const py::sequence& keys);
+  // See Rows above. InvalidArgument: bound already, an empty region, a row_bytes that is 0 or
+  // does not divide its size.
+  void bind_rows(const py::object& region, std::size_t row_bytes);
+  std::uint64_t submit_rows_get(const py::sequence& keys, const py::sequence& rows);
+  std::uint64_t submit_rows_set(const py::sequence& keys, const py::sequence& rows);
   // Every completion queued since the last call (also after close()); releases their buffers.
   std::vector<Completion> drain_completions();
   // Refuses new jobs, waits (without the GIL) for every queued and running job, stops the
@@ -130,7 +143,10 @@ class AsyncStore {
     Histogram seconds;
   };
 
-  std::uint64_t submit(Kind kind, const py::sequence& keys, const py::sequence* buffers);
+  // Exactly one of `buffers` (one per key) and `rows` (one per key, of the bound region), or
+  // neither (exists, delete).
+  std::uint64_t submit(Kind kind, const py::sequence& keys, const py::sequence* buffers,
+                       const py::sequence* rows = nullptr);
   void worker();
   Completion run(const Job& job);
   void publish(Completion c);
@@ -160,6 +176,13 @@ class AsyncStore {
   };
   Mutex pins_mu_;
   std::unordered_map<std::uint64_t, Pin> pins_ HICACHE_GUARDED_BY(pins_mu_);
+
+  // The bound region (bind_rows): set once with the GIL held, read by submits (which hold the
+  // GIL too); released by the destructor after close().
+  Region rows_;
+  py::object rows_obj_;
+  std::size_t row_bytes_ = 0;
+  std::size_t row_count_ = 0;
 
   Mutex close_mu_;  // serialises close()
   std::vector<std::thread> workers_;

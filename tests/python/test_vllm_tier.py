@@ -323,3 +323,56 @@ def test_event_fd_is_readable_until_finished_jobs_are_taken(file_storage):
     tier.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         tier.event_fd()
+
+
+def test_rows_move_by_number_and_bad_rows_are_refused_before_anything_is_queued(file_storage):
+    """The tier's jobs name rows of the bound primary region (AsyncStore.bind_rows /
+    submit_rows_*): bytes stored from one row come back into another; a row outside the
+    region, a count mismatch, rows with no region, a second bind and a region that is not whole
+    rows are refused with the bad value named, and nothing is queued."""
+    import json
+    import select
+
+    from hicache import _hicache
+
+    mem, view = primary(8)
+    for r in range(4):
+        fill(mem, r, 100 + r)
+    store = _hicache.AsyncStore(json.dumps(file_storage), prefix="rows", workers=2)
+    unbound = _hicache.AsyncStore(json.dumps(file_storage), prefix="rows", workers=1)
+    fd = store.event_fd()
+
+    def wait(fid):
+        while True:
+            select.select([fd], [], [], 10)
+            done = {c[0]: c for c in store.drain_completions()}
+            if fid in done:
+                return done[fid]
+
+    with pytest.raises(ValueError, match="no region bound"):
+        unbound.submit_rows_get(keys=["a"], rows=[0])
+    unbound.close()
+    with pytest.raises(ValueError, match="not a whole number of 3000-byte rows"):
+        store.bind_rows(view.cast("B"), 3000)
+    store.bind_rows(view.cast("B"), ROW)
+    with pytest.raises(ValueError, match="bound already"):
+        store.bind_rows(view.cast("B"), ROW)
+    cases = [
+        (lambda: store.submit_rows_set(keys=["a", "b"], rows=[0, 8]), "row 1 is 8, outside"),
+        (lambda: store.submit_rows_get(keys=["a"], rows=[-1]), "row 0 is -1, outside"),
+        (lambda: store.submit_rows_get(keys=["a", "b"], rows=[0]), "2 keys but 1 rows"),
+        (lambda: store.submit_rows_set(keys=["a", ""], rows=[0, 1]), "key 1 is empty"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert store.pending == 0 and store.drain_completions() == []
+
+    keys = [f"k{r}" for r in range(4)]
+    fid, ok, error, per_key = wait(store.submit_rows_set(keys=keys, rows=[0, 1, 2, 3]))
+    assert ok and all(per_key), error
+    fid, ok, error, per_key = wait(store.submit_rows_get(keys=keys[::-1], rows=[4, 5, 6, 7]))
+    assert ok and all(per_key), error
+    for i, r in enumerate([3, 2, 1, 0]):
+        assert row(mem, 4 + i) == row(mem, r)  # key k3 into row 4, ...
+    store.close()

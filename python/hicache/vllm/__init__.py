@@ -200,6 +200,7 @@ class HiCacheTier(_Base):
                                           workers=int(workers), max_pending=int(max_pending),
                                           metrics_port=int(metrics_port),
                                           metrics_bind=str(metrics_bind))
+        self._async.bind_rows(self._flat, self._row_bytes)  # jobs name rows, no view per block
         self._indexed = self._async.store_name == "file"  # exists from the index, no I/O
         self._fd = self._async.event_fd()
         self._futures = {}       # future id -> ("store" | "load", job_id, keys) | ("exists", key)
@@ -372,12 +373,10 @@ class HiCacheTier(_Base):
             if not keys:
                 self._end(job_id, kind, True)
                 return
-        w = self._row_bytes
-        views = [self._flat[b * w:(b + 1) * w] for b in ids]
         try:
-            submit = (self._async.submit_batch_set if kind == "store"
-                      else self._async.submit_batch_get)
-            fid = submit(keys=keys, memoryviews=views)
+            submit = (self._async.submit_rows_set if kind == "store"
+                      else self._async.submit_rows_get)
+            fid = submit(keys=keys, rows=ids)
         except Exception:  # closed, or refused: a failed job, never an exception in vLLM
             self._end(job_id, kind, False)
             return
