@@ -59,11 +59,6 @@ PrefetchStage PrefetchOperation::stage() const {
   return stage_;
 }
 
-bool PrefetchOperation::io_done() const {
-  MutexLock lock(mu_);
-  return io_done_at_.has_value();
-}
-
 std::string PrefetchOperation::error() const {
   MutexLock lock(mu_);
   return error_;
@@ -506,6 +501,7 @@ void StorageController::finish(PrefetchOperation& op) {
       op.stage_ = PrefetchStage::kFinished;
       if (!op.terminate_ && op.completed_pages_.load() == op.hit_pages_.load()) {
         op.io_done_at_ = std::chrono::steady_clock::now();  // every page landed
+        op.io_done_.store(true, std::memory_order_release);
       }
     }
   }
@@ -631,6 +627,7 @@ bool StorageController::can_terminate(const PrefetchOperation& op) const {
 
 PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
                                                      std::optional<std::int64_t> agreed_pages) {
+  PrefetchStage stage;
   {
     MutexLock lock(op.mu_);
     if (op.stage_ == PrefetchStage::kTerminated) {
@@ -643,18 +640,19 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
            !(op.stage_ == PrefetchStage::kLoading && !op.worker_started_)) {
       op.mu_.wait(op.cv_);
     }
+    stage = op.stage_;  // final but for kTerminated, set below
   }
   // A loading op the worker has not started yet will be skipped by it: from here on nothing
   // of the op is read. A revoked op holds nothing and makes no collective call (the revoke was
   // agreed by every rank); any other op's completed prefix is agreed by every rank, since all
   // terminate the same ops in the same order.
   PrefetchResult result;
-  result.revoked = op.stage() == PrefetchStage::kRevoked;
+  result.revoked = stage == PrefetchStage::kRevoked;
   if (result.revoked && op.caller_slots_ && !op.slots_.empty()) {
     host_.free(op.slots_);  // the caller's reservation, untouched
     op.slots_.clear();
   }
-  if (op.stage() != PrefetchStage::kRevoked) {
+  if (!result.revoked) {
     std::int64_t completed[1] = {op.completed_pages_.load()};
     if (agreed_pages) {
       completed[0] = *agreed_pages;

@@ -128,8 +128,8 @@ class PrefetchOperation {
   // The first storage error met on this rank, if any.
   std::string error() const;
   // True once the I/O worker read every page of the hit (not cut short): the pages wait in host
-  // memory for terminate_prefetch.
-  bool io_done() const;
+  // memory for terminate_prefetch. Lock-free.
+  bool io_done() const { return io_done_.load(std::memory_order_acquire); }
 
   PrefetchOperation(std::string request_id, std::vector<std::int32_t> tokens,
                     std::optional<PageDigest> prior, std::int64_t page_size);
@@ -153,6 +153,9 @@ class PrefetchOperation {
   // When the I/O worker finished reading every page of the hit (not cut short by a terminate):
   // terminate_prefetch measures from it how long the fetched pages waited to be taken.
   std::optional<std::chrono::steady_clock::time_point> io_done_at_ HICACHE_GUARDED_BY(mu_);
+  // io_done_at_ is set: read by io_done() without mu_ (the radix cache asks at every step for
+  // every pending prefetch).
+  std::atomic<bool> io_done_{false};
   std::string error_ HICACHE_GUARDED_BY(mu_);
   std::atomic<bool> terminate_{false};
   std::atomic<std::int64_t> hit_pages_{0};
