@@ -186,15 +186,21 @@ class RedisStorage::Impl {
   }
 
   std::size_t exists(std::span<const std::string> keys) {
+    const std::vector<bool> each = exists_each(keys);
+    std::size_t present = 0;
+    while (present < each.size() && each[present]) ++present;
+    return present;
+  }
+
+  std::vector<bool> exists_each(std::span<const std::string> keys) {
     std::string arena;
     std::vector<Request> reqs = key_requests(keys, "EXISTS", arena, /*read=*/true);
     execute(reqs);
-    std::size_t present = 0;
-    while (present < reqs.size() && reqs[present].outcome == Outcome::kInteger &&
-           reqs[present].integer == 1) {
-      ++present;
+    std::vector<bool> out(reqs.size(), false);
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      out[i] = reqs[i].outcome == Outcome::kInteger && reqs[i].integer == 1;
     }
-    return present;
+    return out;
   }
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
@@ -832,6 +838,13 @@ std::size_t RedisStorage::batch_exists(std::span<const std::string> keys) {
   counters_.exists_queries += keys.size();
   if (keys.empty()) return 0;
   return impl_->exists(keys);
+}
+
+std::vector<bool> RedisStorage::exists_each(std::span<const std::string> keys) {
+  for (const auto& k : keys) validate_key(k);
+  counters_.exists_queries += keys.size();
+  if (keys.empty()) return {};
+  return impl_->exists_each(keys);
 }
 
 bool RedisStorage::remove(const std::string& key) {

@@ -141,6 +141,8 @@ class RedisStorage final : public StorageBackend {
 
   std::string_view name() const override { return "redis"; }
   std::size_t batch_exists(std::span<const std::string> keys) override;
+  // Every key in one pipelined round trip (EXISTS per key).
+  std::vector<bool> exists_each(std::span<const std::string> keys) override;
   bool remove(const std::string& key) override;
   void clear() override;
 

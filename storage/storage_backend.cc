@@ -79,6 +79,12 @@ class StorageBackend::Inflight {
 };
 
 StorageBackend::StorageBackend() : inflight_(std::make_unique<Inflight>()) {}
+std::vector<bool> StorageBackend::exists_each(std::span<const std::string> keys) {
+  std::vector<bool> out(keys.size(), false);
+  for (std::size_t i = 0; i < keys.size(); ++i) out[i] = batch_exists(keys.subspan(i, 1)) == 1;
+  return out;
+}
+
 StorageBackend::~StorageBackend() = default;
 
 namespace {

@@ -85,6 +85,11 @@ class StorageBackend {
   // How many leading keys are present (a prefix hit); stops at the first absent key. An I/O
   // error counts as absent.
   virtual std::size_t batch_exists(std::span<const std::string> keys) = 0;
+  // Whether each key is present, every key asked (a sparse set, where batch_exists stops at
+  // the first absent key: SGLang's trailing-window pools). An I/O error counts as absent.
+  // Default: one batch_exists per key (an index lookup in the file store); Redis asks every
+  // key in one pipelined round trip.
+  virtual std::vector<bool> exists_each(std::span<const std::string> keys);
 
   // Reads each key into dst[i] (dst[i].size() is the expected payload size).
   std::vector<IoResult> batch_get(std::span<const std::string> keys, std::span<const ByteSpan> dst);

@@ -129,11 +129,8 @@ std::vector<IoResult> PyStore::batch_set(const py::sequence& keys, const py::seq
 
 std::vector<bool> PyStore::exists_each(const py::sequence& keys) {
   const auto k = keys_of(keys);
-  std::vector<bool> out(k.size(), false);
   py::gil_scoped_release nogil;
-  for (std::size_t i = 0; i < k.size(); ++i)
-    out[i] = store_->batch_exists(std::span(&k[i], 1)) == 1;
-  return out;
+  return store_->exists_each(k);  // Redis: one round trip
 }
 
 std::vector<IoResult> PyStore::batch_get_ptrs(const py::sequence& keys, const Ranges& ranges,

@@ -134,6 +134,14 @@ TEST_F(FileStorageTest, InlineAndGroupCommitRoundTrip) {
   EXPECT_EQ(files_in(root_ / ".tmp"), 0u) << "every temporary was renamed into place";
 }
 
+TEST_F(FileStorageTest, ExistsEachAnswersEveryKey) {
+  FileStorage s(config());
+  const auto keys = make_keys("ee", 5);
+  put(s, {keys[0], keys[2], keys[3]}, 1024);
+  EXPECT_EQ(s.exists_each(keys), (std::vector<bool>{true, false, true, true, false}));
+  EXPECT_EQ(s.batch_exists(keys), 1u);
+}
+
 TEST_F(FileStorageTest, ExistsCountsTheLeadingPrefixOnly) {
   FileStorage s(config());
   const auto keys = make_keys("ex", 5);

@@ -595,6 +595,19 @@ TEST_F(RedisStorageTest, AbsentKeysMissAndExistsCountsThePrefix) {
   EXPECT_EQ(s->stats().get_misses, 1u);
 }
 
+// exists_each asks every key (a sparse set), in one pipelined round trip: the server sees one
+// EXISTS per key and nothing else.
+TEST_F(RedisStorageTest, ExistsEachAnswersEveryKeyInOneRoundTrip) {
+  auto s = open_redis(port(), R"("connections": 1)");
+  put_ok(*s, {"e0", "e2", "e3"}, 4096);
+  const std::vector<std::string> keys = {"e0", "e1", "e2", "e3", "e4"};
+  EXPECT_EQ(s->exists_each(keys), (std::vector<bool>{true, false, true, true, false}));
+  EXPECT_EQ(s->batch_exists(keys), 1u) << "batch_exists still stops at the first absent key";
+  EXPECT_TRUE(s->exists_each(std::vector<std::string>{}).empty());
+  EXPECT_EQ(s->stats().exists_queries, 10u);
+  EXPECT_THROW(s->exists_each(std::vector<std::string>{"ok", "a b"}), InvalidArgument);
+}
+
 TEST_F(RedisStorageTest, SetSkipsKeysAlreadyStored) {
   auto s = open_redis(port());
   put_ok(*s, {"x", "y"}, 8192);

@@ -50,6 +50,11 @@ std::size_t ThrottledStorage::batch_exists(std::span<const std::string> keys) {
   return inner_->batch_exists(keys);
 }
 
+std::vector<bool> ThrottledStorage::exists_each(std::span<const std::string> keys) {
+  wait(0);  // one call, as the store makes it
+  return inner_->exists_each(keys);
+}
+
 std::vector<IoResult> ThrottledStorage::do_batch_get(std::span<const std::string> keys,
                                                      std::span<const ByteSpan> dst) {
   std::uint64_t bytes = 0;

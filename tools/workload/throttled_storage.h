@@ -39,6 +39,7 @@ class ThrottledStorage final : public StorageBackend {
 
   std::string_view name() const override { return inner_->name(); }
   std::size_t batch_exists(std::span<const std::string> keys) override;
+  std::vector<bool> exists_each(std::span<const std::string> keys) override;
   void touch(std::span<const std::string> keys) override { inner_->touch(keys); }  // in memory
   bool remove(const std::string& key) override { return inner_->remove(key); }
   void clear() override { inner_->clear(); }
