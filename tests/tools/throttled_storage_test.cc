@@ -81,6 +81,13 @@ TEST(ThrottledStorage, EachCallWaitsItsLatencyAndThreadsShareTheLink) {
   Clock::time_point t = Clock::now();
   EXPECT_EQ(slow.batch_exists(key), 0u);
   EXPECT_GE(seconds_since(t), 0.03);
+  // exists_each is one call to the store: one latency for five keys, not five (>= 0.15 s).
+  const double before = slow.waited_seconds();
+  t = Clock::now();
+  EXPECT_EQ(slow.exists_each(std::vector<std::string>{"k", "l", "m", "n", "o"}),
+            std::vector<bool>(5, false));
+  EXPECT_GE(seconds_since(t), 0.03);
+  EXPECT_LT(slow.waited_seconds() - before, 0.12);
 
   Root other;
   ThrottledStorage link(other.open(), {.bytes_per_second = 20e6, .latency_s = 0});
