@@ -196,6 +196,16 @@ const std::vector<Key>& keys() {
         "... and frees nodes until this fraction would be free", "", ""},
        0, 1, false,
        [](Draft& d, const json& v) { d.c.radix.demote_high_watermark = v.get<double>(); }},
+      {{"storage_admission", "storage-admission", T::kString, R"("write_through")",
+        "write_through | exclusive",
+        "when host pages are written to L3: as soon as they reach the host (L3 holds a "
+        "superset of the host), or only as host eviction takes them, coldest first (L3 adds "
+        "its capacity to the host's)",
+        "", ""},
+       -kInf, kInf, false,
+       [](Draft& d, const json& v) {
+         d.c.radix.storage_admission = parse_storage_admission(v.get<std::string>());
+       }},
       {{"storage", "storage", T::kObject, "",
         R"({"backend": "file", "root": DIR, ...} | {"backend": "redis", ...})",
         "the L3 store (none: no L3); the backend's own keys are its reference",

@@ -55,9 +55,12 @@ class HiRadixCache::Hooks final : public radix::L3Paths::Cache, public radix::Ti
   std::uint64_t l3_removal_clock() const override {
     return c_.tier_events_ ? c_.tier_events_->l3_clock() : 0;
   }
+  void backup_acked(Node* node) override { c_.tiers_->backup_acked(node); }
   // TierPolicy::Cache
   void remove_leaf(Node* node) override { c_.remove_leaf(node); }
   void host_copy_synced(Node* node) override { c_.l3_->backup_node(node); }
+  bool l3_attached() const override { return c_.l3_->attached(); }
+  bool back_up_leaving(Node* node) override { return c_.l3_->back_up_leaving(node); }
   std::int64_t prefetch_reserved_tokens() const override { return c_.l3_->reserved_tokens(); }
   bool timed() const override { return c_.metrics_.attached(); }
 
@@ -113,7 +116,8 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
                                 .write_through_threshold = config_.write_through_threshold,
                                 .load_back_min_tokens = config_.load_back_min_tokens,
                                 .demote_low_watermark = config_.demote_low_watermark,
-                                .demote_high_watermark = config_.demote_high_watermark});
+                                .demote_high_watermark = config_.demote_high_watermark,
+                                .storage_admission = config_.storage_admission});
   if (storage != nullptr) l3_->attach(*storage, std::move(keyer), controller_.events());
 }
 
@@ -216,6 +220,7 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
   m->write_op = node->write_op;
   m->load_op = node->load_op;
   m->evict_after_write = node->evict_after_write;
+  m->leave_host_after_backup = node->leave_host_after_backup;
   m->announced = node->announced;  // the same pages, announced where they were
   if (node->backup_op != 0) pending_->backups[node->backup_op].nodes.push_back(m);
   if (node->write_op != 0) pending_->writes[node->write_op].nodes.push_back(m);

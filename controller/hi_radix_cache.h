@@ -24,8 +24,11 @@
 // write_back only when it is evicted from the device (the device pages are freed when the write
 // is acknowledged). A node with a write or a load in flight is locked; the ack unlocks it.
 //
-// Storage (optional, a StorageController): once a node's host copy is synced, it is backed up
-// to L3 under its chained page keys (the node stays locked until the backup ack). A request whose
+// Storage (optional, a StorageController): under the write_through admission (the default), once
+// a node's host copy is synced it is backed up to L3 under its chained page keys (the node stays
+// locked until the backup ack); under exclusive, a host copy goes to L3 only as it leaves the
+// host (host eviction), locked until the ack and freed on it, kept on the host when the backup
+// did not land (RadixCacheConfig::storage_admission). A request whose
 // prefix continues past the tree can prefetch_from_storage(); check_events() inserts every
 // finished prefetch as host-resident nodes at once (the reference waits until the scheduler scans
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.
@@ -58,6 +61,7 @@
 #include "controller/hicache_controller.h"
 #include "controller/radix/events.h"
 #include "controller/radix/eviction_policy.h"
+#include "controller/radix/storage_admission.h"
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
@@ -103,6 +107,9 @@ struct RadixCacheConfig {
   // low = 0: off.
   double demote_low_watermark = 0;
   double demote_high_watermark = 0;
+  // When host pages are written to L3 (storage_admission.h): write_through at once, exclusive
+  // as they leave the host.
+  StorageAdmission storage_admission = StorageAdmission::kWriteThrough;
   // Bits of an edge's 64-bit hash the tree keys children by (1..64). Only tests lower it: edges
   // then collide, which the tree handles (slower, never wrong).
   std::int32_t edge_hash_bits = 64;
@@ -127,6 +134,9 @@ struct RadixCacheStats {
   std::int64_t loaded_back_tokens = 0;
   std::int64_t stored_tokens = 0;      // tokens of tree nodes known to be in L3
   std::int64_t backups_in_flight = 0;  // nodes
+  // Exclusive admission: host tokens whose backup on leaving the host did not land in L3 (they
+  // stayed on the host; a later eviction tries again).
+  std::int64_t backup_kept_tokens = 0;
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
   // Cost-aware load back: refusals, and the inputs of the last decision.

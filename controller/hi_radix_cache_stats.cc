@@ -106,6 +106,7 @@ RadixCacheStats HiRadixCache::stats() const {
   s.writes_in_flight = t.writing;
   s.loads_in_flight = t.loading;
   s.backups_in_flight = t.backing_up;
+  s.backup_kept_tokens = v(events_.backup_kept_tokens);
   s.stored_tokens = t.stored_tokens;
   return s;
 }

@@ -55,6 +55,10 @@ void CacheEvents::register_in(MetricsScope& scope) const {
   scope.add("hicache_backup_dropped_tokens_total",
             "Host tokens whose backup to L3 was skipped, by reason", {{"reason", "queue_full"}},
             e.backup_dropped_tokens);
+  scope.add("hicache_backup_kept_tokens_total",
+            "Host tokens kept on the host because their backup to L3 on leaving it did not "
+            "land (exclusive storage admission)",
+            {{"reason", "backup_failed"}}, e.backup_kept_tokens);
   constexpr const char* kRefused = kMissesMetric;
   constexpr const char* kRefusedHelp = kMissesHelp;
   scope.add(kRefused, kRefusedHelp, {{"reason", "evicted"}}, e.miss_evicted_tokens);

@@ -24,6 +24,9 @@ struct CacheEvents {
   Counter dropped_device_tokens;
   // Host tokens whose backup to L3 was skipped: the backup queue was full.
   Counter backup_dropped_tokens;
+  // Exclusive admission: host tokens whose backup on leaving the host did not land in L3; they
+  // stayed on the host (nothing is lost by the admission policy).
+  Counter backup_kept_tokens;
   // Prefetches asked of L3 by outcome (hicache_prefetch_outcomes_total): asked for (a span of
   // whole pages continuing a keyed prefix), queued, declined before any query (span below the
   // threshold, queue or budget full, slower than recomputing, no host room).

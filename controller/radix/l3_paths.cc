@@ -82,6 +82,14 @@ void L3Paths::backup_node(Node* node) {
   pending_.backups[*id] = PendingOps::Op{node, {node}, clock};
 }
 
+bool L3Paths::back_up_leaving(Node* node) {
+  if (storage_ == nullptr || pending_.backups.size() >= storage_->backup_queue_capacity()) {
+    return false;
+  }
+  backup_node(node);
+  return node->backup_op != 0;
+}
+
 void L3Paths::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*local*/) {
   auto taken = PendingOps::take(pending_.backups, id);
   if (!taken) return;
@@ -110,6 +118,8 @@ void L3Paths::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*lo
     touch_path(taken->holder);
   }
   cache_.unlock(taken->holder);
+  // Deepest first: a leaf that leaves the host may leave its parent a leaf that can follow.
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) cache_.backup_acked(*it);
 }
 
 void L3Paths::touch_path(Node* node) {

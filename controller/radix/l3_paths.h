@@ -55,6 +55,10 @@ class L3Paths {
     // The KV events' L3 removal clock (TierEvents::l3_clock; 0 without events), read as a
     // backup is queued.
     virtual std::uint64_t l3_removal_clock() const = 0;
+    // A backup's agreed ack was applied to `node` (stored_pages updated, the op's lock
+    // released): the tier policy frees a host copy that was leaving the host
+    // (TierPolicy::backup_acked). The op's nodes come deepest first.
+    virtual void backup_acked(Node* node) = 0;
 
    protected:
     ~Cache() = default;
@@ -85,9 +89,15 @@ class L3Paths {
   // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
   // (by the backups in flight); the node stays locked until the ack. Nothing without L3.
   void backup_node(Node* node);
+  // Exclusive admission: backs up a host copy that is leaving the host (as backup_node); true
+  // when its backup was queued. False, with nothing counted, when the backup queue has no room
+  // by the backups in flight (the copy stays until a later eviction), without L3, or when the
+  // node cannot be backed up (no page digests, a backup in flight).
+  bool back_up_leaving(Node* node);
   // A backup's ack (agreed and local values as in ArrivedAcks: completed tokens + 1): the
   // leading pages the ranks completed count as stored (none for a backup whose store was
-  // cleared meanwhile), the lock is released. Nothing for a backup that is not pending.
+  // cleared meanwhile), the lock is released, then each node is handed to Cache::backup_acked.
+  // Nothing for a backup that is not pending.
   void apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t local);
 
   // HiRadixCache::prefetch_from_storage, check_prefetch_progress, release_aborted_request.

@@ -5,7 +5,7 @@
 //   tiers (the tier policy, tier_policy.h, the L3 paths, l3_paths.h, and the coordinator's
 //   split, hi_radix_cache.cc)
 //                          device, host, write_op, load_op, backup_op, digests, stored_pages,
-//                          evict_after_write;
+//                          evict_after_write, leave_host_after_backup;
 //   eviction (eviction.h)  device_children, passed_over, indexed;
 //   KV events (tier_events.h) announced.
 // A node and its key are one allocation (make()): the key's tokens follow the node, so a lookup
@@ -173,6 +173,8 @@ struct alignas(64) Node {
   std::string identity;              // tree: a child of the root's cache identity (empty: none)
   std::int64_t stored_pages = 0;     // tiers: leading pages known to be in L3
   bool evict_after_write = false;    // tiers: write_back frees the device copy on the ack
+  // tiers: exclusive storage admission frees the host copy on the backup's ack
+  bool leave_host_after_backup = false;
   bool passed_over = false;          // eviction: evict_device keeps it this call (out of the index)
   // KV events: the tiers its pages were last announced on (a split copies it to both halves).
   struct Announced {

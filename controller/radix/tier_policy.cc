@@ -3,7 +3,22 @@
 #include <algorithm>
 #include <chrono>
 
-namespace hicache::radix {
+#include "transfer/errors.h"
+
+namespace hicache {
+
+StorageAdmission parse_storage_admission(std::string_view name) {
+  if (name == "write_through") return StorageAdmission::kWriteThrough;
+  if (name == "exclusive") return StorageAdmission::kExclusive;
+  throw InvalidArgument(
+      str_cat("unknown storage admission '", name, "' (valid: write_through, exclusive)"));
+}
+
+std::string_view to_string(StorageAdmission admission) {
+  return admission == StorageAdmission::kExclusive ? "exclusive" : "write_through";
+}
+
+namespace radix {
 
 namespace {
 
@@ -27,6 +42,7 @@ TierPolicy::TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOp
       policy_(controller.config().write_policy),
       selective_(policy_ == WritePolicy::kWriteThroughSelective),
       host_tier_(config.host_tier),
+      exclusive_(config.storage_admission == StorageAdmission::kExclusive),
       tree_(tree),
       arrived_(arrived),
       agreement_(agreement),
@@ -197,23 +213,64 @@ std::int64_t TierPolicy::evict_device(std::int64_t tokens) {
 }
 
 std::int64_t TierPolicy::evict_host_to_free(std::int64_t target) {
-  const std::int64_t need = target - host_room();
+  const std::int64_t need = target - host_room() - (exclusive_ ? leaving_host_tokens() : 0);
   return need > 0 ? evict_host(need) : 0;
+}
+
+std::int64_t TierPolicy::leaving_host_tokens() const {
+  std::int64_t leaving = 0;
+  for (const auto& [id, op] : pending_.backups) {
+    for (const Node* n : op.nodes) {
+      if (n->leave_host_after_backup) leaving += static_cast<std::int64_t>(n->host.size());
+    }
+  }
+  return leaving;
+}
+
+void TierPolicy::drop_host(Node* node) {
+  controller_.evict_host(node->host);
+  events_.evicted_host_tokens += node->host.size();
+  cache_.remove_leaf(node);
 }
 
 std::int64_t TierPolicy::evict_host(std::int64_t tokens) {
   // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
-  // goes may leave its parent such a leaf.
-  std::int64_t freed = 0;
-  while (freed < tokens) {
+  // goes may leave its parent such a leaf. Exclusive admission: a leaf L3 does not hold whole
+  // goes there first, locked (out of the index) until the ack frees it.
+  const bool to_l3 = exclusive_ && cache_.l3_attached();
+  std::int64_t freed = 0, scheduled = 0;
+  while (freed + scheduled < tokens) {
     Node* n = index_.next_victim(Tier::kHost);
     if (n == nullptr) break;
-    controller_.evict_host(n->host);
-    freed += static_cast<std::int64_t>(n->host.size());
-    cache_.remove_leaf(n);
+    const auto size = static_cast<std::int64_t>(n->host.size());
+    if (to_l3 && !whole_in_l3(*n)) {
+      // Queue full (the same count on every rank): the acks in flight bring the room.
+      if (!cache_.back_up_leaving(n)) break;
+      n->leave_host_after_backup = true;
+      scheduled += size;
+      continue;
+    }
+    freed += size;
+    drop_host(n);
   }
-  events_.evicted_host_tokens += freed;
   return freed;
+}
+
+void TierPolicy::backup_acked(Node* node) {
+  if (!node->leave_host_after_backup) return;
+  node->leave_host_after_backup = false;
+  if (!whole_in_l3(*node)) {
+    // Failed (or partly stored): nothing acknowledged is lost by the admission policy.
+    events_.backup_kept_tokens += node->host.size();
+    return;
+  }
+  // Used again while it was written (held, loaded back, a child added): it stays, in L3 now, and
+  // a later eviction frees it at once.
+  if (node->lock != 0 || !node->device.empty() || !node->children.empty() || node->write_op != 0 ||
+      node->load_op != 0 || node->host.empty()) {
+    return;
+  }
+  drop_host(node);
 }
 
 std::int64_t TierPolicy::host_room() const {
@@ -264,7 +321,7 @@ void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t lo
       n->evict_after_write = false;
       if (n->lock == 0 && n->load_op == 0) drop_device(n);
     }
-    if (ok) cache_.host_copy_synced(n);
+    if (ok && !exclusive_) cache_.host_copy_synced(n);
   }
 }
 
@@ -292,4 +349,5 @@ void TierPolicy::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t loc
   cache_.unlock(op.holder);
 }
 
-}  // namespace hicache::radix
+}  // namespace radix
+}  // namespace hicache

@@ -7,10 +7,13 @@
 //     when the cost rule (agreement.h, CostRule) says recomputing is cheaper;
 //   - device and host eviction in the eviction index's order, and demotion between the
 //     watermarks at each step;
+//   - L3 admission (storage_admission.h): write_through backs a host copy up once it is synced;
+//     exclusive backs it up only as host eviction takes it (a copy already in L3 goes at once),
+//     the node locked until the backup's ack, freed on it, kept when the backup did not land;
 //   - the application of a write's or a load's ack (the agreed and this rank's outcome).
 // It moves KV through the HiCacheController and the pools; the tree's locks, the refresh that
-// keeps the eviction index and the KV events current, a leaf's removal and the L3 backup of a
-// synced copy it asks of the cache it serves (TierPolicy::Cache, HiRadixCache).
+// keeps the eviction index and the KV events current, a leaf's removal and the L3 backups it
+// asks of the cache it serves (TierPolicy::Cache, HiRadixCache).
 //
 // TP: every call happens at the same step on every rank; a write's room is judged on state that
 // only agreed events change (host_room(), the writes in flight), never on the pool's or the
@@ -28,6 +31,7 @@
 #include "controller/radix/events.h"
 #include "controller/radix/eviction.h"
 #include "controller/radix/node.h"
+#include "controller/radix/storage_admission.h"
 #include "controller/radix/tree.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
@@ -47,8 +51,14 @@ class alignas(64) TierPolicy {
     virtual void refresh(Node* node) = 0;
     // Takes a leaf without KV out of the tree, remembering its pages as evicted.
     virtual void remove_leaf(Node* node) = 0;
-    // A write's agreed ack made `node`'s host copy synced: the L3 paths may back it up.
+    // A write's agreed ack made `node`'s host copy synced: the L3 paths may back it up
+    // (write_through admission only).
     virtual void host_copy_synced(Node* node) = 0;
+    // Exclusive admission: L3 is attached; and the backup of a host-only leaf that host
+    // eviction takes (L3Paths::back_up_leaving: true when queued, the node then locked until the
+    // ack, which comes back through backup_acked()).
+    virtual bool l3_attached() const = 0;
+    virtual bool back_up_leaving(Node* node) = 0;
     // Host tokens that prefetches in flight hold (they count against host_room()).
     virtual std::int64_t prefetch_reserved_tokens() const = 0;
     // Metrics are registered: evict_device times its calls (no clock read otherwise).
@@ -65,6 +75,7 @@ class alignas(64) TierPolicy {
     std::int64_t load_back_min_tokens = 0;     // smaller host hits are refused (recomputed)
     double demote_low_watermark = 0;           // fractions of the device pool; low 0: off
     double demote_high_watermark = 0;
+    StorageAdmission storage_admission = StorageAdmission::kWriteThrough;
   };
 
   // Write priorities (lower first in the controller's write queue, FIFO among equals): a write
@@ -102,10 +113,18 @@ class alignas(64) TierPolicy {
   // returns how many were freed now (write-back writes, freed on their ack, count towards
   // `tokens` but not in the result). Fewer when the candidates run out.
   std::int64_t evict_device(std::int64_t tokens);
-  // HiRadixCache::evict_host: frees host-only leaves (they leave the tree); returns the tokens.
+  // HiRadixCache::evict_host: frees host-only leaves (they leave the tree) in the index's order;
+  // returns the tokens freed now. Exclusive admission with L3 attached: a leaf not yet whole in
+  // L3 is backed up instead and freed on the ack (it counts towards `tokens`, not in the
+  // result); eviction stops when the backup queue is full (room comes with the acks in flight).
   std::int64_t evict_host(std::int64_t tokens);
-  // evict_host until host_room() reaches `target` (as far as host-only leaves allow).
+  // evict_host until host_room() reaches `target` (as far as host-only leaves allow); host
+  // copies whose backup is in flight to leave the host count as free.
   std::int64_t evict_host_to_free(std::int64_t target);
+  // A backup's agreed ack was applied to `node` (L3Paths::Cache::backup_acked): a host copy
+  // that was leaving the host is freed when the whole node is in L3 and it is still a host-only
+  // leaf nobody holds; when the backup did not land it stays (counted in backup_kept_tokens).
+  void backup_acked(Node* node);
   // HiRadixCache::host_room: the pool's free count (one rank), or under TP its capacity less the
   // tree's host tokens and the prefetches' reservations (the same count on every rank).
   std::int64_t host_room() const;
@@ -127,6 +146,14 @@ class alignas(64) TierPolicy {
   void write_node(Node* node, std::int64_t priority);
   // Frees `node`'s device copy (its host copy, if any, goes from synced to backup).
   void drop_device(Node* node);
+  // Frees a host-only leaf's host copy; the node leaves the tree.
+  void drop_host(Node* node);
+  // Every page of `node` is in L3.
+  bool whole_in_l3(const Node& node) const {
+    return node.stored_pages * tree_.page_size() == static_cast<std::int64_t>(node.key().size());
+  }
+  // Host tokens of the backups in flight that free their host copy on the ack.
+  std::int64_t leaving_host_tokens() const;
 
   // What insert, eviction and the acks read first, in one cache line: the scheduler's calls come
   // between the other work of a step, which evicts the caches.
@@ -139,6 +166,7 @@ class alignas(64) TierPolicy {
   WritePolicy policy_;
   bool selective_;  // policy_ is write_through_selective
   bool host_tier_;  // config_.host_tier
+  bool exclusive_;  // config_.storage_admission is exclusive
   Tree& tree_;
   ArrivedAcks& arrived_;
   Agreement& agreement_;

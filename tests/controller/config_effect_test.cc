@@ -706,6 +706,27 @@ TEST(ConfigEffect, PrefetchThresholdBudgetAndBatchPagesShapeAnL3Read) {
   }
 }
 
+// storage_admission: write_through backs a page up to L3 as soon as it reaches the host;
+// exclusive only as host eviction takes it (freed on the backup's ack, not at once).
+TEST(ConfigEffect, StorageAdmissionDecidesWhenHostPagesReachL3) {
+  for (const char* admission : {"write_through", "exclusive"}) {
+    SCOPED_TRACE(admission);
+    const bool exclusive = std::string_view(admission) == "exclusive";
+    TempDir dir;
+    HiCache hc(config_with({{"storage_admission", json_string(admission)},
+                            {"storage", str_cat(R"({"backend": "file", "root": )",
+                                                json_string(dir.path.string()), "}")}}));
+    const auto t = tokens_of(1, 2);
+    make_host_only(hc, t);
+    const std::int64_t page_bytes = hc.host_pool().geometry().token_bytes() * kPage;
+    EXPECT_EQ(hc.storage_controller()->written_bytes(), exclusive ? 0 : 2 * page_bytes);
+    EXPECT_EQ(hc.cache().evict_host(2 * kPage), exclusive ? 0 : 2 * kPage);
+    settle(hc);
+    EXPECT_EQ(hc.storage_controller()->written_bytes(), 2 * page_bytes);
+    EXPECT_EQ(hc.cache().stats().host_tokens, 0);
+  }
+}
+
 std::map<std::string, std::string> tp_keys(int rank, const fs::path& dir) {
   return {{"tp_size", "2"},
           {"tp_rank", std::to_string(rank)},

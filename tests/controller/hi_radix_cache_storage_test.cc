@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -462,7 +463,7 @@ TEST(HiRadixCacheStorage, PrefetchOutcomesAndUnfulfilledTokensAddUpToTheAgreedHi
   EXPECT_EQ(rh.value("hicache_prefetch_outcomes_total", {{"outcome", "issued"}}), 0);
 }
 
-// A file store whose writes wait while `gate` is held.
+// A file store whose writes wait while `gate` is held, and fail while `fail_sets` is set.
 class GatedWrites final : public StorageBackend {
  public:
   explicit GatedWrites(const std::string& root) : file_(FileStorageConfig{.root = root}) {}
@@ -473,6 +474,7 @@ class GatedWrites final : public StorageBackend {
   bool remove(const std::string& key) override { return file_.remove(key); }
   void clear() override { file_.clear(); }
   std::mutex gate;
+  std::atomic<bool> fail_sets{false};  // every key of a set is an error, nothing stored
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
@@ -482,6 +484,7 @@ class GatedWrites final : public StorageBackend {
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
                                      std::span<const ConstByteSpan> src) override {
     std::lock_guard hold(gate);
+    if (fail_sets) return std::vector<IoResult>(keys.size(), IoResult::error("injected failure"));
     return file_.batch_set(keys, src);
   }
 
@@ -528,6 +531,137 @@ TEST(HiRadixCacheStorage, ABackupThatFindsTheQueueFullIsDroppedAndCounted) {
   EXPECT_EQ(e.cache.stats().stored_tokens, 2 * kPage) << "one of the two nodes reached L3";
   e.expect_accounting();
   e.cache.detach_storage();  // before the store goes
+  e.storage.reset();
+}
+
+constexpr RadixCacheConfig kExclusive{.storage_admission = StorageAdmission::kExclusive};
+
+// Exclusive admission: a page reaching the host is not written to L3; host eviction backs it up
+// (the pages stay on the host, locked, until the ack) and frees it on the ack; the pages read
+// back from L3 are the bytes written. A page L3 holds already leaves the host with no write.
+TEST(HiRadixCacheStorage, ExclusiveWritesL3AsPagesLeaveTheHostAndFreesThemOnTheAck) {
+  L3 l3("exclusive");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, kExclusive, &l3,
+           {.policy = PrefetchPolicy::kWaitComplete});  // run() reads every page back
+  const auto a = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 3 * kPage);
+  EXPECT_EQ(e.cache.stats().stored_tokens, 0) << "the host write backed nothing up";
+  EXPECT_EQ(e.storage->written_bytes(), 0);
+  EXPECT_EQ(e.cache.evict_device(100), 3 * kPage);
+  EXPECT_EQ(e.cache.evict_host(100), 0) << "freed on the backup's ack, not now";
+  RadixCacheStats s = e.cache.stats();
+  EXPECT_EQ(s.backups_in_flight, 1);
+  EXPECT_EQ(s.host_tokens, 3 * kPage) << "kept until the ack";
+  EXPECT_EQ(e.cache.evict_host(100), 0) << "locked while it is written: not taken twice";
+  e.settle();
+  s = e.cache.stats();
+  EXPECT_EQ(s.host_tokens, 0);
+  EXPECT_EQ(s.nodes, 0);
+  EXPECT_EQ(s.evicted_host_tokens, 3 * kPage);
+  EXPECT_EQ(s.backup_kept_tokens, 0);
+  const std::int64_t written = e.storage->written_bytes();
+  EXPECT_EQ(written, 3 * geometry().token_bytes() * kPage);
+  e.expect_accounting();
+
+  e.run(a);  // prefetched from L3, loaded back, every page verified
+  EXPECT_EQ(e.verified_pages, 3);
+  EXPECT_EQ(e.recomputed_pages, 3) << "nothing recomputed the second time";
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(100), 3 * kPage);
+  EXPECT_EQ(e.cache.evict_host(100), 3 * kPage) << "in L3 already: it leaves at once";
+  EXPECT_EQ(e.cache.stats().backups_in_flight, 0);
+  EXPECT_EQ(e.storage->written_bytes(), written) << "nothing written twice";
+  e.expect_accounting();
+}
+
+// The illegal twin: under write_through (the default) the host write backs the page up at once,
+// and host eviction frees it with no further write.
+TEST(HiRadixCacheStorage, WriteThroughAdmissionBacksUpAtTheHostWrite) {
+  L3 l3("write-through-admission");
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+  const auto a = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  const std::int64_t written = 3 * geometry().token_bytes() * kPage;
+  EXPECT_EQ(e.cache.stats().stored_tokens, 3 * kPage);
+  EXPECT_EQ(e.storage->written_bytes(), written);
+  EXPECT_EQ(e.cache.evict_device(100), 3 * kPage);
+  EXPECT_EQ(e.cache.evict_host(100), 3 * kPage) << "freed at once";
+  EXPECT_EQ(e.cache.stats().backups_in_flight, 0);
+  EXPECT_EQ(e.storage->written_bytes(), written);
+  e.expect_accounting();
+}
+
+// Exclusive admission: a backup on leaving the host that fails keeps the pages on the host
+// (counted), where they serve byte for byte; a later eviction tries again and frees them once
+// L3 took them.
+TEST(HiRadixCacheStorage, ExclusiveKeepsPagesWhoseBackupFailedOnTheHost) {
+  L3 l3("exclusive-fail");
+  GatedWrites store((l3.root / "gated").string());
+  MetricsRegistry r;
+  Engine e(WritePolicy::kWriteThrough, 32, 64, kExclusive);
+  e.storage = std::make_unique<StorageController>(
+      e.host_pool, store, e.ns, l3.local, l3.local, l3.local,
+      StorageControllerConfig{.policy = PrefetchPolicy::kWaitComplete});
+  e.cache.attach_storage(*e.storage, e.ns);
+  e.cache.register_metrics(r);
+  const auto a = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(100), 3 * kPage);
+  store.fail_sets = true;
+  EXPECT_EQ(e.cache.evict_host(100), 0);
+  e.settle();
+  RadixCacheStats s = e.cache.stats();
+  EXPECT_EQ(s.host_tokens, 3 * kPage) << "nothing lost";
+  EXPECT_EQ(s.stored_tokens, 0);
+  EXPECT_EQ(s.backup_kept_tokens, 3 * kPage);
+  EXPECT_EQ(s.evicted_host_tokens, 0);
+  EXPECT_EQ(r.value("hicache_backup_kept_tokens_total", {{"reason", "backup_failed"}}), 3 * kPage);
+  EXPECT_EQ(e.cache.match_prefix(a).host_hit_tokens, 3 * kPage);
+  e.expect_accounting();
+
+  store.fail_sets = false;
+  EXPECT_EQ(e.cache.evict_host(100), 0);
+  e.settle();
+  EXPECT_EQ(e.cache.stats().host_tokens, 0);
+  EXPECT_EQ(e.cache.stats().backup_kept_tokens, 3 * kPage) << "counted once";
+  e.run(a);  // from L3 now
+  EXPECT_EQ(e.verified_pages, 3);
+  EXPECT_EQ(e.recomputed_pages, 3);
+  e.expect_accounting();
+  e.cache.detach_storage();  // before the store goes
+  e.storage.reset();
+}
+
+// Exclusive admission: a page hit again while it is written to L3 (loaded back to the device)
+// stays on the host when the ack comes, and is known to be in L3.
+TEST(HiRadixCacheStorage, ExclusiveKeepsAPageUsedAgainWhileItWasWritten) {
+  L3 l3("exclusive-reused");
+  GatedWrites store((l3.root / "gated").string());
+  Engine e(WritePolicy::kWriteThrough, 32, 64, kExclusive);
+  e.storage =
+      std::make_unique<StorageController>(e.host_pool, store, e.ns, l3.local, l3.local, l3.local);
+  e.cache.attach_storage(*e.storage, e.ns);
+  const auto a = seq({1, 2});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(100), 2 * kPage);
+  {
+    std::unique_lock hold(store.gate);
+    EXPECT_EQ(e.cache.evict_host(100), 0);
+    e.run(a);  // a host hit: loaded back while its backup waits at the store
+    EXPECT_EQ(e.loaded_requests, 1);
+  }
+  e.settle();
+  const RadixCacheStats s = e.cache.stats();
+  EXPECT_EQ(s.host_tokens, 2 * kPage) << "used again: kept";
+  EXPECT_EQ(s.stored_tokens, 2 * kPage);
+  EXPECT_EQ(e.verified_pages, 2);
+  e.expect_accounting();
+  e.cache.detach_storage();
   e.storage.reset();
 }
 

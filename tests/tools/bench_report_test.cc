@@ -229,6 +229,32 @@ TEST(HicacheBench, TpRanksAsProcessesVerifyEveryPageWithOneCollectivePerStep) {
   EXPECT_NE(rate.output.find("--tp > 1 needs --request-rate 0"), std::string::npos) << rate.output;
 }
 
+// --storage-admission exclusive: pages reach L3 as the host evicts them (a host pool no larger
+// than the device's), every page served is verified, on one rank and on two, whose agreed
+// backup acks leave both ranks with the same L3 writes; a bad value is refused naming it.
+TEST(HicacheBench, ExclusiveStorageAdmissionVerifiesEveryPageOnOneRankAndUnderTp) {
+  for (const int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    TempFile report("hicache-bench-exclusive-" + std::to_string(tp) + ".json");
+    const BenchRun r = run_bench(kTiny + "--clients 8 --rounds 4 --tiers file --host-ratio 1 " +
+                                 "--storage-admission exclusive --tp " + std::to_string(tp) +
+                                 " --report " + report.path.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    const json c = read_json(report.path)["configurations"][0];
+    check_adds_up(c, 32);
+    EXPECT_GT(c["verified_pages"].get<double>(), 0);
+    EXPECT_GT(c["tiers"]["l2_to_l3"]["pages"].get<double>(), 0) << "the host evicted into L3";
+    if (tp == 2) {
+      ASSERT_EQ(c["tp"]["per_rank"].size(), 2u) << c["tp"];
+      EXPECT_EQ(c["tp"]["per_rank"][0]["l2_to_l3_pages"], c["tp"]["per_rank"][1]["l2_to_l3_pages"]);
+    }
+  }
+  const BenchRun bad = run_bench("--storage-admission sometimes");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.output.find("key 'storage_admission' is \"sometimes\""), std::string::npos)
+      << bad.output;
+}
+
 // Tenants asking about the same document: with one identity the later questions hit the
 // document's pages; with a tenant per question none hits another's, on any tier, and every
 // page served is still verified (page data derives from the identity).

@@ -69,6 +69,8 @@ _OWN_RADIX = {
     "recompute_seconds_per_token": "nowhere: SGLang's radix cache always loads a host hit",
     "demote_low_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
     "demote_high_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
+    "storage_admission": "nowhere: SGLang's radix cache backs up every page that reaches the "
+                         "host (write_through)",
     "kv_events": "--kv-events-config (SGLang's radix cache publishes the KV events of the tree "
                  "it owns)",
 }

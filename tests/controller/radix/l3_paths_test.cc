@@ -63,6 +63,8 @@ class FakeCache final : public L3Paths::Cache {
     stored.push_back({node->id, from, to});
   }
   std::uint64_t l3_removal_clock() const override { return 0; }
+  void backup_acked(Node* node) override { acked.push_back(node->id); }
+  std::vector<NodeId> acked;
 
   L3Paths* paths = nullptr;
   std::int64_t evict_host_asked = 0;
@@ -218,6 +220,7 @@ TEST(L3Paths, ABackupStoresTheNodesPagesAndASecondCachePrefetchesTheSameBytes) {
   EXPECT_EQ(n->lock, 0);
   EXPECT_EQ(n->stored_pages, 3);
   EXPECT_EQ(rig.cache.stored, (std::vector<FakeCache::Stored>{{n->id, 0, 3}}));
+  EXPECT_EQ(rig.cache.acked, std::vector<NodeId>{n->id}) << "handed to the tier policy";
   std::vector<std::string> keys;
   PageKeyer(key_ns()).keys(pages_from(1, 3), nullptr, keys);
   EXPECT_EQ(store.file.batch_exists(keys), 3u);  // under the keys any engine computes

@@ -37,11 +37,33 @@ class FakeCache final : public TierPolicy::Cache {
     index_.refresh(parent);
   }
   void host_copy_synced(Node* node) override { synced.push_back(node->id); }
+  bool l3_attached() const override { return l3; }
+  // A backup as L3Paths::backup_node queues it: the node locked, the op pending.
+  bool back_up_leaving(Node* node) override {
+    if (!backup_room) return false;
+    leaving.push_back(node->id);
+    node->backup_op = ++last_backup;
+    pending->backups[node->backup_op] = PendingOps::Op{node, {node}};
+    lock(node);
+    return true;
+  }
+  // The backup's agreed ack as L3Paths::apply_backup_ack applies it (every page stored, or none).
+  void ack_backup(TierPolicy& tiers, Node* node, bool stored) {
+    pending->backups.erase(node->backup_op);
+    node->backup_op = 0;
+    if (stored) node->stored_pages = static_cast<std::int64_t>(node->key().size()) / kTestPage;
+    refresh(node);
+    unlock(node);
+    tiers.backup_acked(node);
+  }
   std::int64_t prefetch_reserved_tokens() const override { return reserved; }
   bool timed() const override { return false; }
 
-  std::vector<NodeId> removed, synced;
+  std::vector<NodeId> removed, synced, leaving;
   std::int64_t reserved = 0;
+  bool l3 = false, backup_room = true;
+  PendingOps* pending = nullptr;
+  std::int64_t last_backup = 0;
 
  private:
   Tree& tree_;
@@ -71,7 +93,9 @@ struct Rig {
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy}),
         cost(recompute_seconds_per_token, geometry().token_bytes()),
         tiers(cache, tree, index, pending, arrived, agreement, cost, events, controller,
-              device_pool, host_pool, config) {}
+              device_pool, host_pool, config) {
+    cache.pending = &pending;
+  }
 
   // A new leaf under `parent` whose `pages` device pages hold data keyed by (first, page).
   Node* device_leaf(Node* parent, std::int32_t first, int pages) {
@@ -326,6 +350,58 @@ TEST(TierPolicy, HostEvictionTakesOnlyUnlockedHostOnlyLeaves) {
   EXPECT_EQ(rig.tiers.evict_host_to_free(24), 8);
   EXPECT_EQ(rig.tiers.host_room(), 24);
   EXPECT_EQ(rig.index.check(rig.tree), "");
+}
+
+// Exclusive admission: the host write backs nothing up; host eviction backs a leaf up (locked,
+// counted as leaving) and frees it on the ack, frees a leaf L3 holds already at once, keeps one
+// whose backup failed (counted) and stops when the backup queue is full.
+TEST(TierPolicy, ExclusiveAdmissionBacksUpWhatLeavesTheHostAndFreesItOnTheAck) {
+  Rig rig(WritePolicy::kWriteThrough, 8, 8, {.storage_admission = StorageAdmission::kExclusive});
+  rig.cache.l3 = true;
+  Node* a = rig.host_only_leaf(1, 2);  // the coldest
+  Node* b = rig.host_only_leaf(2, 2);
+  const NodeId a_id = a->id, b_id = b->id;
+  EXPECT_TRUE(rig.cache.synced.empty()) << "the host write backs nothing up";
+  b->stored_pages = 2;  // b is in L3 already (a prefetched copy)
+  rig.index.refresh(b);
+  EXPECT_EQ(rig.tiers.evict_host(16), 8) << "b now; a on its ack";
+  EXPECT_EQ(rig.cache.leaving, std::vector<NodeId>{a_id});
+  EXPECT_EQ(rig.cache.removed, std::vector<NodeId>{b_id});
+  EXPECT_TRUE(a->leave_host_after_backup);
+  EXPECT_EQ(a->lock, 1);
+  EXPECT_TRUE(Rig::holds(rig.host_pool.layout(), a->host, 1)) << "kept until the ack";
+  EXPECT_EQ(rig.tiers.evict_host_to_free(32), 0) << "a's 8 tokens count as leaving";
+  EXPECT_EQ(rig.cache.leaving.size(), 1u);
+  rig.cache.ack_backup(rig.tiers, a, true);
+  EXPECT_EQ(rig.cache.removed, (std::vector<NodeId>{b_id, a_id}));
+  EXPECT_EQ(rig.host_pool.free_tokens(), 32);
+  EXPECT_EQ(rig.events.evicted_host_tokens.value(), 16u);
+  EXPECT_EQ(rig.events.backup_kept_tokens.value(), 0u);
+
+  Node* c = rig.host_only_leaf(3, 2);
+  EXPECT_EQ(rig.tiers.evict_host(8), 0);
+  rig.cache.ack_backup(rig.tiers, c, false);  // the backup did not land
+  EXPECT_FALSE(c->leave_host_after_backup);
+  EXPECT_TRUE(Rig::holds(rig.host_pool.layout(), c->host, 3)) << "nothing lost";
+  EXPECT_EQ(rig.events.backup_kept_tokens.value(), 8u);
+  EXPECT_EQ(rig.host_pool.free_tokens(), 24);
+  EXPECT_EQ(rig.index.check(rig.tree), "");
+  rig.cache.backup_room = false;  // the backup queue is full: c stays, no flag
+  EXPECT_EQ(rig.tiers.evict_host(8), 0);
+  EXPECT_FALSE(c->leave_host_after_backup);
+  EXPECT_EQ(c->lock, 0);
+  rig.cache.backup_room = true;
+  EXPECT_EQ(rig.tiers.evict_host(8), 0);  // tried again at its next turn
+  EXPECT_EQ(rig.cache.leaving.size(), 3u);
+  rig.cache.ack_backup(rig.tiers, c, true);
+  EXPECT_EQ(rig.host_pool.free_tokens(), 32);
+  EXPECT_EQ(rig.index.check(rig.tree), "");
+
+  // Without L3 exclusive admission frees at once, as write_through does.
+  rig.cache.l3 = false;
+  rig.host_only_leaf(4, 1);
+  EXPECT_EQ(rig.tiers.evict_host(4), 4);
+  EXPECT_EQ(rig.cache.leaving.size(), 3u);
 }
 
 TEST(TierPolicy, DemotionBelowTheLowWatermarkFreesTowardsTheHighOne) {
