@@ -121,6 +121,11 @@ TEST(HicacheBench, CompareReportAddsUpForEveryWorkload) {
     EXPECT_EQ(device["tiers"]["l1_to_l2"]["bytes"].get<double>(), 0);
     EXPECT_EQ(j["configurations"][1]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
     EXPECT_GT(j["configurations"][2]["tiers"]["l2_to_l3"]["bytes"].get<double>(), 0);
+    // What the store wrote: none without L3; with it, some, and never more than it was handed.
+    EXPECT_EQ(j["configurations"][1]["l3_stored_bytes"].get<double>(), 0);
+    EXPECT_GT(j["configurations"][2]["l3_stored_bytes"].get<double>(), 0);
+    EXPECT_LE(j["configurations"][2]["l3_stored_bytes"].get<double>(),
+              j["configurations"][2]["tiers"]["l2_to_l3"]["bytes"].get<double>());
     EXPECT_GT(j["configurations"][2]["verified_pages"].get<double>(), 0);
     // Prefetch confirmation: none without L3 (InstancesShareL3... checks it with L3 hits).
     EXPECT_EQ(j["configurations"][1]["prefetch_confirm_ms"]["count"].get<double>(), 0);

@@ -195,6 +195,8 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
         {"l2_to_l1", tier("l2_to_l1_bytes", "l2_to_l1_seconds")},
         {"l2_to_l3", tier("l2_to_l3_bytes", nullptr)},
         {"l3_to_l2", tier("l3_to_l2_bytes", "l3_to_l2_seconds")}}},
+      // Bytes the L3 store wrote (l2_to_l3 less the pages it held already and skipped).
+      {"l3_stored_bytes", counters["l3_stored_bytes"]},
       {"queue_depth_max", maxima},
       {"prefetch_confirm_ms",
        bucket_percentiles(counters, "prefetch_confirm", Histogram::latency_bounds(), 1e3)},
@@ -263,6 +265,8 @@ std::string format_table(const std::vector<json>& summaries) {
              fmt("%.2f", s["tiers"][t]["gbps"].get<double>()) + ")";
     });
   }
+  add("L3 GB stored (l2_to_l3 less what it held)",
+      num("%.2f", [](const json& s) { return s["l3_stored_bytes"].get<double>() / 1e9; }));
   add("tokens missed: evicted",
       num("%.0f", [](const json& s) { return s["missed_tokens_evicted"].get<double>(); }));
   add("tokens missed: prefetch revoked", num("%.0f", [](const json& s) {

@@ -362,6 +362,9 @@ std::map<std::string, double> Runner::l3_counters() const {
     c["storage_get_misses"] = storage_keys("get", "miss");
     c["storage_bad_records"] = metric("hicache_storage_bad_records_total",
                                       {{"backend", std::string(b->name())}});
+    // What the store itself wrote: the backups' bytes less the pages it held already.
+    c["l3_stored_bytes"] = metric("hicache_storage_bytes_total",
+                                  {{"backend", std::string(b->name())}, {"direction", "written"}});
   }
   return c;
 }
