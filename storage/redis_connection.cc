@@ -345,6 +345,11 @@ class Connection::Impl {
     if (gen != gen_) return;
     writing_ = false;
     if (!error.empty()) {
+      // A TLS 1.3 server checks the client's certificate after the client's handshake is done,
+      // then sends its alert ("certificate required") and closes; the handshake's commands can
+      // meet that close first. The read in flight delivers the alert (or the close), and the
+      // connect deadline bounds it: the reader names the cause.
+      if (tls_ && state_ == State::kHandshake) return;
       fail(str_cat(name_, ": write failed: ", error));
       return;
     }
