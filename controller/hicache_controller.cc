@@ -56,6 +56,7 @@ struct HiCacheController::Scratch {
   std::vector<std::int64_t> host_pages, device_pages;
   std::vector<std::pair<std::int64_t, std::int64_t>> pairs;  // (host page, device page)
   std::vector<CopyRegion> regions;
+  std::vector<std::int64_t> sidecar_host_pages, sidecar_device_pages;
   Buffer pinned;  // [host pages | device pages], grown on demand
   std::int64_t* pinned_host = nullptr;
   std::int64_t* pinned_device = nullptr;
@@ -63,11 +64,13 @@ struct HiCacheController::Scratch {
 };
 
 HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
-                                     HostKVPool& host_pool, const ControllerConfig& config)
+                                     HostKVPool& host_pool, const ControllerConfig& config,
+                                     std::span<SidecarPool* const> sidecars)
     : device_(device),
       device_pool_(device_pool),
       host_pool_(host_pool),
       config_(config),
+      sidecars_(sidecars.begin(), sidecars.end()),
       write_queue_(config.queue_capacity),
       pending_loads_(config.queue_capacity),
       load_queue_(std::max<std::size_t>(config.layer_slots, 1)),
@@ -80,6 +83,17 @@ HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
   }
   if (config.queue_capacity == 0) {
     throw InvalidArgument("HiCacheController: queue_capacity must be > 0");
+  }
+  for (std::size_t i = 0; i < sidecars_.size(); ++i) {
+    if (sidecars_[i] == nullptr) {
+      throw InvalidArgument(str_cat("HiCacheController: sidecar pool ", i, " is null"));
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (sidecars_[j] == sidecars_[i] || sidecars_[j]->spec().name == sidecars_[i]->spec().name) {
+        throw InvalidArgument(str_cat("HiCacheController: sidecar pool '",
+                                      sidecars_[i]->spec().name, "' is given twice"));
+      }
+    }
   }
   if (device.backend() == DeviceBackend::kCuda && config.io_backend == IoBackend::kDirect &&
       host_pool.host_layout() == HostLayout::kPageFirst) {
@@ -152,7 +166,8 @@ void HiCacheController::release_write(std::span<const std::int64_t> host_slots) 
 bool HiCacheController::write_reserved(std::span<const std::int64_t> device_slots,
                                        std::span<const std::int64_t> host_slots,
                                        std::int64_t priority, std::optional<NodeId> ack_node,
-                                       const Event* ready_after) {
+                                       const Event* ready_after,
+                                       std::span<const SidecarIo> sidecars) {
   try {
     check_write_slots(device_slots);
     if (host_slots.size() != device_slots.size()) {
@@ -160,23 +175,134 @@ bool HiCacheController::write_reserved(std::span<const std::int64_t> device_slot
                                     " reserved host slots for ", device_slots.size(),
                                     " device slots"));
     }
+    check_sidecars(sidecars, "HiCacheController::write", PageState::kReserved,
+                   /*allocated_device=*/false);
   } catch (...) {
     host_pool_.free(host_slots);
+    for (const SidecarIo& io : sidecars) {
+      try {
+        sidecars_.at(io.pool)->host_pool().free(io.host_slots);
+      } catch (const std::exception&) {
+        // Not a reservation of that pool: nothing of it to give back.
+      }
+    }
     throw;
   }
   host_pool_.protect_write(host_slots);
+  for (const SidecarIo& io : sidecars) sidecars_[io.pool]->host_pool().protect_write(io.host_slots);
   auto op = make_op(host_slots, device_slots, priority, ack_node);
+  add_sidecars(op, sidecars);
   // Before the push, so the write thread cannot enqueue this op's copy ahead of the wait. It
   // orders every later copy of the write stream after the producer's work: exact for this op,
   // conservative for ops the priority queue runs before it (and harmless if the push fails).
   if (ready_after != nullptr) write_stream_->wait(*ready_after);
   if (write_queue_.push(std::move(op)) != PushResult::kOk) {  // stopped (reserve_write saw room)
+    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
     arena_.give(std::move(op));
     host_pool_.abort_io(host_slots);
     host_pool_.free(host_slots);
     return false;
   }
   return true;
+}
+
+void HiCacheController::check_sidecars(std::span<const SidecarIo> sidecars,
+                                       std::string_view what, PageState host_state,
+                                       bool allocated_device) const {
+  std::vector<std::int64_t> pages;
+  for (const SidecarIo& io : sidecars) {
+    if (io.pool < 0 || static_cast<std::size_t>(io.pool) >= sidecars_.size()) {
+      throw InvalidArgument(str_cat(what, ": sidecar pool ", io.pool, " does not exist (",
+                                    sidecars_.size(), " sidecar pools)"));
+    }
+    const SidecarPool& pool = *sidecars_[io.pool];
+    const std::string where = str_cat(what, " (sidecar '", pool.spec().name, "')");
+    if (io.host_slots.size() != io.device_slots.size() || io.host_slots.empty()) {
+      throw InvalidArgument(str_cat(where, ": ", io.host_slots.size(), " host slots for ",
+                                    io.device_slots.size(), " device slots (need equal, non-zero)"));
+    }
+    const std::int32_t ps = pool.spec().slots_per_page;
+    pages.clear();
+    slots_to_pages(io.host_slots, ps, pool.host_pool().num_pages(), where + " host", pages);
+    pages.clear();
+    slots_to_pages(io.device_slots, ps, pool.device_pool().num_pages(), where + " device", pages);
+    pool.host_pool().require_state(io.host_slots, host_state, where);
+    for (std::int64_t page : allocated_device ? pages : std::vector<std::int64_t>{}) {
+      if (!pool.device_pool().allocator().is_allocated(page)) {
+        throw StateError(str_cat(where, ": device page ", page,
+                                 " is not allocated: take the slots from the pool's allocator"));
+      }
+    }
+  }
+}
+
+void HiCacheController::add_sidecars(CacheOperation& op, std::span<const SidecarIo> sidecars) {
+  for (const SidecarIo& io : sidecars) {
+    op.sidecars.push_back(SidecarSlots{
+        .pool = io.pool,
+        .host_slots = std::vector<std::int64_t>(io.host_slots.begin(), io.host_slots.end()),
+        .device_slots = std::vector<std::int64_t>(io.device_slots.begin(), io.device_slots.end())});
+  }
+}
+
+std::uint64_t HiCacheController::enqueue_sidecar_copies(Stream& stream, Scratch& s,
+                                                        const CacheOperation& op, bool to_host) {
+  std::uint64_t bytes = 0;
+  for (const SidecarSlots& side : op.sidecars) {
+    SidecarPool& pool = *sidecars_.at(side.pool);
+    const std::int32_t ps = pool.spec().slots_per_page;
+    s.sidecar_host_pages.clear();
+    s.sidecar_device_pages.clear();
+    slots_to_pages(side.host_slots, ps, pool.host_pool().num_pages(), "sidecar host slots",
+                   s.sidecar_host_pages);
+    slots_to_pages(side.device_slots, ps, pool.device_pool().num_pages(), "sidecar device slots",
+                   s.sidecar_device_pages);
+    // page_first_direct on the host and the device layout: one run per page and layer, whatever
+    // the io backend (a state page is large; the kernel path's gain is for many small runs).
+    s.regions.clear();
+    const LayoutDesc& host = pool.host_pool().layout();
+    const LayoutDesc& dev = pool.device_pool().layout();
+    const std::int32_t layers = pool.spec().layers;
+    if (to_host) {
+      append_page_copies(host, s.sidecar_host_pages, dev, s.sidecar_device_pages, 0, layers,
+                         s.regions);
+    } else {
+      append_page_copies(dev, s.sidecar_device_pages, host, s.sidecar_host_pages, 0, layers,
+                         s.regions);
+    }
+    stream.copy_batch_async(s.regions);
+    bytes += static_cast<std::uint64_t>(s.sidecar_host_pages.size()) *
+             static_cast<std::uint64_t>(pool.spec().page_bytes());
+  }
+  return bytes;
+}
+
+void HiCacheController::finish_sidecar_hosts(const CacheOperation& op, PageState to, bool free) {
+  for (const SidecarSlots& side : op.sidecars) {
+    try {
+      HostKVPool& host = sidecars_.at(side.pool)->host_pool();
+      if (free) {
+        host.abort_io(side.host_slots);
+        host.free(side.host_slots);
+      } else {
+        host.complete_io(side.host_slots, to);
+      }
+    } catch (const std::exception&) {
+      // Not in the state this op left them in; nothing more to return.
+    }
+  }
+}
+
+void HiCacheController::return_load(CacheOperation& op) {
+  host_pool_.complete_io(op.host_slots, PageState::kBackup);
+  device_pool_.allocator().free(op.device_slots);
+  finish_sidecar_hosts(op, PageState::kBackup, /*free=*/false);
+  for (const SidecarSlots& side : op.sidecars) {
+    try {
+      sidecars_.at(side.pool)->device_pool().allocator().free(side.device_slots);
+    } catch (const std::exception&) {
+    }
+  }
 }
 
 std::optional<std::vector<std::int64_t>> HiCacheController::load(
@@ -196,7 +322,8 @@ std::optional<std::vector<std::int64_t>> HiCacheController::load(
 
 bool HiCacheController::load_into(std::span<const std::int64_t> host_slots,
                                   std::span<const std::int64_t> device_slots,
-                                  std::int64_t priority, std::optional<NodeId> ack_node) {
+                                  std::int64_t priority, std::optional<NodeId> ack_node,
+                                  std::span<const SidecarIo> sidecars) {
   constexpr const char* kWhat = "HiCacheController::load_into";
   if (host_slots.empty()) throw InvalidArgument(str_cat(kWhat, ": no slots"));
   if (host_slots.size() != device_slots.size()) {
@@ -214,15 +341,20 @@ bool HiCacheController::load_into(std::span<const std::int64_t> host_slots,
                                ") is not allocated: take the slots from device_pool().allocator()"));
     }
   }
-  return queue_load(host_slots, device_slots, priority, ack_node);
+  check_sidecars(sidecars, kWhat, PageState::kBackup, /*allocated_device=*/true);
+  return queue_load(host_slots, device_slots, priority, ack_node, sidecars);
 }
 
 bool HiCacheController::queue_load(std::span<const std::int64_t> host_slots,
                                    std::span<const std::int64_t> device_slots,
-                                   std::int64_t priority, std::optional<NodeId> ack_node) {
+                                   std::int64_t priority, std::optional<NodeId> ack_node,
+                                   std::span<const SidecarIo> sidecars) {
   host_pool_.protect_load(host_slots);
+  for (const SidecarIo& io : sidecars) sidecars_[io.pool]->host_pool().protect_load(io.host_slots);
   auto op = make_op(host_slots, device_slots, priority, ack_node);
+  add_sidecars(op, sidecars);
   if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
+    finish_sidecar_hosts(op, PageState::kBackup, /*free=*/false);
     arena_.give(std::move(op));
     host_pool_.complete_io(host_slots, PageState::kBackup);
     return false;
@@ -250,8 +382,7 @@ std::int32_t HiCacheController::start_loading(const Event* ready_after) {
   batch.priority = batch.op.priority;
   batch.slot = counter_->acquire();
   if (batch.slot < 0) {  // stopped: give everything back
-    host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
-    device_pool_.allocator().free(batch.op.device_slots);
+    return_load(batch.op);
     return -1;
   }
   const std::int32_t slot = batch.slot;
@@ -329,10 +460,14 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
   try {
     prepare_pages(op, s);
     enqueue_copy(*write_stream_, s, /*to_host=*/true, 0, device_pool_.geometry().num_layers);
+    const std::uint64_t sidecar_bytes =
+        op.sidecars.empty() ? 0 : enqueue_sidecar_copies(*write_stream_, s, op, /*to_host=*/true);
     write_stream_->synchronize();
     host_pool_.complete_io(op.host_slots, PageState::kSynced);
+    finish_sidecar_hosts(op, PageState::kSynced, /*free=*/false);
     bytes_written_ += static_cast<std::uint64_t>(op.num_tokens() *
-                                                 device_pool_.geometry().token_bytes());
+                                                 device_pool_.geometry().token_bytes()) +
+                      sidecar_bytes;
     writes_done_ += static_cast<std::uint64_t>(ops);
   } catch (const std::exception&) {
     ok = false;
@@ -343,6 +478,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
     } catch (const std::exception&) {
       // The pages were not in the state this op left them in; nothing more to return.
     }
+    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
   }
   finish_op(op, acks_->write, ok, s);
 }
@@ -354,6 +490,11 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   try {
     std::int32_t layer = 0;
     prepare_pages(batch.op, s);
+    // A hybrid model's state is read from its first layer on: it lands before layer 0's mark.
+    const std::uint64_t sidecar_bytes =
+        batch.op.sidecars.empty()
+            ? 0
+            : enqueue_sidecar_copies(*load_stream_, s, batch.op, /*to_host=*/false);
     // Every layer is enqueued at once, each followed by its event: the consumer waits on the
     // event, so it wakes as each layer lands without this thread waking per layer. No host
     // function marks layers done: on CUDA each one stalls the stream until the runtime's
@@ -375,8 +516,10 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     }
     load_stream_->synchronize();
     host_pool_.complete_io(batch.op.host_slots, PageState::kSynced);
+    finish_sidecar_hosts(batch.op, PageState::kSynced, /*free=*/false);
     bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
-                                                device_pool_.geometry().token_bytes());
+                                                device_pool_.geometry().token_bytes()) +
+                     sidecar_bytes;
     load_ns_ += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                              started)
@@ -396,6 +539,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
       host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
     } catch (const std::exception&) {
     }
+    finish_sidecar_hosts(batch.op, PageState::kBackup, /*free=*/false);
   }
   counter_->release(batch.slot);
   finish_op(batch.op, acks_->load, ok, s);
@@ -440,22 +584,39 @@ void HiCacheController::load_loop() {
 }
 
 std::int64_t HiCacheController::evict_device(std::span<const std::int64_t> device_slots,
-                                             std::span<const std::int64_t> host_slots) {
+                                             std::span<const std::int64_t> host_slots,
+                                             std::span<const SidecarIo> sidecars) {
+  constexpr const char* kWhat = "HiCacheController::evict_device";
   if (device_slots.size() != host_slots.size()) {
-    throw InvalidArgument(str_cat("HiCacheController::evict_device: ", device_slots.size(),
-                                  " device slots for ", host_slots.size(), " host slots"));
+    throw InvalidArgument(str_cat(kWhat, ": ", device_slots.size(), " device slots for ",
+                                  host_slots.size(), " host slots"));
   }
-  host_pool_.require_state(host_slots, PageState::kSynced, "HiCacheController::evict_device");
+  host_pool_.require_state(host_slots, PageState::kSynced, kWhat);
+  check_sidecars(sidecars, kWhat, PageState::kSynced, /*allocated_device=*/true);
   // The allocator checks the whole list (range, whole pages, allocated, listed once) before it
   // frees anything, and the host pages were checked above, so an error changes nothing.
   device_pool_.allocator().free(device_slots);
   host_pool_.mark_backup(host_slots);
+  for (const SidecarIo& io : sidecars) {
+    sidecars_[io.pool]->device_pool().allocator().free(io.device_slots);
+    sidecars_[io.pool]->host_pool().mark_backup(io.host_slots);
+  }
   return static_cast<std::int64_t>(device_slots.size());
 }
 
-std::int64_t HiCacheController::evict_host(std::span<const std::int64_t> host_slots) {
-  host_pool_.require_state(host_slots, PageState::kBackup, "HiCacheController::evict_host");
+std::int64_t HiCacheController::evict_host(std::span<const std::int64_t> host_slots,
+                                           std::span<const SidecarIo> sidecars) {
+  constexpr const char* kWhat = "HiCacheController::evict_host";
+  host_pool_.require_state(host_slots, PageState::kBackup, kWhat);
+  for (const SidecarIo& io : sidecars) {
+    if (io.pool < 0 || static_cast<std::size_t>(io.pool) >= sidecars_.size()) {
+      throw InvalidArgument(str_cat(kWhat, ": sidecar pool ", io.pool, " does not exist (",
+                                    sidecars_.size(), " sidecar pools)"));
+    }
+    sidecars_[io.pool]->host_pool().require_state(io.host_slots, PageState::kBackup, kWhat);
+  }
   host_pool_.free(host_slots);
+  for (const SidecarIo& io : sidecars) sidecars_[io.pool]->host_pool().free(io.host_slots);
   return static_cast<std::int64_t>(host_slots.size());
 }
 
@@ -463,15 +624,10 @@ void HiCacheController::return_queued_slots() {
   for (CacheOperation& op : write_queue_.drain()) {
     host_pool_.abort_io(op.host_slots);
     host_pool_.free(op.host_slots);
+    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
   }
-  for (CacheOperation& op : pending_loads_.drain()) {
-    host_pool_.complete_io(op.host_slots, PageState::kBackup);
-    device_pool_.allocator().free(op.device_slots);
-  }
-  for (LoadBatch& batch : load_queue_.drain()) {
-    host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
-    device_pool_.allocator().free(batch.op.device_slots);
-  }
+  for (CacheOperation& op : pending_loads_.drain()) return_load(op);
+  for (LoadBatch& batch : load_queue_.drain()) return_load(batch.op);
   std::vector<Ack> dropped;
   drain_queue(acks_->write, dropped);
   drain_queue(acks_->load, dropped);

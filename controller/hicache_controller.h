@@ -8,6 +8,10 @@
 //                        copies it layer by layer and marks each layer in the LayerDoneCounter,
 //                        which the forward pass waits on (DeviceKVPool::wait_for_layer).
 //   evict_device / evict_host  free a tier's copy after checking the page states.
+//   sidecars             a hybrid model's sidecar pools (pools/sidecar_pool.h): pages of them
+//                        named in a write or a load (SidecarIo) move in the same op as its KV,
+//                        in the same copy batch (a load's land with layer 0), and are acked,
+//                        failed, returned and evicted with it.
 //   reset() / stop()     end the threads promptly, return every slot held by queued or in-flight
 //                        work, and (reset) start again.
 //
@@ -29,6 +33,7 @@
 #include "controller/slot_arena.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
+#include "pools/sidecar_pool.h"
 #include "transfer/cache_operation.h"
 #include "transfer/device.h"
 #include "transfer/layer_done_counter.h"
@@ -61,10 +66,20 @@ struct Ack {
   bool ok;
 };
 
+// Pages of one sidecar pool that go with a write, a load or an eviction: `pool` is the pool's
+// index in the controller's list; host and device slots of equal length, whole pages of that
+// pool. The caller allocates them from the pool (host pages reserved for a write, device pages
+// from its allocator for a load), as it does KV slots for load_into.
+struct SidecarIo {
+  std::int32_t pool = 0;
+  std::span<const std::int64_t> host_slots;
+  std::span<const std::int64_t> device_slots;
+};
+
 struct ControllerStats {
   std::uint64_t writes_done = 0, write_failures = 0;
   std::uint64_t load_batches_done = 0, load_failures = 0;
-  std::uint64_t bytes_written = 0, bytes_loaded = 0;
+  std::uint64_t bytes_written = 0, bytes_loaded = 0;  // sidecar bytes included
   // Wall time of the successful load batches, from the load thread taking a batch to its last
   // layer landing (waits on start_loading's ready_after included): bytes_loaded / load_seconds
   // is the host -> device bandwidth the radix cache weighs against recomputing.
@@ -73,9 +88,11 @@ struct ControllerStats {
 
 class HiCacheController {
  public:
-  // The pools must share the geometry and outlive the controller. Starts the threads.
+  // The pools must share the geometry and outlive the controller, as must `sidecars` (distinct
+  // pools; their indices are SidecarIo::pool). Starts the threads.
   HiCacheController(Device& device, DeviceKVPool& device_pool, HostKVPool& host_pool,
-                    const ControllerConfig& config = {});
+                    const ControllerConfig& config = {},
+                    std::span<SidecarPool* const> sidecars = {});
   ~HiCacheController();
   HiCacheController(const HiCacheController&) = delete;
   HiCacheController& operator=(const HiCacheController&) = delete;
@@ -99,10 +116,14 @@ class HiCacheController {
   // the reserved slots and consumes the reservation whatever happens: false (slots freed) only
   // after stop(); bad device slots throw InvalidArgument, the slots freed first.
   // release_write hands an unused reservation back.
+  // `sidecars`: sidecar pages copied in the same op, their host pages reserved (allocated from
+  // the sidecar host pool) by the caller; like the KV reservation they are consumed whatever
+  // happens (synced on success, freed on a failure or a bad argument).
   std::optional<std::vector<std::int64_t>> reserve_write(std::int64_t tokens);
   bool write_reserved(std::span<const std::int64_t> device_slots,
                       std::span<const std::int64_t> host_slots, std::int64_t priority,
-                      std::optional<NodeId> ack_node, const Event* ready_after = nullptr);
+                      std::optional<NodeId> ack_node, const Event* ready_after = nullptr,
+                      std::span<const SidecarIo> sidecars = {});
   void release_write(std::span<const std::int64_t> host_slots);
   // Loads host pages in backup state into newly allocated device slots; returns those slots, or
   // nothing (nothing changed) when the device pool or the load queue is full.
@@ -117,8 +138,12 @@ class HiCacheController {
   // (nothing changed, the slots still the caller's) when the load queue is full. Throws
   // InvalidArgument for mismatched or malformed slot lists, StateError for a host page not in
   // backup or a device page not allocated; nothing changes then.
+  // `sidecars`: sidecar pages loaded in the same op (host pages in backup, device pages taken
+  // from the sidecar pool's allocator), checked as the KV's are; they land before layer 0 is
+  // marked done.
   bool load_into(std::span<const std::int64_t> host_slots, std::span<const std::int64_t> device_slots,
-                 std::int64_t priority, std::optional<NodeId> ack_node);
+                 std::int64_t priority, std::optional<NodeId> ack_node,
+                 std::span<const SidecarIo> sidecars = {});
   // Hands every load queued since the last call to the load thread as one batch and returns the
   // LayerDoneCounter slot its consumer waits on (also installed as the device pool's layer-wait
   // hook), or -1 when nothing was queued (the pool's layer waits then return true at once). The caller releases the slot when its forward pass is
@@ -142,10 +167,16 @@ class HiCacheController {
 
   // Frees the device copy of pages whose host copy is synced (they become backup). Throws
   // StateError naming the inconsistent page otherwise; nothing changes then.
+  // `sidecars` go with them, checked as the KV's before anything changes. Returns the KV tokens.
   std::int64_t evict_device(std::span<const std::int64_t> device_slots,
-                            std::span<const std::int64_t> host_slots);
-  // Frees host pages in backup state. Throws StateError otherwise; nothing changes then.
-  std::int64_t evict_host(std::span<const std::int64_t> host_slots);
+                            std::span<const std::int64_t> host_slots,
+                            std::span<const SidecarIo> sidecars = {});
+  // Frees host pages in backup state (and the sidecars' host pages, their device slots unused).
+  // Throws StateError otherwise; nothing changes then.
+  std::int64_t evict_host(std::span<const std::int64_t> host_slots,
+                          std::span<const SidecarIo> sidecars = {});
+  std::size_t num_sidecars() const { return sidecars_.size(); }
+  SidecarPool& sidecar(std::size_t pool) const { return *sidecars_.at(pool); }
 
   // Stops the threads, returns every slot held by queued or in-flight ops, drops pending acks,
   // and starts again. Counter slots handed out before are void: do not release them.
@@ -186,10 +217,27 @@ class HiCacheController {
                          std::span<const std::int64_t> device_slots, std::int64_t priority,
                          std::optional<NodeId> ack_node);
   void run_load(LoadBatch& batch, Scratch& scratch);
+  // Throws InvalidArgument naming a bad pool index, mismatched lists or slots that are not
+  // whole pages of the pool, StateError naming a host page not in `host_state` or (with
+  // allocated_device) a device page its allocator did not hand out; nothing changes then.
+  void check_sidecars(std::span<const SidecarIo> sidecars, std::string_view what,
+                      PageState host_state, bool allocated_device) const;
+  // The op's sidecar lists, copied from `sidecars`.
+  void add_sidecars(CacheOperation& op, std::span<const SidecarIo> sidecars);
+  // Copies every sidecar page of `op` (device -> host when to_host) on `stream`; the sidecar
+  // bytes.
+  std::uint64_t enqueue_sidecar_copies(Stream& stream, Scratch& scratch, const CacheOperation& op,
+                                       bool to_host);
+  // The host pages of op's sidecars: each moved to `to` (complete_io), or (free) freed after
+  // abort_io. Never throws: pages in another state are left alone.
+  void finish_sidecar_hosts(const CacheOperation& op, PageState to, bool free);
+  // Load ops dropped before they ran: KV and sidecar host pages back to backup, device slots
+  // freed.
+  void return_load(CacheOperation& op);
   // Protects the host pages and queues the load; false (host pages back to backup) when full.
   bool queue_load(std::span<const std::int64_t> host_slots,
                   std::span<const std::int64_t> device_slots, std::int64_t priority,
-                  std::optional<NodeId> ack_node);
+                  std::optional<NodeId> ack_node, std::span<const SidecarIo> sidecars = {});
   // Gives a finished op's lists back to the arena, then acks its nodes and wakes the waiters.
   void finish_op(CacheOperation& op, moodycamel::ConcurrentQueue<Ack>& acks, bool ok,
                  Scratch& scratch);
@@ -199,6 +247,7 @@ class HiCacheController {
   DeviceKVPool& device_pool_;
   HostKVPool& host_pool_;
   ControllerConfig config_;
+  std::vector<SidecarPool*> sidecars_;
   std::unique_ptr<LayerDoneCounter> counter_;
   std::unique_ptr<Stream> write_stream_, load_stream_;
   OpQueue<CacheOperation> write_queue_;

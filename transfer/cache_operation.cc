@@ -26,6 +26,8 @@ void CacheOperation::merge(CacheOperation&& other) {
   host_slots.insert(host_slots.end(), other.host_slots.begin(), other.host_slots.end());
   device_slots.insert(device_slots.end(), other.device_slots.begin(), other.device_slots.end());
   node_ids.insert(node_ids.end(), other.node_ids.begin(), other.node_ids.end());
+  for (SidecarSlots& s : other.sidecars) sidecars.push_back(std::move(s));
+  other.sidecars.clear();
   priority = std::min(priority, other.priority);
   // Emptied, keeping the lists' capacity (the controller recycles them).
   other.host_slots.clear();

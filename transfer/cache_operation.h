@@ -17,10 +17,21 @@ namespace hicache {
 
 using NodeId = std::int64_t;
 
+// Sidecar pages that move with an operation's KV (a hybrid model's state, pools/sidecar_pool.h):
+// token slots of the controller's sidecar pool number `pool`, host and device lists of equal
+// length in whole pages of that pool. They are copied in the same batch as the KV, counted in
+// the same op, and acknowledged with it.
+struct SidecarSlots {
+  std::int32_t pool = 0;
+  std::vector<std::int64_t> host_slots;
+  std::vector<std::int64_t> device_slots;
+};
+
 struct CacheOperation {
   std::vector<std::int64_t> host_slots;
   std::vector<std::int64_t> device_slots;
   std::vector<NodeId> node_ids;  // acknowledged when done; empty: no acknowledgement
+  std::vector<SidecarSlots> sidecars;  // sidecar pages that go with the KV (none for most models)
   std::int64_t priority = 0;     // lower first; FIFO among equals (the queue keeps the order)
   // When the caller submitted it (for the submit-to-ack latency); merged ops keep the earliest.
   std::chrono::steady_clock::time_point submitted{};
@@ -33,8 +44,8 @@ struct CacheOperation {
   bool needs_ack() const { return !node_ids.empty(); }
   std::int64_t num_tokens() const { return static_cast<std::int64_t>(host_slots.size()); }
 
-  // Appends other's slots and node ids (other is left empty, its lists' capacity kept); the
-  // priority becomes the lower of the two.
+  // Appends other's slots, sidecar slots and node ids (other is left empty, its KV and node
+  // lists' capacity kept); the priority becomes the lower of the two.
   void merge(CacheOperation&& other);
 };
 
