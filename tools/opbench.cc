@@ -93,6 +93,7 @@
 #include "transfer/device.h"
 #include "transfer/errors.h"
 #include "transfer/host_memory.h"
+#include "tools/opbench_hybrid.h"
 
 namespace {
 
@@ -108,8 +109,10 @@ engine's rate for the same bytes).
   --workload NAME[,NAME...]  run only these (repeatable; default all, in this order):
                              write_p1 write_p16 load_p1 load_p16 write_p1_tiny load_p1_tiny
                              backup_p16 prefetch_p16 backup_p4 prefetch_p4
+                             hybrid_write_p16 hybrid_load_p16
                              (backup_pN and prefetch_pN share their rounds: naming either runs
-                             both phases and prints the ones named)
+                             both phases and prints the ones named; hybrid_*: a 16 MiB state
+                             page beside 16 KV pages against 18 KV pages, ratio of the two)
   --quick                    every op, step and round count divided by 10, rounded up (warm-ups
                              unchanged): the whole suite in under 30 s on 2 cores
   --device host|cuda         device backend (host)
@@ -120,9 +123,10 @@ Exit status: 0 when every workload verified and left its pools clean, 1 otherwis
 error, 2 for bad flags.
 )";
 
-constexpr std::array<std::string_view, 10> kWorkloads = {
+constexpr std::array<std::string_view, 12> kWorkloads = {
     "write_p1",     "write_p16",  "load_p1",      "load_p16",  "write_p1_tiny",
-    "load_p1_tiny", "backup_p16", "prefetch_p16", "backup_p4", "prefetch_p4"};
+    "load_p1_tiny", "backup_p16", "prefetch_p16", "backup_p4", "prefetch_p4",
+    "hybrid_write_p16", "hybrid_load_p16"};
 
 constexpr int kInFlight = 4;  // write, backup and prefetch ops in flight; loads per step
 constexpr std::int64_t kDevicePages = 80;
@@ -966,6 +970,17 @@ int run(const Options& o) {
     const bool clean = rig.clean();
     if (wanted(p.backup)) all_ok &= report(p.backup, rig, backup, clean);
     if (wanted(p.prefetch)) all_ok &= report(p.prefetch, rig, prefetch, clean);
+  }
+
+  for (const bool load : {false, true}) {
+    if (!wanted(load ? "hybrid_load_p16" : "hybrid_write_p16")) continue;
+    // Pools of their own (the standard rig's are released first: memory for both).
+    standard.reset();
+    tiny.reset();
+    const auto r = hicache::opbench::run_hybrid(*device, load, scaled(7), 3);
+    std::puts(r.line.dump().c_str());
+    std::fflush(stdout);
+    all_ok &= r.ok;
   }
   return all_ok ? 0 : 1;
 }
