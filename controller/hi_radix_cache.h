@@ -34,6 +34,15 @@
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.
 // This version keeps no storage-only nodes: a node leaves the tree with its last tier above L3.
 //
+// Hybrid models (docs/hybrid.md): with sidecar pools in the controller, insert() takes each
+// pool's pages of the sequence beside its KV (SidecarInsert); a node's KV pages and its sidecar
+// pages are one unit, written, loaded back and evicted together. match_prefix() returns the
+// restorable prefix: the longest prefix every pool can restore by its hit policy (an all_pages
+// pool holds every page of it; a trailing pool the last window_pages pages before its end),
+// never a longer one, and the device part is itself restorable; sidecar_device_slots() then
+// names the device slots of a pool's pages on the matched path. This version keeps sidecar pools
+// to one TP rank and no L3 store (both refused at construction).
+//
 // Inside, a coordinator over the rooms of controller/radix/ (docs/architecture.md, "The radix
 // cache in rooms"): the tree's structure (tree.h), the eviction order and index (eviction.h),
 // the ghosts of evicted pages (ghost_set.h), the TP agreement and the cost rule (agreement.h),
@@ -151,6 +160,20 @@ class HiRadixCache {
  public:
   using Node = radix::Node;  // opaque to callers: pass back what the cache handed out
 
+  // A sidecar pool's pages of an inserted sequence: `pages` are page indices of the tokens,
+  // ascending (an all_pages pool lists every page), their device slots slots_per_page each,
+  // taken from the pool's device allocator.
+  struct SidecarInsert {
+    std::int32_t pool = 0;
+    std::span<const std::int64_t> pages;
+    std::span<const std::int64_t> device_slots;
+  };
+  // One sidecar page on a matched path: its page index in the prefix and its device slots.
+  struct SidecarPageSlots {
+    std::int64_t page = 0;
+    std::vector<std::int64_t> device_slots;
+  };
+
   struct MatchResult {
     std::vector<std::int64_t> device_slots;  // KV of the device-resident prefix
     Node* last_device_node = nullptr;        // deepest node of that prefix (root when empty)
@@ -198,10 +221,20 @@ class HiRadixCache {
 
   // Adds tokens (whole pages) whose KV is in `device_slots` (one slot per token). Returns the
   // number of leading tokens already in the tree (on the device or the host); their slots stay
-  // the caller's to free, the rest belong to the tree from now on. Throws
-  // InvalidArgument for a partial page or a slot count that differs.
+  // the caller's to free, the rest belong to the tree from now on. `sidecars`: each sidecar
+  // pool's pages of the sequence; those of pages already in the tree stay the caller's too (the
+  // tree keeps the pages it has: a checkpoint for a cached page is not adopted). Throws
+  // InvalidArgument for a partial page, a slot count that differs, or a bad sidecar list (a pool
+  // that does not exist or is given twice, pages out of order or out of range, an all_pages
+  // pool missing a page the tree does not hold yet, slots that are not whole pages of the
+  // pool); nothing changes then.
   std::int64_t insert(std::span<const std::int32_t> tokens,
-                      std::span<const std::int64_t> device_slots, std::string_view identity = {});
+                      std::span<const std::int64_t> device_slots, std::string_view identity = {},
+                      std::span<const SidecarInsert> sidecars = {});
+  // The pages of sidecar pool `pool` that the path from the root to `node` holds on the device,
+  // page indices ascending (after a match: the state to restore the prefix from). Throws
+  // InvalidArgument for a pool that does not exist.
+  std::vector<SidecarPageSlots> sidecar_device_slots(const Node* node, std::int32_t pool) const;
 
   // Brings the host-resident nodes on the path to `node` back to the device (one controller
   // load; the forward pass waits per layer after start_loading()). Returns the device slots of
@@ -354,6 +387,16 @@ class HiRadixCache {
   void refresh(Node* node);
   // Takes a leaf without KV out of the tree, remembering its pages as evicted.
   void remove_leaf(Node* node);
+  // match_prefix with sidecar pools: cuts `r` (the whole match, ending at `end`) to the longest
+  // restorable prefix, and its device part to the longest restorable one on the device,
+  // splitting the nodes where a cut falls inside one.
+  void cut_to_restorable(MatchResult& r);
+  // The node that ends `pages` pages into the path to `end` (split there when a node spans the
+  // cut); the root for 0.
+  Node* node_at_page(Node* end, std::int64_t pages);
+  // insert()'s check of a sidecar list for `pages` pages, the first `cached_pages` in the tree.
+  void check_sidecar_insert(std::span<const SidecarInsert> sidecars, std::int64_t pages,
+                            std::int64_t cached_pages) const;
   void agree_and_apply();
   void apply_events();
   // `local` with no TP collective (or one failed for good), else true only when it is true on

@@ -25,6 +25,21 @@ std::vector<std::int64_t> HiRadixCache::held_block_hashes(bool device) const {
   return out;
 }
 
+namespace {
+
+// " sidecars 0@[1,3] 1@[0,1,2,3]": each sidecar pool's pages of the node, or nothing.
+std::string sidecar_text(const radix::Node& n) {
+  std::string out;
+  for (const radix::Node::SidecarPages& sp : n.sidecars) {
+    out += str_cat(out.empty() ? " sidecars " : " ", sp.pool, "@[");
+    for (std::size_t k = 0; k < sp.pages.size(); ++k) out += str_cat(k ? "," : "", sp.pages[k]);
+    out += "]";
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string HiRadixCache::describe() const {
   std::string out;
   std::function<void(const Node*, int)> walk = [&](const Node* n, int depth) {
@@ -34,7 +49,7 @@ std::string HiRadixCache::describe() const {
                      n->key().front(), "..+", n->key().size(), "] dev ", n->device.size(), " host ",
                      n->host.size(), n->write_op != 0 ? " writing" : "",
                      n->load_op != 0 ? " loading" : "", n->backup_op != 0 ? " backing-up" : "",
-                     " lock ", n->lock, " stored ", n->stored_pages, "\n");
+                     " lock ", n->lock, " stored ", n->stored_pages, sidecar_text(*n), "\n");
     }
     for (const Node* c : tree_->ordered_children(n)) walk(c, depth + 1);
   };
@@ -124,6 +139,35 @@ std::string HiRadixCache::check_invariants() const {
       problem = str_cat("node ", n->id, ": ", n->device.size(), " device slots for ", len);
     } else if (!n->host.empty() && n->host.size() != len) {
       problem = str_cat("node ", n->id, ": ", n->host.size(), " host slots for ", len);
+    }
+    // Sidecar pages live on the tiers the KV lives on, inside the node, in order, once per pool.
+    std::vector<bool> seen(controller_.num_sidecars(), false);
+    for (const Node::SidecarPages& sp : n->sidecars) {
+      if (!problem.empty()) return;
+      if (sp.pool < 0 || static_cast<std::size_t>(sp.pool) >= seen.size() ||
+          seen[static_cast<std::size_t>(sp.pool)] || sp.pages.empty()) {
+        problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " listed badly");
+        return;
+      }
+      seen[static_cast<std::size_t>(sp.pool)] = true;
+      const auto node_pages = static_cast<std::int64_t>(len) / page_size_;
+      for (std::size_t k = 0; k < sp.pages.size(); ++k) {
+        if (sp.pages[k] < 0 || sp.pages[k] >= node_pages || (k > 0 && sp.pages[k] <= sp.pages[k - 1])) {
+          problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " page ", sp.pages[k],
+                            " out of order or outside the node's ", node_pages, " pages");
+          return;
+        }
+      }
+      const std::size_t slots =
+          sp.pages.size() *
+          static_cast<std::size_t>(
+              controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec().slots_per_page);
+      if (sp.device.size() != (n->device.empty() ? 0 : slots) ||
+          sp.host.size() != (n->host.empty() ? 0 : slots)) {
+        problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " has ", sp.device.size(),
+                          " device / ", sp.host.size(), " host slots for the KV's tiers (dev ",
+                          n->device.size(), ", host ", n->host.size(), "): want ", slots, " each");
+      }
     }
   });
   if (!problem.empty()) return problem;

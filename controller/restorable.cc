@@ -16,7 +16,7 @@ void RestorablePrefix::reset(std::int64_t kv_pages, std::int64_t max_pages) {
 }
 
 void RestorablePrefix::intersect(SidecarHitPolicy policy, std::int32_t window,
-                                 std::span<const bool> held) {
+                                 std::span<const std::uint8_t> held) {
   if (window < 1) {
     throw InvalidArgument(str_cat("RestorablePrefix: window ", window, ": must be >= 1"));
   }
@@ -24,7 +24,7 @@ void RestorablePrefix::intersect(SidecarHitPolicy policy, std::int32_t window,
   std::int64_t run = 0;
   for (std::int64_t p = 1; p <= max_pages(); ++p) {
     const auto page = static_cast<std::size_t>(p - 1);
-    run = page < held.size() && held[page] ? run + 1 : 0;
+    run = page < held.size() && held[page] != 0 ? run + 1 : 0;
     const std::int64_t needed =
         policy == SidecarHitPolicy::kAllPages ? p : std::min<std::int64_t>(window, p);
     if (run < needed) legal_[static_cast<std::size_t>(p)] = 0;

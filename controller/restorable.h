@@ -31,9 +31,9 @@ class RestorablePrefix {
   // every rank: the same value everywhere). Throws InvalidArgument unless
   // 0 <= kv_pages <= max_pages.
   void reset(std::int64_t kv_pages, std::int64_t max_pages);
-  // Keeps the lengths a pool can restore: held[i] says whether the pool holds page i (pages
+  // Keeps the lengths a pool can restore: held[i] != 0 when the pool holds page i (pages
   // past held's end are not held). Throws InvalidArgument for a window < 1.
-  void intersect(SidecarHitPolicy policy, std::int32_t window, std::span<const bool> held);
+  void intersect(SidecarHitPolicy policy, std::int32_t window, std::span<const std::uint8_t> held);
   // Keeps the lengths in `endpoints` (ascending or not; lengths outside 1..max_pages ignored).
   void intersect_endpoints(std::span<const std::int64_t> endpoints);
 

@@ -4,8 +4,8 @@
 //                          last_access: the structure and what a match records;
 //   tiers (the tier policy, tier_policy.h, the L3 paths, l3_paths.h, and the coordinator's
 //   split, hi_radix_cache.cc)
-//                          device, host, write_op, load_op, backup_op, digests, stored_pages,
-//                          evict_after_write, leave_host_after_backup;
+//                          device, host, sidecars, write_op, load_op, backup_op, digests,
+//                          stored_pages, evict_after_write, leave_host_after_backup;
 //   eviction (eviction.h)  device_children, passed_over, indexed;
 //   KV events (tier_events.h) announced.
 // A node and its key are one allocation (make()): the key's tokens follow the node, so a lookup
@@ -170,6 +170,16 @@ struct alignas(64) Node {
   NodeId load_op = 0;                // tiers: the load in flight, 0: none
   std::int64_t backup_op = 0;        // tiers: the backup to L3 in flight, 0: none
   std::vector<PageDigest> digests;   // L3 paths: one per page while L3 is on (chains the keys)
+  // tiers: the node's pages of each sidecar pool (a hybrid model's state, docs/hybrid.md), one
+  // entry per pool that holds any of them. They live on exactly the tiers the KV lives on:
+  // device slots while `device` is set, host slots while `host` is.
+  struct SidecarPages {
+    std::int32_t pool = 0;
+    std::vector<std::int32_t> pages;   // page offsets inside the node, ascending
+    std::vector<std::int64_t> device;  // slots_per_page slots per page, or empty
+    std::vector<std::int64_t> host;    // the same on the host, or empty
+  };
+  std::vector<SidecarPages> sidecars;
   std::string identity;              // tree: a child of the root's cache identity (empty: none)
   std::int64_t stored_pages = 0;     // tiers: leading pages known to be in L3
   bool evict_after_write = false;    // tiers: write_back frees the device copy on the ack

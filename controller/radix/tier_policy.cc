@@ -73,8 +73,18 @@ void TierPolicy::write_node(Node* node, std::int64_t priority) {
   }
   auto host = controller_.reserve_write(tokens);
   if (!host && !tp) return;  // host full or queue full: the node stays device-only
-  if (host && !controller_.write_reserved(node->device, *host, priority, node->id))
-    return;  // stopped
+  if (host && !reserve_sidecar_hosts(node)) {
+    controller_.release_write(*host);
+    return;  // a sidecar pool's host is full: the node stays device-only
+  }
+  if (host) {
+    Node* one[] = {node};
+    if (!controller_.write_reserved(node->device, *host, priority, node->id, nullptr,
+                                    sidecar_io(one))) {
+      for (auto& sp : node->sidecars) sp.host.clear();  // the controller freed them
+      return;                                           // stopped
+    }
+  }
   node->write_op = node->id;
   cache_.lock(node);
   pending_.writes[node->id] = PendingOps::Op{node, {node}};
@@ -106,11 +116,7 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_back(Node* node) {
     if (!load_back_pays(static_cast<std::int64_t>(host.size()))) return std::nullopt;
     const NodeId op = tree_.next_id();
     cache_.lock(node);  // the path stays while it loads (and eviction below cannot take it)
-    auto device = controller_.load(host, 0, op);
-    if (!device) {
-      evict_device(static_cast<std::int64_t>(host.size()));
-      device = controller_.load(host, 0, op);
-    }
+    auto device = load_nodes(missing, host, op);
     if (!device) {
       cache_.unlock(node);
       return std::nullopt;
@@ -153,9 +159,12 @@ std::int64_t TierPolicy::local_load_bps() const {
 void TierPolicy::drop_device(Node* node) {
   const auto n = static_cast<std::int64_t>(node->device.size());
   if (!node->host.empty()) {
-    controller_.evict_device(node->device, node->host);
+    Node* one[] = {node};
+    controller_.evict_device(node->device, node->host, sidecar_io(one));
+    for (auto& sp : node->sidecars) sp.device.clear();
   } else {
     device_pool_.allocator().free(node->device);
+    free_sidecar_devices(node);
     events_.dropped_device_tokens += n;
   }
   node->device.clear();
@@ -228,7 +237,8 @@ std::int64_t TierPolicy::leaving_host_tokens() const {
 }
 
 void TierPolicy::drop_host(Node* node) {
-  controller_.evict_host(node->host);
+  Node* one[] = {node};
+  controller_.evict_host(node->host, sidecar_io(one));
   events_.evicted_host_tokens += node->host.size();
   cache_.remove_leaf(node);
 }
@@ -310,6 +320,10 @@ void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t lo
       // failed on another rank, this rank drops its copy too, so the trees stay identical.
       if (local_ok) host_pool_.discard(n->host);
       n->host.clear();
+      for (auto& sp : n->sidecars) {
+        if (local_ok) controller_.sidecar(static_cast<std::size_t>(sp.pool)).host_pool().discard(sp.host);
+        sp.host.clear();
+      }
       n->evict_after_write = false;
     }
     cache_.refresh(n);
@@ -337,9 +351,12 @@ void TierPolicy::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t loc
       // The device slots are not to be used; the host copy is intact. Where the load worked
       // here, its host pages went to synced: back to backup with the device copy freed.
       if (local_ok) {
-        controller_.evict_device(n->device, n->host);
+        Node* one[] = {n};
+        controller_.evict_device(n->device, n->host, sidecar_io(one));
+        for (auto& sp : n->sidecars) sp.device.clear();
       } else {
         device_pool_.allocator().free(n->device);
+        free_sidecar_devices(n);
       }
       n->device.clear();
     }
@@ -347,6 +364,92 @@ void TierPolicy::apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t loc
   }
   if (!ok) ++events_.load_failures;
   cache_.unlock(op.holder);
+}
+
+const std::vector<SidecarIo>& TierPolicy::sidecar_io(std::span<Node* const> nodes) {
+  io_.clear();
+  for (const Node* n : nodes) {
+    for (const auto& sp : n->sidecars) io_.push_back(SidecarIo{sp.pool, sp.host, sp.device});
+  }
+  return io_;
+}
+
+bool TierPolicy::reserve_sidecar_hosts(Node* node) {
+  for (std::size_t i = 0; i < node->sidecars.size(); ++i) {
+    Node::SidecarPages& sp = node->sidecars[i];
+    SidecarPool& pool = controller_.sidecar(static_cast<std::size_t>(sp.pool));
+    const auto need = static_cast<std::int64_t>(sp.pages.size()) * pool.spec().slots_per_page;
+    auto host = pool.host_pool().alloc(need);
+    while (!host && evict_host(tree_.page_size()) > 0) host = pool.host_pool().alloc(need);
+    if (!host) {
+      for (std::size_t j = 0; j < i; ++j) {
+        Node::SidecarPages& done = node->sidecars[j];
+        controller_.sidecar(static_cast<std::size_t>(done.pool)).host_pool().free(done.host);
+        done.host.clear();
+      }
+      return false;
+    }
+    sp.host = std::move(*host);
+  }
+  return true;
+}
+
+bool TierPolicy::alloc_sidecar_devices(std::span<Node* const> nodes) {
+  for (std::size_t k = 0; k < nodes.size(); ++k) {
+    for (Node::SidecarPages& sp : nodes[k]->sidecars) {
+      TokenSlotAllocator& a =
+          controller_.sidecar(static_cast<std::size_t>(sp.pool)).device_pool().allocator();
+      const auto need = static_cast<std::int64_t>(sp.host.size());
+      auto device = a.alloc(need);
+      while (!device && evict_device(tree_.page_size()) > 0) device = a.alloc(need);
+      if (!device) {
+        for (std::size_t j = 0; j <= k; ++j) free_sidecar_devices(nodes[j]);
+        return false;
+      }
+      sp.device = std::move(*device);
+    }
+  }
+  return true;
+}
+
+void TierPolicy::free_sidecar_devices(Node* node) {
+  for (Node::SidecarPages& sp : node->sidecars) {
+    if (sp.device.empty()) continue;
+    controller_.sidecar(static_cast<std::size_t>(sp.pool)).device_pool().allocator().free(sp.device);
+    sp.device.clear();
+  }
+}
+
+std::optional<std::vector<std::int64_t>> TierPolicy::load_nodes(
+    std::span<Node* const> missing, const std::vector<std::int64_t>& host, NodeId op) {
+  const bool sidecars = std::any_of(missing.begin(), missing.end(),
+                                    [](const Node* n) { return !n->sidecars.empty(); });
+  if (!sidecars) {
+    auto device = controller_.load(host, 0, op);
+    if (!device) {
+      evict_device(static_cast<std::int64_t>(host.size()));
+      device = controller_.load(host, 0, op);
+    }
+    return device;
+  }
+  // A hybrid model's nodes: the KV's device slots and every sidecar page's, then one load.
+  const auto tokens = static_cast<std::int64_t>(host.size());
+  auto device = device_pool_.allocator().alloc(tokens);
+  if (!device) {
+    evict_device(tokens);
+    device = device_pool_.allocator().alloc(tokens);
+  }
+  if (!device) return std::nullopt;
+  if (!alloc_sidecar_devices(missing)) {
+    device_pool_.allocator().free(*device);
+    return std::nullopt;
+  }
+  if (!controller_.load_into(host, *device, 0, op, sidecar_io(missing))) {  // the queue is full
+    device_pool_.allocator().free(*device);
+    for (Node* n : missing) free_sidecar_devices(n);
+    return std::nullopt;
+  }
+  return device;
 }
 
 }  // namespace radix

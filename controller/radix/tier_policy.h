@@ -11,6 +11,11 @@
 //     exclusive backs it up only as host eviction takes it (a copy already in L3 goes at once),
 //     the node locked until the backup's ack, freed on it, kept when the backup did not land;
 //   - the application of a write's or a load's ack (the agreed and this rank's outcome).
+// A node's sidecar pages (a hybrid model's state, Node::sidecars) move with its KV in the same
+// controller op, on every one of these paths: written, loaded back, evicted and freed together.
+// A sidecar pool short of room makes it: a write evicts host-only leaves until the node's
+// sidecar pages fit on the host, a load back evicts device nodes until they fit on the device
+// (a state page is far larger than a KV page, and the KV pools' own room would never free one).
 // It moves KV through the HiCacheController and the pools; the tree's locks, the refresh that
 // keeps the eviction index and the KV events current, a leaf's removal and the L3 backups it
 // asks of the cache it serves (TierPolicy::Cache, HiRadixCache).
@@ -24,6 +29,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "controller/hicache_controller.h"
@@ -154,6 +160,22 @@ class alignas(64) TierPolicy {
   }
   // Host tokens of the backups in flight that free their host copy on the ack.
   std::int64_t leaving_host_tokens() const;
+  // Fills io_ with the sidecar pages of `nodes` as the controller takes them (spans into the
+  // nodes' lists: valid until those change).
+  const std::vector<SidecarIo>& sidecar_io(std::span<Node* const> nodes);
+  // Reserves host pages for every sidecar page of the device-only `node` (SidecarPages::host),
+  // evicting host-only leaves while a pool is short; false (nothing reserved) when they do not fit.
+  bool reserve_sidecar_hosts(Node* node);
+  // Allocates device pages for every sidecar page of `nodes` (SidecarPages::device), evicting
+  // device nodes while a pool is short; false (nothing allocated) when they do not fit.
+  bool alloc_sidecar_devices(std::span<Node* const> nodes);
+  // Frees the sidecar device pages of `node` to their allocators and forgets them.
+  void free_sidecar_devices(Node* node);
+  // The host -> device load of `missing` (KV in `host`) for load_back under op id `op`; the
+  // device slots, or nothing (nothing allocated or queued) when the device or the queue is short.
+  std::optional<std::vector<std::int64_t>> load_nodes(std::span<Node* const> missing,
+                                                      const std::vector<std::int64_t>& host,
+                                                      NodeId op);
 
   // What insert, eviction and the acks read first, in one cache line: the scheduler's calls come
   // between the other work of a step, which evicts the caches.
@@ -173,6 +195,7 @@ class alignas(64) TierPolicy {
   CostRule& cost_;
   HostKVPool& host_pool_;
   Config config_;
+  std::vector<SidecarIo> io_;  // reused by sidecar_io()
 };
 
 }  // namespace hicache::radix

@@ -60,6 +60,52 @@ struct L3 {
   ~L3() { std::filesystem::remove_all(root); }
 };
 
+// Hands the controller's queued loads to its load thread and waits on every layer, as a
+// forward pass does.
+inline void run_loads(HiCacheController& controller, DeviceKVPool& device_pool) {
+  const std::int32_t slot = controller.start_loading();
+  if (slot < 0) return;
+  for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
+    EXPECT_TRUE(device_pool.wait_for_layer(l)) << "a load failed: layer " << l;
+  }
+  controller.layer_done_counter().release(slot);
+}
+
+// Holds what match `m` found for a request: locks its deepest node and loads its host part
+// back (waiting on every layer), or, when the load back is refused, holds the device part only.
+// `slots` gets the device slots of the prefix held; *loaded says whether it loaded. Returns the
+// node locked.
+inline HiRadixCache::Node* hold_match(HiRadixCache& cache, HiCacheController& controller,
+                                      DeviceKVPool& device_pool,
+                                      const HiRadixCache::MatchResult& m,
+                                      std::vector<std::int64_t>& slots, bool* loaded) {
+  HiRadixCache::Node* held = m.last_host_node;
+  cache.lock(held);
+  slots = m.device_slots;
+  *loaded = false;
+  if (m.host_hit_tokens == 0) return held;
+  if (auto back = cache.load_back(held)) {
+    slots = std::move(*back);
+    run_loads(controller, device_pool);
+    *loaded = true;
+    return held;
+  }
+  cache.unlock(held);
+  cache.lock(m.last_device_node);
+  return m.last_device_node;
+}
+
+// Every device and host slot is the tree's (no request holds any, no op in flight), and the
+// tree is consistent.
+inline void expect_tree_accounting(const HiRadixCache& cache, const DeviceKVPool& device_pool,
+                                   const HostKVPool& host_pool) {
+  const auto s = cache.stats();
+  EXPECT_EQ(device_pool.allocator().capacity_tokens() - device_pool.allocator().free_tokens(),
+            s.device_tokens);
+  EXPECT_EQ(host_pool.capacity_tokens() - host_pool.free_tokens(), s.host_tokens);
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 // A small engine around the cache: what a scheduler does for one request.
 struct Engine {
   testing::FaultyDevice device;  // fails nothing unless a test asks
@@ -100,26 +146,10 @@ struct Engine {
         m = cache.match_prefix(tokens, identity);
       }
     }
-    HiRadixCache::Node* held = m.last_host_node;
-    cache.lock(held);
-    std::vector<std::int64_t> slots = m.device_slots;
-    if (m.host_hit_tokens > 0) {
-      if (auto back = cache.load_back(held)) {
-        slots = std::move(*back);
-        const std::int32_t slot = controller.start_loading();
-        if (slot >= 0) {
-          for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
-            EXPECT_TRUE(device_pool.wait_for_layer(l)) << "a load failed: layer " << l;
-          }
-          controller.layer_done_counter().release(slot);
-        }
-        ++loaded_requests;
-      } else {
-        cache.unlock(held);
-        held = m.last_device_node;
-        cache.lock(held);
-      }
-    }
+    std::vector<std::int64_t> slots;
+    bool loaded = false;
+    HiRadixCache::Node* held = hold_match(cache, controller, device_pool, m, slots, &loaded);
+    loaded_requests += loaded ? 1 : 0;
     const std::size_t cached_pages = slots.size() / kPage;
     for (std::size_t p = 0; p < cached_pages; ++p) {
       ASSERT_TRUE(verify_page(device_pool.layout(), slots[p * kPage] / kPage,
@@ -196,11 +226,7 @@ struct Engine {
   // Every device and host slot is the tree's (no request holds any between runs).
   void expect_accounting() {
     settle();
-    const auto s = cache.stats();
-    EXPECT_EQ(device_pool.allocator().capacity_tokens() - device_pool.allocator().free_tokens(),
-              s.device_tokens);
-    EXPECT_EQ(host_pool.capacity_tokens() - host_pool.free_tokens(), s.host_tokens);
-    EXPECT_EQ(cache.check_invariants(), "");
+    expect_tree_accounting(cache, device_pool, host_pool);
   }
 };
 

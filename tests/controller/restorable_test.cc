@@ -13,18 +13,15 @@ namespace {
 
 using Pages = std::vector<std::int64_t>;
 
-std::vector<bool> held(std::int64_t n, const Pages& pages) {
-  std::vector<bool> h(static_cast<std::size_t>(n), false);
-  for (std::int64_t p : pages) h[static_cast<std::size_t>(p)] = true;
+std::vector<std::uint8_t> held(std::int64_t n, const Pages& pages) {
+  std::vector<std::uint8_t> h(static_cast<std::size_t>(n), 0);
+  for (std::int64_t p : pages) h[static_cast<std::size_t>(p)] = 1;
   return h;
 }
 
-// std::vector<bool> has no data(): intersect() takes a span of bool.
 void intersect(RestorablePrefix& r, SidecarHitPolicy policy, std::int32_t window,
-               const std::vector<bool>& h) {
-  std::unique_ptr<bool[]> copy(new bool[h.size()]);
-  std::copy(h.begin(), h.end(), copy.get());
-  r.intersect(policy, window, std::span<const bool>(copy.get(), h.size()));
+               const std::vector<std::uint8_t>& h) {
+  r.intersect(policy, window, h);
 }
 
 TEST(RestorablePrefix, TheKvHitAloneRestoresEveryLengthUpToIt) {

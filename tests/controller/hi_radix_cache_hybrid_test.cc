@@ -1,0 +1,397 @@
+// HiRadixCache with sidecar pools: a hybrid reference model (a recurrent state checkpointed at
+// some pages, a sliding window of per-token KV, an indexer's per-token keys, beside the
+// attention KV) served from the device and the host. The state after a prefix is a function of
+// the whole prefix; every request restores it at the restorable prefix and must find exactly
+// the bytes computed from scratch.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "controller/hi_radix_cache.h"
+#include "pools/kv_pattern.h"
+#include "pools/sidecar_pool.h"
+#include "tests/controller/radix_test_engine.h"
+#include "transfer/errors.h"
+#include "transfer/host_device.h"
+
+namespace hicache::radix_test {
+namespace {
+
+using Slots = std::vector<std::int64_t>;
+using Tokens = std::vector<std::int32_t>;
+
+enum Pool : std::int32_t { kState = 0, kSwa = 1, kIndex = 2 };
+
+// The data of pool `pool`'s page `page` of a sequence: a function of the prefix up to the end of
+// that page, as a model's state after it is.
+std::uint64_t side_seed(std::span<const std::int32_t> tokens, std::size_t page, Pool pool) {
+  return page_seed(tokens, page) * 1000003ULL + static_cast<std::uint64_t>(pool) + 1;
+}
+
+SidecarSpec spec(Pool pool, std::int64_t device_pages, std::int64_t host_pages) {
+  switch (pool) {
+    case kState:  // a recurrent state checkpoint: one slot a page, 2 layers
+      return {.name = "state", .policy = SidecarHitPolicy::kTrailing, .window_pages = 1,
+              .layers = 2, .slots_per_page = 1, .slot_bytes = 256, .dtype = DType::kFloat32,
+              .device_pages = device_pages, .host_pages = host_pages};
+    case kSwa:  // a sliding window of 2 pages of per-token KV
+      return {.name = "swa", .policy = SidecarHitPolicy::kTrailing, .window_pages = 2,
+              .layers = 1, .slots_per_page = kPage, .slot_bytes = 32, .dtype = DType::kBFloat16,
+              .device_pages = device_pages, .host_pages = host_pages};
+    case kIndex:  // an indexer's keys for every page
+    default:
+      return {.name = "index", .policy = SidecarHitPolicy::kAllPages, .layers = 1,
+              .slots_per_page = kPage, .slot_bytes = 16, .dtype = DType::kBFloat16,
+              .device_pages = device_pages, .host_pages = host_pages};
+  }
+}
+
+// An engine of the hybrid model: pools, a controller with three sidecar pools, the cache.
+struct Hybrid {
+  HostDevice device;
+  DeviceKVPool device_pool;
+  HostKVPool host_pool;
+  std::vector<std::unique_ptr<SidecarPool>> owned;
+  std::vector<SidecarPool*> pools;
+  HiCacheController controller;
+  HiRadixCache cache;
+  std::int64_t requests = 0, restored_states = 0, host_loads = 0, dropped = 0;
+  std::int64_t checkpoint_every = 2;  // the engine checkpoints its state every 2 pages and at the end
+
+  static std::vector<std::unique_ptr<SidecarPool>> make_pools(HostDevice& d, std::int64_t dev,
+                                                              std::int64_t host) {
+    std::vector<std::unique_ptr<SidecarPool>> p;
+    for (Pool pool : {kState, kSwa, kIndex}) {
+      p.push_back(std::make_unique<SidecarPool>(d, spec(pool, dev, host)));
+    }
+    return p;
+  }
+  static std::vector<SidecarPool*> raw(const std::vector<std::unique_ptr<SidecarPool>>& p) {
+    std::vector<SidecarPool*> out;
+    for (const auto& x : p) out.push_back(x.get());
+    return out;
+  }
+
+  Hybrid(WritePolicy policy, std::int64_t device_pages, std::int64_t host_pages,
+         std::int64_t side_device_pages, std::int64_t side_host_pages)
+      : device_pool(device, geometry(), device_pages * kPage),
+        host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
+        owned(make_pools(device, side_device_pages, side_host_pages)),
+        pools(raw(owned)),
+        controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy},
+                   pools),
+        cache(controller, device_pool, host_pool) {}
+
+  SidecarPool& pool(Pool p) { return *pools[static_cast<std::size_t>(p)]; }
+
+  void settle() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      cache.check_events();
+      const auto s = cache.stats();
+      if (s.writes_in_flight == 0 && s.loads_in_flight == 0) return;
+      std::this_thread::yield();
+    }
+    FAIL() << "writes or loads never finished";
+  }
+
+  // Device slots of `pages` pages of pool `p`, evicting tree nodes while it is short.
+  std::optional<Slots> alloc(Pool p, std::int64_t pages) {
+    TokenSlotAllocator& a = pool(p).device_pool().allocator();
+    const std::int64_t n = pages * pool(p).spec().slots_per_page;
+    auto s = a.alloc(n);
+    for (int i = 0; i < 64 && !s; ++i) {
+      if (cache.evict_device(kPage) == 0) settle();
+      s = a.alloc(n);
+    }
+    return s;
+  }
+  std::optional<Slots> alloc_kv(std::int64_t tokens) {
+    auto s = device_pool.allocator().alloc(tokens);
+    for (int i = 0; i < 64 && !s; ++i) {
+      if (cache.evict_device(tokens) == 0) settle();
+      s = device_pool.allocator().alloc(tokens);
+    }
+    return s;
+  }
+
+  // Checks the state the match restores: for a prefix of p pages the state checkpoint at page
+  // p-1, the window's pages p-2 and p-1, and every indexer page, each against the bytes of the
+  // prefix computed from scratch.
+  void verify_restored(std::span<const std::int32_t> tokens, const HiRadixCache::Node* node,
+                       std::int64_t p) {
+    if (p == 0) return;
+    struct Need {
+      Pool pool;
+      std::int64_t from;
+    };
+    for (const Need need : {Need{kState, p - 1}, Need{kSwa, std::max<std::int64_t>(0, p - 2)},
+                            Need{kIndex, 0}}) {
+      const auto held = cache.sidecar_device_slots(node, need.pool);
+      for (std::int64_t page = need.from; page < p; ++page) {
+        const auto it = std::find_if(held.begin(), held.end(),
+                                     [&](const auto& h) { return h.page == page; });
+        ASSERT_NE(it, held.end()) << "pool " << need.pool << " page " << page
+                                  << " missing at a restorable prefix of " << p;
+        std::string where;
+        ASSERT_TRUE(verify_page(pool(need.pool).device_pool().layout(),
+                                it->device_slots[0] / pool(need.pool).spec().slots_per_page,
+                                side_seed(tokens, static_cast<std::size_t>(page), need.pool),
+                                &where))
+            << "pool " << need.pool << " page " << page << " restored wrong: " << where;
+      }
+    }
+    ++restored_states;
+  }
+
+  // One request: match, load back, check what is restored, compute the rest, insert.
+  void run(std::span<const std::int32_t> tokens) {
+    ++requests;
+    cache.check_events();
+    ASSERT_EQ(cache.check_invariants(), "");
+    auto m = cache.match_prefix(tokens);
+    Slots slots;
+    bool loaded = false;
+    HiRadixCache::Node* held = hold_match(cache, controller, device_pool, m, slots, &loaded);
+    host_loads += loaded ? 1 : 0;
+    const auto p = static_cast<std::int64_t>(slots.size()) / kPage;
+    for (std::int64_t page = 0; page < p; ++page) {
+      ASSERT_TRUE(verify_page(device_pool.layout(), slots[static_cast<std::size_t>(page * kPage)] / kPage,
+                              page_seed(tokens, static_cast<std::size_t>(page))))
+          << "KV page " << page << " served wrong";
+    }
+    verify_restored(tokens, held, p);
+    if (::testing::Test::HasFatalFailure()) return;
+
+    // Compute pages p..n-1: KV, the window and the indexer for each, the state at checkpoints.
+    const auto n = static_cast<std::int64_t>(tokens.size()) / kPage;
+    if (n == p) {  // all of it restored: nothing to compute
+      cache.unlock(held);
+      return;
+    }
+    std::vector<std::int64_t> state_pages, all_pages;
+    for (std::int64_t page = p; page < n; ++page) {
+      all_pages.push_back(page);
+      if ((page + 1) % checkpoint_every == 0 || page == n - 1) state_pages.push_back(page);
+    }
+    auto kv = alloc_kv((n - p) * kPage);
+    auto st = alloc(kState, static_cast<std::int64_t>(state_pages.size()));
+    auto swa = alloc(kSwa, n - p);
+    auto idx = alloc(kIndex, n - p);
+    if (!kv || !st || !swa || !idx) {  // everything left is this request's: drop it
+      if (kv) device_pool.allocator().free(*kv);
+      if (st) pool(kState).device_pool().allocator().free(*st);
+      if (swa) pool(kSwa).device_pool().allocator().free(*swa);
+      if (idx) pool(kIndex).device_pool().allocator().free(*idx);
+      ++dropped;
+      cache.unlock(held);
+      return;
+    }
+    for (std::int64_t page = p; page < n; ++page) {
+      const auto k = static_cast<std::size_t>(page - p);
+      fill_page(device_pool.layout(), (*kv)[k * kPage] / kPage,
+                page_seed(tokens, static_cast<std::size_t>(page)));
+      fill_page(pool(kSwa).device_pool().layout(), (*swa)[k * kPage] / kPage,
+                side_seed(tokens, static_cast<std::size_t>(page), kSwa));
+      fill_page(pool(kIndex).device_pool().layout(), (*idx)[k * kPage] / kPage,
+                side_seed(tokens, static_cast<std::size_t>(page), kIndex));
+    }
+    for (std::size_t k = 0; k < state_pages.size(); ++k) {
+      fill_page(pool(kState).device_pool().layout(), (*st)[k],
+                side_seed(tokens, static_cast<std::size_t>(state_pages[k]), kState));
+    }
+    slots.insert(slots.end(), kv->begin(), kv->end());
+    const HiRadixCache::SidecarInsert side[] = {
+        {kState, state_pages, *st}, {kSwa, all_pages, *swa}, {kIndex, all_pages, *idx}};
+    const std::int64_t dup = cache.insert(tokens, slots, {}, side);
+    // Ours and already in the tree (past the restorable prefix): free them.
+    const std::int64_t dup_pages = dup / kPage;
+    if (dup_pages > p) {
+      device_pool.allocator().free(std::span(*kv).first(static_cast<std::size_t>((dup_pages - p) * kPage)));
+      pool(kSwa).device_pool().allocator().free(std::span(*swa).first(static_cast<std::size_t>((dup_pages - p) * kPage)));
+      pool(kIndex).device_pool().allocator().free(std::span(*idx).first(static_cast<std::size_t>((dup_pages - p) * kPage)));
+      Slots st_dup;
+      for (std::size_t k = 0; k < state_pages.size(); ++k) {
+        if (state_pages[k] < dup_pages) st_dup.push_back((*st)[k]);
+      }
+      if (!st_dup.empty()) pool(kState).device_pool().allocator().free(st_dup);
+    }
+    cache.unlock(held);
+  }
+
+  // Every slot of every pool is the tree's, and the tree is consistent.
+  void expect_accounting() {
+    settle();
+    expect_tree_accounting(cache, device_pool, host_pool);
+  }
+  bool sidecars_free() {
+    for (SidecarPool* p : pools) {
+      if (p->device_pool().allocator().free_tokens() != p->device_pool().capacity_tokens() ||
+          p->host_pool().free_tokens() != p->host_pool().capacity_tokens()) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+Tokens prompt(std::int32_t id, std::int64_t pages) {
+  Tokens t;
+  for (std::int64_t i = 0; i < pages * kPage; ++i) t.push_back(id * 1000 + static_cast<std::int32_t>(i));
+  return t;
+}
+
+// A prefix restores only as far as its last checkpoint: 6 of 8 cached pages with checkpoints
+// at pages 1, 3 and 7 restore 4 pages, the node split there; no checkpoint restores nothing.
+TEST(HybridRadix, AMatchStopsAtTheLastRestorableCheckpoint) {
+  Hybrid e(WritePolicy::kWriteBack, 32, 64, 32, 64);
+  const Tokens a = prompt(1, 8);
+  e.run(a);  // checkpoints at pages 1, 3, 5 and 7
+  const Tokens six(a.begin(), a.begin() + 6 * kPage);
+  auto m = e.cache.match_prefix(six);
+  EXPECT_EQ(m.device_slots.size(), 6u * kPage);  // 1, 3, 5: page 5 ends the six
+  e.checkpoint_every = 4;
+  const Tokens b = prompt(2, 8);
+  e.run(b);  // checkpoints at pages 3 and 7
+  const Tokens b6(b.begin(), b.begin() + 6 * kPage);
+  m = e.cache.match_prefix(b6);
+  ASSERT_EQ(m.device_slots.size(), 4u * kPage);
+  EXPECT_EQ(m.host_hit_tokens, 0);
+  e.verify_restored(b6, m.last_device_node, 4);
+  // The cut split b's node at page 4: a node ends there now.
+  EXPECT_NE(e.cache.describe().find("[2000..+16]"), std::string::npos) << e.cache.describe();
+  const Tokens b2(b.begin(), b.begin() + 2 * kPage);
+  m = e.cache.match_prefix(b2);  // no checkpoint in the first two pages: nothing restorable
+  EXPECT_TRUE(m.device_slots.empty());
+  EXPECT_EQ(m.last_host_node, m.last_device_node);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+}
+
+// A node's state, window and index pages go to the host with its KV, come back with it, and
+// arrive byte for byte; then both tiers free every pool's pages.
+TEST(HybridRadix, SidecarPagesMoveWithTheirNodeThroughTheHostAndBack) {
+  Hybrid e(WritePolicy::kWriteThrough, 32, 64, 32, 64);
+  const Tokens a = prompt(3, 6);
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.pool(kState).host_pool().free_tokens(), 64 - 3);  // pages 1, 3, 5
+  EXPECT_EQ(e.cache.evict_device(6 * kPage), 6 * kPage);
+  EXPECT_EQ(e.pool(kState).device_pool().allocator().free_tokens(), 32);
+  EXPECT_EQ(e.pool(kIndex).device_pool().allocator().free_tokens(), 32 * kPage);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  auto m = e.cache.match_prefix(a);
+  EXPECT_TRUE(m.device_slots.empty());
+  EXPECT_EQ(m.host_hit_tokens, 6 * kPage);
+  const std::int64_t loads = e.host_loads;
+  e.run(a);  // loads back and checks every restored byte
+  EXPECT_EQ(e.host_loads, loads + 1);
+  EXPECT_EQ(e.restored_states, 1);
+  e.settle();
+  EXPECT_EQ(e.cache.check_invariants(), "");
+  e.cache.evict_device(6 * kPage);
+  e.cache.evict_host(6 * kPage);
+  EXPECT_EQ(e.cache.stats().nodes, 0);
+  EXPECT_TRUE(e.sidecars_free());
+}
+
+TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
+  Hybrid e(WritePolicy::kWriteBack, 32, 64, 32, 64);
+  const Tokens a = prompt(4, 2);
+  const Slots kv = *e.device_pool.allocator().alloc(2 * kPage);
+  const Slots st = *e.pool(kState).device_pool().allocator().alloc(1);
+  const Slots idx = *e.pool(kIndex).device_pool().allocator().alloc(2 * kPage);
+  const Slots one{1}, both{0, 1}, backwards{1, 0}, beyond{2};
+  const Slots idx_one(idx.begin(), idx.begin() + kPage);
+  struct Case {
+    std::vector<HiRadixCache::SidecarInsert> side;
+    const char* want;
+  };
+  const Case cases[] = {
+      {{{7, one, st}}, "sidecar pool 7 does not exist (3 sidecar pools)"},
+      {{{kState, one, st}, {kState, one, st}}, "sidecar pool 'state' is given twice"},
+      {{{kState, backwards, st}}, "page 0 (entry 1) is out of order"},
+      {{{kState, beyond, st}}, "page 2 (entry 0) is out of order or outside the sequence's 2"},
+      {{{kIndex, one, idx_one}}, "'index' is all_pages: it needs pages 0..1"},
+      {{{kState, both, st}}, "1 device slots for 2 pages of 1 slots"},
+      {{{kIndex, both, Slots(2 * kPage, 3)}}, "sidecar pool 'index'"},
+  };
+  for (const Case& c : cases) {
+    try {
+      e.cache.insert(a, kv, {}, c.side);
+      ADD_FAILURE() << "accepted: " << c.want;
+    } catch (const InvalidArgument& err) {
+      EXPECT_NE(std::string(err.what()).find(c.want), std::string::npos) << err.what();
+    }
+    EXPECT_EQ(e.cache.stats().nodes, 0) << c.want;
+  }
+  const HiRadixCache::SidecarInsert good[] = {{kState, one, st}, {kIndex, both, idx}};
+  EXPECT_EQ(e.cache.insert(a, kv, {}, good), 0);
+  EXPECT_NE(e.cache.describe().find("sidecars 0@[1] 2@[0,1]"), std::string::npos)
+      << e.cache.describe();
+  EXPECT_THROW(e.cache.sidecar_device_slots(e.cache.match_prefix(a).last_device_node, 3),
+               InvalidArgument);
+}
+
+TEST(HybridRadix, AnL3StoreOrTpRanksAreRefusedForNow) {
+  HostDevice device;
+  DeviceKVPool dev(device, geometry(), 8 * kPage);
+  HostKVPool host(device, geometry(), HostLayout::kPageFirst, 16 * kPage);
+  SidecarPool state(device, spec(kState, 4, 8));
+  SidecarPool* pools[] = {&state};
+  HiCacheController c(device, dev, host, ControllerConfig{}, pools);
+  L3 l3("hybrid-refused");
+  KeyNamespace ns = key_ns();
+  StorageController storage(host, l3.file, ns, l3.local, l3.local, l3.local, {});
+  try {
+    HiRadixCache cache(c, dev, host, {}, &storage, &ns);
+    FAIL() << "accepted an L3 store";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("sidecar pools with an L3 store"), std::string::npos);
+  }
+  auto ranks = InProcessGroup::make_ranks(2);
+  try {
+    HiRadixCache cache(c, dev, host, {}, nullptr, nullptr, ranks[0].get());
+    FAIL() << "accepted TP ranks";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("sidecar pools under TP (2 ranks)"), std::string::npos);
+  }
+  HiRadixCache cache(c, dev, host);
+  EXPECT_THROW(cache.attach_storage(storage, ns), InvalidArgument);
+}
+
+// Many requests sharing prefixes, pools small enough to evict on both tiers, under each write
+// policy: every request finds the KV and the state it restores exactly as computed from
+// scratch, the tree stays consistent, and a reset leaves every pool empty.
+TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
+  for (const WritePolicy policy : {WritePolicy::kWriteThrough, WritePolicy::kWriteBack,
+                                   WritePolicy::kWriteThroughSelective}) {
+    Hybrid e(policy, 24, 48, 12, 24);
+    std::mt19937 rng(7);
+    std::vector<Tokens> bases;
+    for (std::int32_t b = 0; b < 6; ++b) bases.push_back(prompt(10 + b, 6));
+    for (int r = 0; r < 300; ++r) {
+      Tokens t = bases[rng() % bases.size()];
+      t.resize(static_cast<std::size_t>((1 + rng() % 6) * kPage));
+      for (std::uint32_t extra = rng() % 3; extra > 0; --extra) {
+        for (int i = 0; i < kPage; ++i) t.push_back(static_cast<std::int32_t>(rng() % 50000));
+      }
+      e.run(t);
+      ASSERT_FALSE(::testing::Test::HasFatalFailure()) << "request " << r;
+      if (r % 50 == 49) e.expect_accounting();
+    }
+    EXPECT_GT(e.restored_states, 50) << to_string(policy);
+    if (policy != WritePolicy::kWriteBack) {
+      EXPECT_GT(e.host_loads, 5) << to_string(policy);
+    }
+    EXPECT_LT(e.dropped, 10) << to_string(policy);
+    e.settle();
+    e.cache.reset();
+    EXPECT_TRUE(e.sidecars_free()) << to_string(policy);
+    EXPECT_EQ(e.cache.stats().nodes, 0);
+  }
+}
+
+}  // namespace
+}  // namespace hicache::radix_test
