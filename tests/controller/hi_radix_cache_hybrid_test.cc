@@ -296,6 +296,27 @@ TEST(HybridRadix, SidecarPagesMoveWithTheirNodeThroughTheHostAndBack) {
   EXPECT_TRUE(e.sidecars_free());
 }
 
+// SGLang #39436's shape: 8 conversations, their device copies evicted, replayed: every one is a
+// host hit that restores its whole prompt, state included (SGLang's host state pool was too
+// small and got 0 of 8).
+TEST(HybridRadix, EightConversationsReplayedFromTheHostAllHit) {
+  Hybrid e(WritePolicy::kWriteThrough, 48, 96, 48, 96);
+  std::vector<Tokens> conversations;
+  for (std::int32_t c = 0; c < 8; ++c) conversations.push_back(prompt(100 + c, 5));
+  for (const Tokens& t : conversations) e.run(t);
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(8 * 5 * kPage), 8 * 5 * kPage);
+  const std::int64_t restored = e.restored_states, loads = e.host_loads;
+  for (const Tokens& t : conversations) {
+    const auto m = e.cache.match_prefix(t);
+    EXPECT_EQ(m.host_hit_tokens, 5 * kPage) << "a conversation missed the host";
+    e.run(t);
+  }
+  EXPECT_EQ(e.host_loads - loads, 8);
+  EXPECT_EQ(e.restored_states - restored, 8);
+  e.expect_accounting();
+}
+
 TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
   Hybrid e(WritePolicy::kWriteBack, 32, 64, 32, 64);
   const Tokens a = prompt(4, 2);
