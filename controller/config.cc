@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -31,6 +32,79 @@ struct Draft {
 };
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The "sidecars" object: one SidecarSpec per pool, in the order of their names. Throws
+// InvalidArgument naming the pool and the key (an unknown or missing key, a value of the wrong
+// type, a field the spec refuses).
+std::vector<SidecarSpec> parse_sidecars(const json& sidecars) {
+  static constexpr std::array<std::string_view, 8> kKeys = {
+      "policy", "slot_bytes", "device_pages", "host_pages",
+      "layers", "slots_per_page", "window_pages", "dtype"};
+  std::vector<SidecarSpec> out;
+  for (const auto& [name, pool] : sidecars.items()) {
+    const std::string where = str_cat("config: sidecars.", name);
+    if (!pool.is_object()) {
+      throw InvalidArgument(str_cat(where, " is ", pool.dump(), "; it must be a JSON object"));
+    }
+    for (const auto& [key, value] : pool.items()) {
+      if (std::find(kKeys.begin(), kKeys.end(), key) == kKeys.end()) {
+        throw InvalidArgument(str_cat(where, ": unknown key '", key,
+                                      "' (known: policy, slot_bytes, device_pages, host_pages, "
+                                      "layers, slots_per_page, window_pages, dtype)"));
+      }
+    }
+    const auto integer = [&](const char* key, std::int64_t fallback, bool required) {
+      if (!pool.contains(key)) {
+        if (required) throw InvalidArgument(str_cat(where, ".", key, " is required"));
+        return fallback;
+      }
+      const json& v = pool.at(key);
+      if (!v.is_number_integer()) {
+        throw InvalidArgument(str_cat(where, ".", key, " is ", v.dump(), "; it must be an integer"));
+      }
+      return v.get<std::int64_t>();
+    };
+    const auto text = [&](const char* key, const char* fallback, bool required) {
+      if (!pool.contains(key)) {
+        if (required) throw InvalidArgument(str_cat(where, ".", key, " is required"));
+        return std::string(fallback);
+      }
+      const json& v = pool.at(key);
+      if (!v.is_string()) {
+        throw InvalidArgument(str_cat(where, ".", key, " is ", v.dump(), "; it must be a string"));
+      }
+      return v.get<std::string>();
+    };
+    const auto int32 = [&](const char* key, std::int64_t v) {
+      if (v < std::numeric_limits<std::int32_t>::min() ||
+          v > std::numeric_limits<std::int32_t>::max()) {
+        throw InvalidArgument(str_cat(where, ".", key, " is ", v, "; it must fit 32 bits"));
+      }
+      return static_cast<std::int32_t>(v);
+    };
+    SidecarSpec spec;
+    spec.name = name;
+    try {
+      spec.policy = parse_sidecar_hit_policy(text("policy", "", true));
+      spec.dtype = parse_dtype(text("dtype", "bf16", false));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(str_cat(where, ": ", e.what()));
+    }
+    spec.slot_bytes = integer("slot_bytes", 0, true);
+    spec.device_pages = integer("device_pages", 0, true);
+    spec.host_pages = integer("host_pages", 0, true);
+    spec.layers = int32("layers", integer("layers", 1, false));
+    spec.slots_per_page = int32("slots_per_page", integer("slots_per_page", 1, false));
+    spec.window_pages = int32("window_pages", integer("window_pages", 1, false));
+    try {
+      spec.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(str_cat("config: sidecars: ", e.what()));
+    }
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
 constexpr double kMaxInt32 = 2147483647.0;
 constexpr double kMaxCount = 4611686018427387904.0;  // 2^62: counts of tokens or bytes
 
@@ -211,6 +285,14 @@ const std::vector<Key>& keys() {
         "the L3 store (none: no L3); the backend's own keys are its reference",
         "--hicache-storage-backend", ""},
        -kInf, kInf, false, [](Draft& d, const json& v) { d.c.storage = v.dump(); }},
+      {{"sidecars", "sidecars", T::kObject, "",
+        R"({NAME: {"policy": "all_pages" | "trailing", "slot_bytes": B, "device_pages": D, )"
+        R"("host_pages": H, "layers": 1, "slots_per_page": 1, "window_pages": 1, )"
+        R"("dtype": "bf16"}, ...})",
+        "a hybrid model's sidecar pools (state, sliding window, indexer) that move with the KV "
+        "(docs/hybrid.md); none: KV only",
+        "", ""},
+       -kInf, kInf, false, [](Draft& d, const json& v) { d.c.sidecars = parse_sidecars(v); }},
       {{"model_name", "model-name", T::kString, R"("model")", "non-empty",
         "the model, in every page key's namespace", "", ""},
        -kInf, kInf, false,
@@ -767,6 +849,23 @@ void HiCacheConfig::validate() const {
   }
   if (!radix.host_tier && !storage.empty()) {
     throw InvalidArgument("config: host_tier false (a device-only cache) takes no 'storage'");
+  }
+  if (!sidecars.empty() && !storage.empty()) {
+    throw InvalidArgument(
+        "config: 'sidecars' with 'storage': sidecar records in L3 are not supported yet "
+        "(docs/hybrid.md)");
+  }
+  if (!sidecars.empty() && tp.size > 1) {
+    throw InvalidArgument(str_cat("config: 'sidecars' with tp_size ", tp.size,
+                                  ": sidecar pools under TP are not supported yet "
+                                  "(docs/hybrid.md)"));
+  }
+  for (const SidecarSpec& s : sidecars) {
+    try {
+      s.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(str_cat("config: sidecars: ", e.what()));
+    }
   }
   if (radix.host_tier) {
     const std::int64_t host = host_tokens();

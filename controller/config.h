@@ -24,6 +24,7 @@
 #include "pools/host_kv_pool.h"
 #include "pools/kv_geometry.h"
 #include "pools/kv_layout.h"
+#include "pools/sidecar_pool.h"
 
 namespace hicache {
 
@@ -46,6 +47,9 @@ struct HiCacheConfig {
   HostLayout host_layout = HostLayout::kLayerFirst;
   ControllerConfig controller;
   std::string storage;  // JSON object for make_storage; empty: no L3
+  // A hybrid model's sidecar pools (docs/hybrid.md), in the order of their names; the "sidecars"
+  // object: {"<name>": {"policy": ..., "slot_bytes": ..., "device_pages": ..., ...}}.
+  std::vector<SidecarSpec> sidecars;
   std::string model_name = "model";
   std::string model_fingerprint = "unversioned";
   StorageControllerConfig storage_controller{.queue_capacity = 4096,

@@ -132,8 +132,13 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
   } else {
     host_pool_ = std::make_unique<HostKVPool>(*device_, g, config_.host_layout, host_tokens);
   }
+  std::vector<SidecarPool*> sidecars;
+  for (const SidecarSpec& spec : config_.sidecars) {
+    sidecar_pools_.push_back(std::make_unique<SidecarPool>(*device_, spec));
+    sidecars.push_back(sidecar_pools_.back().get());
+  }
   controller_ = std::make_unique<HiCacheController>(*device_, *device_pool_, *host_pool_,
-                                                    config_.controller);
+                                                    config_.controller, sidecars);
   try {
     if (storage_) {
       auto sc = config_.storage_controller;
@@ -197,6 +202,16 @@ std::unique_ptr<Collective> HiCache::make_tp_group(const std::string& role) cons
                                          .connect_timeout = config_.tp.connect_timeout});
 }
 
+std::int32_t HiCache::sidecar_index(std::string_view name) const {
+  std::string names;
+  for (std::size_t i = 0; i < sidecar_pools_.size(); ++i) {
+    if (sidecar_pools_[i]->spec().name == name) return static_cast<std::int32_t>(i);
+    names += str_cat(i ? ", " : "", sidecar_pools_[i]->spec().name);
+  }
+  throw InvalidArgument(str_cat("HiCache: no sidecar pool '", name, "' (the config has ",
+                                names.empty() ? std::string("none") : names, ")"));
+}
+
 void HiCache::detach_storage() {
   if (!storage_controller_) return;
   cache_->detach_storage();
@@ -208,6 +223,7 @@ void HiCache::detach_storage() {
 
 void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives collectives) {
   if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
+  refuse_storage_with_sidecars();
   const std::string& json = storage_json.empty() ? config_.storage : storage_json;
   if (json.empty()) throw InvalidArgument("attach_storage: no storage config (empty)");
   // A rank whose store cannot be opened still joins the agreement (attach_agreed), so that no
@@ -230,8 +246,16 @@ std::shared_ptr<StorageBackend> HiCache::open_storage(const std::string& json) c
   return wrapped;
 }
 
+void HiCache::refuse_storage_with_sidecars() const {
+  if (!sidecar_pools_.empty()) {
+    throw InvalidArgument(
+        "attach_storage: sidecar pools with an L3 store are not supported yet (docs/hybrid.md)");
+  }
+}
+
 void HiCache::attach_storage(std::shared_ptr<StorageBackend> store,
                              HiCacheCollectives collectives) {
+  refuse_storage_with_sidecars();
   attach_agreed(std::move(store), nullptr, collectives);
 }
 

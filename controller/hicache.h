@@ -28,6 +28,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "controller/config.h"
 #include "controller/hi_radix_cache.h"
@@ -37,6 +39,7 @@
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
+#include "pools/sidecar_pool.h"
 #include "storage/collective.h"
 #include "storage/page_key.h"
 #include "storage/storage_backend.h"
@@ -96,6 +99,11 @@ class HiCache {
   DeviceKVPool& device_pool() { return *device_pool_; }
   HostKVPool& host_pool() { return *host_pool_; }
   HiCacheController& controller() { return *controller_; }
+  // The sidecar pools of config.sidecars (docs/hybrid.md): the index of the one named `name`
+  // (SidecarInsert::pool, HiRadixCache::sidecar_device_slots) and the pool. InvalidArgument
+  // naming a pool the config does not have.
+  std::int32_t sidecar_index(std::string_view name) const;
+  SidecarPool& sidecar_pool(std::string_view name) { return *sidecar_pools_[sidecar_index(name)]; }
   HiRadixCache& cache() { return *cache_; }
   // Null without L3.
   StorageBackend* storage() { return storage_.get(); }
@@ -146,6 +154,7 @@ class HiCache {
   HiCacheCollectives collectives_;
   std::unique_ptr<DeviceKVPool> device_pool_;
   std::unique_ptr<HostKVPool> host_pool_;
+  std::vector<std::unique_ptr<SidecarPool>> sidecar_pools_;  // config.sidecars, in order
   std::unique_ptr<HiCacheController> controller_;
   std::unique_ptr<StorageController> storage_controller_;
   std::unique_ptr<KvEventPublisher> kv_events_;  // outlives the cache that publishes through it
@@ -153,6 +162,8 @@ class HiCache {
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
   int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
+  // InvalidArgument when the cache has sidecar pools (their L3 records are not built yet).
+  void refuse_storage_with_sidecars() const;
   // The store's removals go to the KV events (L3 records that left), when both are on.
   void observe_removals();
   // make_storage of the store config as HiCache opens it, wrapped by wrap_storage_.

@@ -40,6 +40,12 @@ PyHiCache::PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> st
                      py::object device_v, const std::string& dim_order, bool engine_allocator)
     : store_(std::move(store)) {
   const HiCacheConfig config = HiCacheConfig::from_json_text(config_json);
+  if (!config.sidecars.empty()) {
+    // The bindings' insert takes no sidecar pages yet: every match would restore nothing.
+    throw InvalidArgument(
+        "HiCache: 'sidecars' is not available from Python yet (docs/hybrid.md); SGLang's hybrid "
+        "pools go through hicache.sglang.HiCacheStore's storage v2");
+  }
   HiCacheParts parts;
   if (engine_allocator) {
     engine_slots_ = std::make_unique<EngineSlots>(config.device_tokens, config.geometry.page_size);

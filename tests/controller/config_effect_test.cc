@@ -262,6 +262,37 @@ TEST(ConfigEffect, PoolSizesFollowTheirKeys) {
             20 * kPage);
 }
 
+// sidecars: pools of their own size that the controller and the cache move with the KV; a
+// match restores only what they can (a prefix without a state checkpoint restores nothing).
+TEST(ConfigEffect, SidecarsBuildPoolsThatMoveWithTheKv) {
+  EXPECT_EQ(HiCache(config_with()).controller().num_sidecars(), 0u);
+  HiCache hc(config_with(
+      {{"write_policy", R"("write_through")"},
+       {"sidecars", R"({"state": {"policy": "trailing", "layers": 2, "slot_bytes": 512,
+                                   "dtype": "fp32", "device_pages": 4, "host_pages": 8}})"}}));
+  ASSERT_EQ(hc.controller().num_sidecars(), 1u);
+  SidecarPool& state = hc.sidecar_pool("state");
+  EXPECT_EQ(state.device_pool().num_pages(), 4);
+  EXPECT_EQ(state.host_pool().num_pages(), 8);
+  EXPECT_EQ(state.spec().page_bytes(), 1024);
+  EXPECT_EQ(hc.device_pool().allocator().capacity_tokens(), 64) << "the KV pools keep their size";
+  const auto t = tokens_of(1, 2);
+  const auto kv = *hc.device_pool().allocator().alloc(2 * kPage);
+  const auto st = *state.device_pool().allocator().alloc(1);
+  const std::vector<std::int64_t> last{1};
+  const HiRadixCache::SidecarInsert side[] = {{hc.sidecar_index("state"), last, st}};
+  hc.cache().insert(t, kv, {}, side);
+  for (int i = 0; i < 1000 && hc.cache().stats().writes_in_flight > 0; ++i) {
+    hc.cache().wait_for_events(hc.cache().event_seq(), steady_clock::now() + milliseconds(10));
+    hc.cache().check_events();
+  }
+  EXPECT_EQ(state.host_pool().free_tokens(), 7) << "the state went to the host with its KV";
+  EXPECT_EQ(hc.cache().match_prefix(t).device_slots.size(), 2u * kPage);
+  const std::vector<std::int32_t> first(t.begin(), t.begin() + kPage);
+  EXPECT_TRUE(hc.cache().match_prefix(first).device_slots.empty()) << "no state after page 0";
+  EXPECT_THROW(hc.sidecar_index("mamba"), InvalidArgument);
+}
+
 // host_layout: the host pool's layout, and the key namespace (pages of another layout are
 // never read as this one's).
 TEST(ConfigEffect, HostLayoutIsThePoolsAndTheNamespaces) {

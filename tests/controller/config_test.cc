@@ -104,6 +104,49 @@ TEST(HiCacheConfig, DefaultsAndMla) {
 }
 
 // Each bad document raises an error that names the offending key or value.
+TEST(HiCacheConfig, BadSidecarsAreNamed) {
+  const std::string head =
+      R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64, )";
+  const std::string good = R"("policy": "trailing", "slot_bytes": 64, "device_pages": 2, "host_pages": 4)";
+  const std::pair<std::string, const char*> cases[] = {
+      {R"("sidecars": 3})", "key 'sidecars' is 3"},
+      {R"("sidecars": {"state": 3}})", "config: sidecars.state is 3; it must be a JSON object"},
+      {R"("sidecars": {"state": {)" + good + R"(, "colour": 1}}})",
+       "sidecars.state: unknown key 'colour'"},
+      {R"("sidecars": {"state": {"slot_bytes": 64, "device_pages": 2, "host_pages": 4}}})",
+       "sidecars.state.policy is required"},
+      {R"("sidecars": {"state": {"policy": "last", "slot_bytes": 64, "device_pages": 2, "host_pages": 4}}})",
+       "sidecars.state: sidecar hit policy 'last'"},
+      {R"("sidecars": {"state": {)" + good + R"(, "dtype": "fp4"}}})", "sidecars.state: "},
+      {R"("sidecars": {"state": {)" + good + R"(, "layers": "two"}}})",
+       "sidecars.state.layers is \"two\"; it must be an integer"},
+      {R"("sidecars": {"state": {)" + good + R"(, "layers": 4294967296}}})",
+       "sidecars.state.layers is 4294967296; it must fit 32 bits"},
+      {R"("sidecars": {"state": {"policy": "trailing", "slot_bytes": 64, "device_pages": 4, "host_pages": 2}}})",
+       "config: sidecars: sidecar pool 'state': host_pages 2: must be at least device_pages (4)"},
+      {R"("sidecars": {"kv": {)" + good + R"(}}})", "sidecar pool 'kv'"},
+      {R"("sidecars": {"state": {)" + good + R"(}}, "storage": {"backend": "file", "root": "/tmp/x"}})",
+       "'sidecars' with 'storage'"},
+      {R"("sidecars": {"state": {)" + good + R"(}}, "tp_size": 2, "tp_store_dir": "/tmp/x"})",
+       "'sidecars' with tp_size 2"},
+  };
+  for (const auto& [tail, want] : cases) {
+    try {
+      HiCacheConfig::from_json_text(head + tail);
+      ADD_FAILURE() << "accepted: " << tail;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
+  const auto c = HiCacheConfig::from_json_text(
+      head + R"("sidecars": {"swa": {)" + good + R"(, "window_pages": 4, "slots_per_page": 8}, "a": {"policy": "all_pages", "slot_bytes": 8, "device_pages": 1, "host_pages": 1}}})");
+  ASSERT_EQ(c.sidecars.size(), 2u);
+  EXPECT_EQ(c.sidecars[0].name, "a") << "in the order of their names";
+  EXPECT_EQ(c.sidecars[1].window_pages, 4);
+  EXPECT_EQ(c.sidecars[1].slots_per_page, 8);
+  EXPECT_EQ(c.sidecars[1].dtype, DType::kBFloat16);
+}
+
 TEST(HiCacheConfig, BadInputNamesTheKeyOrValue) {
   const std::pair<const char*, const char*> cases[] = {
       {R"({"model": {"layers": 1, "kv_heads": 1, "head_dim": 8}, "device_tokens": 64, "colour": 1})",

@@ -51,6 +51,15 @@ def test_l3_is_detached_attached_and_cleared_at_run_time(tmp_path):
         assert c.store is own
 
 
+def test_sidecars_are_refused_until_the_bindings_pass_sidecar_pages():
+    config = {"device": "host", "page_size": 4, "device_tokens": 64,
+              "model": {"layers": 1, "kv_heads": 1, "head_dim": 8},
+              "sidecars": {"state": {"policy": "trailing", "slot_bytes": 64,
+                                     "device_pages": 2, "host_pages": 4}}}
+    with pytest.raises(ValueError, match="'sidecars' is not available from Python yet"):
+        hicache.HiCache(config)
+
+
 def test_a_bad_config_is_a_value_error_naming_the_key_and_value():
     with pytest.raises(ValueError, match="unknown key 'hostratio'; did you mean 'host_ratio'"):
         hicache.HiCache(small_config(hostratio=1))

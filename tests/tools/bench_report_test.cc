@@ -263,6 +263,18 @@ TEST(HicacheBench, ExclusiveStorageAdmissionVerifiesEveryPageOnOneRankAndUnderTp
 // Tenants asking about the same document: with one identity the later questions hit the
 // document's pages; with a tenant per question none hits another's, on any tier, and every
 // page served is still verified (page data derives from the identity).
+// The simulated engine inserts no sidecar pages: a cache with sidecar pools would restore
+// nothing, so the flag is refused before anything runs, naming why.
+TEST(HicacheBench, SidecarsAreRefusedUntilTheEngineModelsAHybridModel) {
+  const BenchRun r = run_bench(
+      R"(--tiers host --sidecars '{"state": {"policy": "trailing", "slot_bytes": 64, "device_pages": 2, )"
+      R"("host_pages": 4}}')");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("the simulated engine does not model a hybrid model yet"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(HicacheBench, TenantsNeverHitEachOthersPages) {
   const std::string args = kTiny + "--workload longcontext --documents 1 --questions 4 "
                                    "--document-tokens 256 --report ";

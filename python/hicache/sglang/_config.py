@@ -50,6 +50,8 @@ _OWN_FROM_SGLANG = {
     "prefetch_threshold_tokens": "the extra config's prefetch_threshold",
     "tp_rank": "SGLang's tp_group",
     "tp_size": "SGLang's tp_group",
+    "sidecars": "SGLang's hybrid pool group (the drop-in moves KV pages; a hybrid model's "
+                "pools reach L3 through HiCacheStore's storage v2)",
 }
 # Refused: decisions of the radix cache, which is SGLang's when the drop-in runs.
 _OWN_RADIX = {
