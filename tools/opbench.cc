@@ -977,7 +977,7 @@ int run(const Options& o) {
     // Pools of their own (the standard rig's are released first: memory for both).
     standard.reset();
     tiny.reset();
-    const auto r = hicache::opbench::run_hybrid(*device, load, scaled(7), 3);
+    const auto r = hicache::opbench::run_hybrid(*device, load, scaled(7), o.quick ? 1 : 3);
     std::puts(r.line.dump().c_str());
     std::fflush(stdout);
     all_ok &= r.ok;

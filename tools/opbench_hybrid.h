@@ -7,7 +7,8 @@
 //   hybrid_load_p16   the same, host -> device, layer by layer (start_loading, then every
 //                     layer waited on in order).
 //
-// Rounds alternate which side goes first; each side runs `ops` ops one after another, each timed
+// Rounds alternate which side goes first; each side runs `ops` ops one after another (--quick:
+// one round of one op), each timed
 // from submit to ack (a load: to its last layer and its ack). ratio = the median over rounds of
 // (kv_only seconds / hybrid seconds), both sides moving the same bytes: the target is
 // >= 0.9. Every byte of the last round's ops is checked after the clock stopped (state and KV
