@@ -295,7 +295,13 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     if (common < child->key().size()) break;
   }
   if (controller_.num_sidecars() > 0) cut_to_restorable(r);
-  for (Node* n : to_write) tiers_->write_selected(n);
+  if (!to_write.empty()) {
+    // A write may make room for sidecar pages by evicting host-only leaves: the path it found
+    // stays while it writes.
+    lock(node);
+    for (Node* n : to_write) tiers_->write_selected(n);
+    unlock(node);
+  }
   l3_->touch_path(node);  // the L3 pages of what was served here stay younger than tails
   events_.matched_device_tokens += r.device_slots.size();
   events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
@@ -398,6 +404,18 @@ void HiRadixCache::check_sidecar_insert(std::span<const SidecarInsert> sidecars,
     slots_to_pages(si.device_slots, pool.spec().slots_per_page, pool.device_pool().num_pages(),
                    what, slot_pages);
   }
+  // An all_pages pool restores nothing without its pages: new pages need an entry of each.
+  if (pages > cached_pages) {
+    for (std::size_t i = 0; i < controller_.num_sidecars(); ++i) {
+      const SidecarSpec& spec = controller_.sidecar(i).spec();
+      if (spec.policy == SidecarHitPolicy::kAllPages && !seen[i]) {
+        throw InvalidArgument(str_cat("insert: sidecar pool '", spec.name,
+                                      "' is all_pages: it needs pages ", cached_pages, "..",
+                                      pages - 1, " (the tree holds the first ", cached_pages,
+                                      "), got none"));
+      }
+    }
+  }
 }
 
 std::vector<HiRadixCache::SidecarPageSlots> HiRadixCache::sidecar_device_slots(
@@ -437,7 +455,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
     throw InvalidArgument(
         str_cat("insert: ", device_slots.size(), " device slots for ", tokens.size(), " tokens"));
   }
-  if (!sidecars.empty()) {
+  if (controller_.num_sidecars() > 0) {
     check_sidecar_insert(
         sidecars, static_cast<std::int64_t>(tokens.size()) / page_size_,
         static_cast<std::int64_t>(tree_->prefix_tokens(tokens, identity)) / page_size_);

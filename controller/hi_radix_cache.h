@@ -65,6 +65,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "controller/hicache_controller.h"
@@ -235,6 +236,9 @@ class HiRadixCache {
   // page indices ascending (after a match: the state to restore the prefix from). Throws
   // InvalidArgument for a pool that does not exist.
   std::vector<SidecarPageSlots> sidecar_device_slots(const Node* node, std::int32_t pool) const;
+  // The slots of sidecar pool `pool` the tree holds: {on the device, on the host}. A walk of the
+  // tree, for tests and tools (the pool's used slots, when no request holds any).
+  std::pair<std::int64_t, std::int64_t> sidecar_slots_held(std::int32_t pool) const;
 
   // Brings the host-resident nodes on the path to `node` back to the device (one controller
   // load; the forward pass waits per layer after start_loading()). Returns the device slots of

@@ -126,6 +126,18 @@ RadixCacheStats HiRadixCache::stats() const {
   return s;
 }
 
+std::pair<std::int64_t, std::int64_t> HiRadixCache::sidecar_slots_held(std::int32_t pool) const {
+  std::pair<std::int64_t, std::int64_t> held{0, 0};
+  tree_->for_each_node([&](const Node* n) {
+    for (const Node::SidecarPages& sp : n->sidecars) {
+      if (sp.pool != pool) continue;
+      held.first += static_cast<std::int64_t>(sp.device.size());
+      held.second += static_cast<std::int64_t>(sp.host.size());
+    }
+  });
+  return held;
+}
+
 std::string HiRadixCache::check_invariants() const {
   std::string problem = tree_->check_node(tree_->root());
   tree_->for_each_node([&](const Node* n) {

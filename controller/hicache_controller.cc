@@ -227,6 +227,10 @@ void HiCacheController::check_sidecars(std::span<const SidecarIo> sidecars,
     pages.clear();
     slots_to_pages(io.device_slots, ps, pool.device_pool().num_pages(), where + " device", pages);
     pool.host_pool().require_state(io.host_slots, host_state, where);
+    std::sort(pages.begin(), pages.end());
+    if (const auto dup = std::adjacent_find(pages.begin(), pages.end()); dup != pages.end()) {
+      throw InvalidArgument(str_cat(where, ": device page ", *dup, " is listed twice"));
+    }
     for (std::int64_t page : allocated_device ? pages : std::vector<std::int64_t>{}) {
       if (!pool.device_pool().allocator().is_allocated(page)) {
         throw StateError(str_cat(where, ": device page ", page,
@@ -468,6 +472,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
     bytes_written_ += static_cast<std::uint64_t>(op.num_tokens() *
                                                  device_pool_.geometry().token_bytes()) +
                       sidecar_bytes;
+    sidecar_bytes_written_ += sidecar_bytes;
     writes_done_ += static_cast<std::uint64_t>(ops);
   } catch (const std::exception&) {
     ok = false;
@@ -520,6 +525,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
                                                 device_pool_.geometry().token_bytes()) +
                      sidecar_bytes;
+    sidecar_bytes_loaded_ += sidecar_bytes;
     load_ns_ += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                              started)
@@ -659,7 +665,8 @@ ControllerStats HiCacheController::stats() const {
   return ControllerStats{writes_done_.value(),      write_failures_.value(),
                          load_batches_done_.value(), load_failures_.value(),
                          bytes_written_.value(),     bytes_loaded_.value(),
-                         static_cast<double>(load_ns_.value()) * 1e-9};
+                         static_cast<double>(load_ns_.value()) * 1e-9,
+                         sidecar_bytes_written_.value(), sidecar_bytes_loaded_.value()};
 }
 
 void HiCacheController::unregister_metrics() {
@@ -684,13 +691,15 @@ void HiCacheController::register_metrics(MetricsRegistry& registry, MetricLabels
   constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
   metrics_.add(kBytes, kBytesHelp, write, bytes_written_);
   metrics_.add(kBytes, kBytesHelp, load, bytes_loaded_);
-  // Whole tokens move: bytes over the bytes of a token are tokens, exactly.
+  // Whole tokens move: the KV's bytes (all but the sidecars') over a token's are tokens, exactly.
   const auto token_bytes = static_cast<double>(device_pool_.geometry().token_bytes());
   metrics_.add_counter_fn(kTokensMetric, kTokensHelp, write, [this, token_bytes] {
-    return static_cast<double>(bytes_written_.value()) / token_bytes;
+    return static_cast<double>(bytes_written_.value() - sidecar_bytes_written_.value()) /
+           token_bytes;
   });
   metrics_.add_counter_fn(kTokensMetric, kTokensHelp, load, [this, token_bytes] {
-    return static_cast<double>(bytes_loaded_.value()) / token_bytes;
+    return static_cast<double>(bytes_loaded_.value() - sidecar_bytes_loaded_.value()) /
+           token_bytes;
   });
   constexpr const char* kLatency = "hicache_op_latency_seconds";
   constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";

@@ -84,6 +84,8 @@ struct ControllerStats {
   // layer landing (waits on start_loading's ready_after included): bytes_loaded / load_seconds
   // is the host -> device bandwidth the radix cache weighs against recomputing.
   double load_seconds = 0;
+  // Of bytes_written / bytes_loaded, the sidecar pools' (the rest is KV: whole tokens).
+  std::uint64_t sidecar_bytes_written = 0, sidecar_bytes_loaded = 0;
 };
 
 class HiCacheController {
@@ -255,6 +257,7 @@ class HiCacheController {
   OpQueue<LoadBatch> load_queue_;
   struct AckQueues;
   std::unique_ptr<AckQueues> acks_;
+  Counter sidecar_bytes_written_, sidecar_bytes_loaded_;
   Counter writes_done_, write_failures_, load_batches_done_, load_failures_, bytes_written_,
       bytes_loaded_, load_ns_;
   Histogram write_latency_, load_latency_;

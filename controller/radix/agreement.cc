@@ -13,10 +13,12 @@ std::optional<PendingOps::Op> PendingOps::take(std::unordered_map<NodeId, Op>& o
   return op;
 }
 
-bool CostRule::moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second) {
+bool CostRule::moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second,
+                           std::int64_t extra_bytes) {
   if (bytes_per_second == kUnmeasured) return true;
   const auto bandwidth = static_cast<double>(bytes_per_second);
-  const double bytes = static_cast<double>(tokens) * static_cast<double>(token_bytes_);
+  const double bytes = static_cast<double>(tokens) * static_cast<double>(token_bytes_) +
+                       static_cast<double>(extra_bytes);
   const bool load = move == Move::kLoad;
   double& gbps = load ? inputs_.measured_load_gbps : inputs_.measured_prefetch_gbps;
   double& move_s = load ? inputs_.last_load_estimate_s : inputs_.last_prefetch_estimate_s;

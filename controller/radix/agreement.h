@@ -95,7 +95,9 @@ class CostRule {
   bool on() const { return recompute_seconds_per_token_ > 0; }
   // True when moving `tokens` at `bytes_per_second` takes no longer than recomputing them, and
   // when the bandwidth is kUnmeasured (nothing recorded then); records the decision's inputs.
-  bool moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second);
+  // `extra_bytes`: bytes that move with the tokens' KV (a hybrid model's sidecar pages).
+  bool moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second,
+                   std::int64_t extra_bytes = 0);
   const Inputs& inputs() const { return inputs_; }
   // bytes / seconds as whole bytes per second (at least 1), or kUnmeasured before a transfer.
   static std::int64_t rate(double bytes, double seconds);

@@ -79,8 +79,15 @@ void TierPolicy::write_node(Node* node, std::int64_t priority) {
   }
   if (host) {
     Node* one[] = {node};
-    if (!controller_.write_reserved(node->device, *host, priority, node->id, nullptr,
-                                    sidecar_io(one))) {
+    bool queued = false;
+    try {
+      queued = controller_.write_reserved(node->device, *host, priority, node->id, nullptr,
+                                          sidecar_io(one));
+    } catch (...) {
+      for (auto& sp : node->sidecars) sp.host.clear();  // the controller freed them
+      throw;
+    }
+    if (!queued) {
       for (auto& sp : node->sidecars) sp.host.clear();  // the controller freed them
       return;                                           // stopped
     }
@@ -113,10 +120,25 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_back(Node* node) {
   }
   if (!missing.empty()) {
     if (static_cast<std::int64_t>(host.size()) < config_.load_back_min_tokens) return std::nullopt;
-    if (!load_back_pays(static_cast<std::int64_t>(host.size()))) return std::nullopt;
+    std::int64_t sidecar_bytes = 0;
+    for (const Node* n : missing) {
+      for (const auto& sp : n->sidecars) {
+        const SidecarSpec& spec = controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec();
+        sidecar_bytes += static_cast<std::int64_t>(sp.pages.size()) * spec.page_bytes();
+      }
+    }
+    if (!load_back_pays(static_cast<std::int64_t>(host.size()), sidecar_bytes)) {
+      return std::nullopt;
+    }
     const NodeId op = tree_.next_id();
     cache_.lock(node);  // the path stays while it loads (and eviction below cannot take it)
-    auto device = load_nodes(missing, host, op);
+    std::optional<std::vector<std::int64_t>> device;
+    try {
+      device = load_nodes(missing, host, op);
+    } catch (...) {
+      cache_.unlock(node);
+      throw;
+    }
     if (!device) {
       cache_.unlock(node);
       return std::nullopt;
@@ -140,10 +162,10 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_back(Node* node) {
   return out;
 }
 
-bool TierPolicy::load_back_pays(std::int64_t tokens) {
+bool TierPolicy::load_back_pays(std::int64_t tokens, std::int64_t sidecar_bytes) {
   if (!cost_.on()) return true;
-  const bool pays =
-      cost_.moving_pays(CostRule::Move::kLoad, tokens, agreement_.load_bps(local_load_bps()));
+  const bool pays = cost_.moving_pays(CostRule::Move::kLoad, tokens,
+                                      agreement_.load_bps(local_load_bps()), sidecar_bytes);
   if (!pays) {
     ++events_.load_backs_refused_by_cost;
     events_.miss_load_refused_tokens += tokens;
@@ -380,7 +402,14 @@ bool TierPolicy::reserve_sidecar_hosts(Node* node) {
     SidecarPool& pool = controller_.sidecar(static_cast<std::size_t>(sp.pool));
     const auto need = static_cast<std::int64_t>(sp.pages.size()) * pool.spec().slots_per_page;
     auto host = pool.host_pool().alloc(need);
-    while (!host && evict_host(tree_.page_size()) > 0) host = pool.host_pool().alloc(need);
+    // Host-only leaves go, coldest first, while they free this pool's pages: a few that free
+    // none (they hold no page of it) end the attempt, so one insert cannot empty the host.
+    for (int barren = 0; !host && barren < kBarrenEvictions;) {
+      const std::int64_t before = pool.host_pool().free_tokens();
+      if (evict_host(tree_.page_size()) == 0) break;
+      barren = pool.host_pool().free_tokens() > before ? 0 : barren + 1;
+      host = pool.host_pool().alloc(need);
+    }
     if (!host) {
       for (std::size_t j = 0; j < i; ++j) {
         Node::SidecarPages& done = node->sidecars[j];
@@ -401,7 +430,15 @@ bool TierPolicy::alloc_sidecar_devices(std::span<Node* const> nodes) {
           controller_.sidecar(static_cast<std::size_t>(sp.pool)).device_pool().allocator();
       const auto need = static_cast<std::int64_t>(sp.host.size());
       auto device = a.alloc(need);
-      while (!device && evict_device(tree_.page_size()) > 0) device = a.alloc(need);
+      // As reserve_sidecar_hosts: device nodes go while they free this pool's pages. A victim
+      // that write_back must write first frees nothing now: the load back is refused this step
+      // (the engine recomputes, or asks again once the write's ack freed the room).
+      for (int barren = 0; !device && barren < kBarrenEvictions;) {
+        const std::int64_t before = a.free_tokens();
+        if (evict_device(tree_.page_size()) == 0) break;
+        barren = a.free_tokens() > before ? 0 : barren + 1;
+        device = a.alloc(need);
+      }
       if (!device) {
         for (std::size_t j = 0; j <= k; ++j) free_sidecar_devices(nodes[j]);
         return false;
@@ -444,7 +481,15 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_nodes(
     device_pool_.allocator().free(*device);
     return std::nullopt;
   }
-  if (!controller_.load_into(host, *device, 0, op, sidecar_io(missing))) {  // the queue is full
+  bool queued = false;
+  try {
+    queued = controller_.load_into(host, *device, 0, op, sidecar_io(missing));
+  } catch (...) {
+    device_pool_.allocator().free(*device);
+    for (Node* n : missing) free_sidecar_devices(n);
+    throw;
+  }
+  if (!queued) {  // the queue is full
     device_pool_.allocator().free(*device);
     for (Node* n : missing) free_sidecar_devices(n);
     return std::nullopt;

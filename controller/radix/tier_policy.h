@@ -112,8 +112,9 @@ class alignas(64) TierPolicy {
   // nothing when refused (a node on neither tier, fewer host tokens than load_back_min_tokens,
   // recomputing cheaper by the cost rule, or the device short even after evicting).
   std::optional<std::vector<std::int64_t>> load_back(Node* node);
-  // The cost rule for a load back of `tokens` (true when the rule is off); a refusal is counted.
-  bool load_back_pays(std::int64_t tokens);
+  // The cost rule for a load back of `tokens` with `sidecar_bytes` of sidecar pages beside
+  // them (true when the rule is off); a refusal is counted.
+  bool load_back_pays(std::int64_t tokens, std::int64_t sidecar_bytes = 0);
 
   // HiRadixCache::evict_device: frees up to `tokens` device tokens in the index's order;
   // returns how many were freed now (write-back writes, freed on their ack, count towards
@@ -196,6 +197,8 @@ class alignas(64) TierPolicy {
   HostKVPool& host_pool_;
   Config config_;
   std::vector<SidecarIo> io_;  // reused by sidecar_io()
+  // Evictions in a row that free none of a short sidecar pool's pages before making room stops.
+  static constexpr int kBarrenEvictions = 4;
 };
 
 }  // namespace hicache::radix

@@ -225,6 +225,13 @@ struct Hybrid {
   void expect_accounting() {
     settle();
     expect_tree_accounting(cache, device_pool, host_pool);
+    for (Pool p : {kState, kSwa, kIndex}) {
+      const auto [on_device, on_host] = cache.sidecar_slots_held(p);
+      const TokenSlotAllocator& a = pool(p).device_pool().allocator();
+      EXPECT_EQ(a.capacity_tokens() - a.free_tokens(), on_device) << "pool " << p;
+      EXPECT_EQ(pool(p).host_pool().capacity_tokens() - pool(p).host_pool().free_tokens(), on_host)
+          << "pool " << p;
+    }
   }
   bool sidecars_free() {
     for (SidecarPool* p : pools) {
@@ -337,6 +344,7 @@ TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
       {{{kIndex, one, idx_one}}, "'index' is all_pages: it needs pages 0..1"},
       {{{kState, both, st}}, "1 device slots for 2 pages of 1 slots"},
       {{{kIndex, both, Slots(2 * kPage, 3)}}, "sidecar pool 'index'"},
+      {{{kState, one, st}}, "'index' is all_pages: it needs pages 0..1 (the tree holds the first 0), got none"},
   };
   for (const Case& c : cases) {
     try {
@@ -407,10 +415,14 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
       EXPECT_GT(e.host_loads, 5) << to_string(policy);
     }
     EXPECT_LT(e.dropped, 10) << to_string(policy);
-    e.settle();
+    e.expect_accounting();
+    // Evicting everything frees every page of every pool (a leak or a double free shows here).
+    while (e.cache.evict_device(1 << 20) > 0 || e.cache.stats().writes_in_flight > 0) e.settle();
+    e.cache.evict_host(1 << 20);
+    EXPECT_EQ(e.cache.stats().nodes, 0) << to_string(policy);
+    EXPECT_TRUE(e.sidecars_free()) << to_string(policy);
     e.cache.reset();
     EXPECT_TRUE(e.sidecars_free()) << to_string(policy);
-    EXPECT_EQ(e.cache.stats().nodes, 0);
   }
 }
 

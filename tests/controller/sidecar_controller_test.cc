@@ -306,6 +306,32 @@ TEST(SidecarController, ResetReturnsQueuedSidecarPages) {
   }
 }
 
+// A reset with sidecar loads queued (not yet handed to the load thread) returns them: the host
+// pages back to backup, the device slots to their allocators.
+TEST(SidecarController, ResetReturnsQueuedSidecarLoads) {
+  Rig<HostDevice> r;
+  const Slots kv_dev = *r.dev.allocator().alloc(2 * kPage);
+  const Slots m_dev = *r.mamba.device_pool().allocator().alloc(2);
+  const Slots kv_host = *r.c.reserve_write(2 * kPage);
+  const Slots m_host = *r.mamba.host_pool().alloc(2);
+  const SidecarIo w[] = {{0, m_host, m_dev}};
+  ASSERT_TRUE(r.c.write_reserved(kv_dev, kv_host, 0, NodeId{1}, nullptr, w));
+  ASSERT_TRUE(wait_acks(r.c, true, 1).at(0).ok);
+  r.c.evict_device(kv_dev, kv_host, w);
+  const Slots kv_back = *r.dev.allocator().alloc(2 * kPage);
+  const Slots m_back = *r.mamba.device_pool().allocator().alloc(2);
+  const SidecarIo l[] = {{0, m_host, m_back}};
+  ASSERT_TRUE(r.c.load_into(kv_host, kv_back, 0, NodeId{2}, l));
+  EXPECT_TRUE(r.mamba.host_pool().all_in_state(m_host, PageState::kProtected));
+  r.c.reset();  // the load was queued, never started
+  EXPECT_TRUE(r.mamba.host_pool().all_in_state(m_host, PageState::kBackup));
+  EXPECT_TRUE(r.host.all_in_state(kv_host, PageState::kBackup));
+  EXPECT_EQ(r.mamba.device_pool().allocator().free_tokens(), 6) << "device slots returned";
+  EXPECT_EQ(r.dev.allocator().free_tokens(), r.dev.capacity_tokens());
+  r.c.evict_host(kv_host, w);
+  EXPECT_TRUE(r.clean());
+}
+
 TEST(SidecarController, ASidecarPoolGivenTwiceIsRefused) {
   HostDevice device;
   const KVGeometry g = KVGeometry::mha(2, 2, 16, DType::kFloat16, kPage);
