@@ -5,11 +5,11 @@
 #include <thread>
 
 #include "controller/kv_events.h"
-#include "controller/restorable.h"
 #include "controller/radix/agreement.h"
 #include "controller/radix/eviction.h"
 #include "controller/radix/ghost_set.h"
 #include "controller/radix/l3_paths.h"
+#include "controller/radix/sidecar_units.h"
 #include "controller/radix/tier_events.h"
 #include "controller/radix/tier_policy.h"
 #include "controller/radix/tree.h"
@@ -115,6 +115,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   agreement_ = std::make_unique<radix::Agreement>(tp);
   cost_ = std::make_unique<radix::CostRule>(config_.recompute_seconds_per_token,
                                             device_pool.geometry().token_bytes());
+  sidecars_ = std::make_unique<radix::SidecarUnits>(controller_, *tree_);
   hooks_ = std::make_unique<Hooks>(*this);
   l3_ = std::make_unique<radix::L3Paths>(*hooks_, *tree_, *pending_, *arrived_, *agreement_, *cost_,
                                          events_, host_pool_);
@@ -172,10 +173,7 @@ void HiRadixCache::reset() {
   tree_->clear();
   device_pool_.allocator().reset();
   host_pool_.reset();
-  for (std::size_t i = 0; i < controller_.num_sidecars(); ++i) {
-    controller_.sidecar(i).device_pool().allocator().reset();
-    controller_.sidecar(i).host_pool().reset();
-  }
+  sidecars_->reset_pools();
   ++events_.resets;
   if (tier_events_) tier_events_->publish();
 }
@@ -227,28 +225,7 @@ HiRadixCache::Node* HiRadixCache::split(Node* node, std::size_t tokens) {
     m->digests.assign(node->digests.begin(), node->digests.begin() + upper_pages);
     node->digests.erase(node->digests.begin(), node->digests.begin() + upper_pages);
   }
-  for (Node::SidecarPages& sp : node->sidecars) {
-    const auto cut = static_cast<std::int32_t>(upper_pages);
-    const auto k = static_cast<std::ptrdiff_t>(
-        std::lower_bound(sp.pages.begin(), sp.pages.end(), cut) - sp.pages.begin());
-    if (k == 0) {
-      for (std::int32_t& page : sp.pages) page -= cut;
-      continue;
-    }
-    const std::ptrdiff_t slots =
-        k * controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec().slots_per_page;
-    Node::SidecarPages up{.pool = sp.pool};
-    up.pages.assign(sp.pages.begin(), sp.pages.begin() + k);
-    sp.pages.erase(sp.pages.begin(), sp.pages.begin() + k);
-    for (std::int32_t& page : sp.pages) page -= cut;
-    for (auto [from, to] : {std::pair{&sp.device, &up.device}, std::pair{&sp.host, &up.host}}) {
-      if (from->empty()) continue;
-      to->assign(from->begin(), from->begin() + slots);
-      from->erase(from->begin(), from->begin() + slots);
-    }
-    m->sidecars.push_back(std::move(up));
-  }
-  std::erase_if(node->sidecars, [](const Node::SidecarPages& sp) { return sp.pages.empty(); });
+  sidecars_->split(node, m, upper_pages);
   m->stored_pages = std::min<std::int64_t>(node->stored_pages, upper_pages);
   node->stored_pages = std::max<std::int64_t>(0, node->stored_pages - upper_pages);
   m->backup_op = node->backup_op;
@@ -294,7 +271,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     node = child;
     if (common < child->key().size()) break;
   }
-  if (controller_.num_sidecars() > 0) cut_to_restorable(r);
+  if (sidecars_->on()) cut_to_restorable(r);
   if (!to_write.empty()) {
     // A write may make room for sidecar pages by evicting host-only leaves: the path it found
     // stays while it writes.
@@ -318,35 +295,14 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
 void HiRadixCache::cut_to_restorable(MatchResult& r) {
   const auto device_pages = static_cast<std::int64_t>(r.device_slots.size()) / page_size_;
   const std::int64_t pages = device_pages + r.host_hit_tokens / page_size_;
-  if (pages == 0) return;
-  std::vector<std::vector<std::uint8_t>> held(
-      controller_.num_sidecars(), std::vector<std::uint8_t>(static_cast<std::size_t>(pages), 0));
-  std::vector<Node*> path;
-  for (Node* n = r.last_host_node; n != tree_->root(); n = n->parent) path.push_back(n);
-  std::int64_t start = pages;
-  for (Node* n : path) {  // deepest first
-    start -= static_cast<std::int64_t>(n->key().size()) / page_size_;
-    for (const Node::SidecarPages& sp : n->sidecars) {
-      for (std::int32_t page : sp.pages) {
-        held[static_cast<std::size_t>(sp.pool)][static_cast<std::size_t>(start + page)] = 1;
-      }
-    }
+  const radix::SidecarUnits::Restorable cut =
+      sidecars_->restorable(r.last_host_node, pages, device_pages);
+  if (cut.on_device < device_pages) {
+    r.device_slots.resize(static_cast<std::size_t>(cut.on_device * page_size_));
+    r.last_device_node = node_at_page(r.last_device_node, cut.on_device);
   }
-  RestorablePrefix restorable;
-  restorable.reset(pages, pages);
-  for (std::size_t i = 0; i < held.size(); ++i) {
-    const SidecarSpec& spec = controller_.sidecar(i).spec();
-    restorable.intersect(spec.policy, spec.window_pages, held[i]);
-  }
-  const std::int64_t all = restorable.largest();
-  std::int64_t on_device = std::min(all, device_pages);
-  while (on_device > 0 && !restorable.restorable(on_device)) --on_device;
-  if (on_device < device_pages) {
-    r.device_slots.resize(static_cast<std::size_t>(on_device * page_size_));
-    r.last_device_node = node_at_page(r.last_device_node, on_device);
-  }
-  if (all < pages) r.last_host_node = node_at_page(r.last_host_node, all);
-  r.host_hit_tokens = (all - on_device) * page_size_;
+  if (cut.all < pages) r.last_host_node = node_at_page(r.last_host_node, cut.all);
+  r.host_hit_tokens = (cut.all - cut.on_device) * page_size_;
 }
 
 HiRadixCache::Node* HiRadixCache::node_at_page(Node* end, std::int64_t pages) {
@@ -364,83 +320,13 @@ HiRadixCache::Node* HiRadixCache::node_at_page(Node* end, std::int64_t pages) {
   return pages == 0 ? tree_->root() : end;
 }
 
-void HiRadixCache::check_sidecar_insert(std::span<const SidecarInsert> sidecars,
-                                        std::int64_t pages, std::int64_t cached_pages) const {
-  std::vector<bool> seen(controller_.num_sidecars(), false);
-  std::vector<std::int64_t> slot_pages;
-  for (const SidecarInsert& si : sidecars) {
-    if (si.pool < 0 || static_cast<std::size_t>(si.pool) >= controller_.num_sidecars()) {
-      throw InvalidArgument(str_cat("insert: sidecar pool ", si.pool, " does not exist (",
-                                    controller_.num_sidecars(), " sidecar pools)"));
-    }
-    const SidecarPool& pool = controller_.sidecar(static_cast<std::size_t>(si.pool));
-    const std::string what = str_cat("insert: sidecar pool '", pool.spec().name, "'");
-    if (seen[static_cast<std::size_t>(si.pool)]) throw InvalidArgument(what + " is given twice");
-    seen[static_cast<std::size_t>(si.pool)] = true;
-    for (std::size_t k = 0; k < si.pages.size(); ++k) {
-      if (si.pages[k] < 0 || si.pages[k] >= pages || (k > 0 && si.pages[k] <= si.pages[k - 1])) {
-        throw InvalidArgument(str_cat(what, ": page ", si.pages[k], " (entry ", k,
-                                      ") is out of order or outside the sequence's ", pages,
-                                      " pages"));
-      }
-    }
-    if (pool.spec().policy == SidecarHitPolicy::kAllPages) {
-      // Every page the tree does not hold yet (those it holds it has already).
-      const auto listed = std::count_if(si.pages.begin(), si.pages.end(),
-                                        [&](std::int64_t p) { return p >= cached_pages; });
-      if (listed != pages - cached_pages) {
-        throw InvalidArgument(str_cat(what, " is all_pages: it needs pages ", cached_pages, "..",
-                                      pages - 1, " (the tree holds the first ", cached_pages,
-                                      "), got ", listed, " of them"));
-      }
-    }
-    const std::size_t want = si.pages.size() * static_cast<std::size_t>(pool.spec().slots_per_page);
-    if (si.device_slots.size() != want) {
-      throw InvalidArgument(str_cat(what, ": ", si.device_slots.size(), " device slots for ",
-                                    si.pages.size(), " pages of ", pool.spec().slots_per_page,
-                                    " slots"));
-    }
-    slot_pages.clear();
-    slots_to_pages(si.device_slots, pool.spec().slots_per_page, pool.device_pool().num_pages(),
-                   what, slot_pages);
-  }
-  // An all_pages pool restores nothing without its pages: new pages need an entry of each.
-  if (pages > cached_pages) {
-    for (std::size_t i = 0; i < controller_.num_sidecars(); ++i) {
-      const SidecarSpec& spec = controller_.sidecar(i).spec();
-      if (spec.policy == SidecarHitPolicy::kAllPages && !seen[i]) {
-        throw InvalidArgument(str_cat("insert: sidecar pool '", spec.name,
-                                      "' is all_pages: it needs pages ", cached_pages, "..",
-                                      pages - 1, " (the tree holds the first ", cached_pages,
-                                      "), got none"));
-      }
-    }
-  }
-}
-
 std::vector<HiRadixCache::SidecarPageSlots> HiRadixCache::sidecar_device_slots(
     const Node* node, std::int32_t pool) const {
-  if (pool < 0 || static_cast<std::size_t>(pool) >= controller_.num_sidecars()) {
-    throw InvalidArgument(str_cat("sidecar_device_slots: sidecar pool ", pool,
-                                  " does not exist (", controller_.num_sidecars(),
-                                  " sidecar pools)"));
-  }
-  std::vector<const Node*> path;
-  for (const Node* n = node; n != tree_->root(); n = n->parent) path.push_back(n);
-  const auto spp = controller_.sidecar(static_cast<std::size_t>(pool)).spec().slots_per_page;
-  std::vector<SidecarPageSlots> out;
-  std::int64_t start = 0;
-  for (auto it = path.rbegin(); it != path.rend(); ++it) {
-    for (const Node::SidecarPages& sp : (*it)->sidecars) {
-      if (sp.pool != pool || sp.device.empty()) continue;
-      for (std::size_t k = 0; k < sp.pages.size(); ++k) {
-        const auto at = sp.device.begin() + static_cast<std::ptrdiff_t>(k * spp);
-        out.push_back({start + sp.pages[k], std::vector<std::int64_t>(at, at + spp)});
-      }
-    }
-    start += static_cast<std::int64_t>((*it)->key().size()) / page_size_;
-  }
-  return out;
+  return sidecars_->device_slots(node, pool);
+}
+
+std::pair<std::int64_t, std::int64_t> HiRadixCache::sidecar_slots_held(std::int32_t pool) const {
+  return sidecars_->slots_held(pool);
 }
 
 std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
@@ -455,8 +341,8 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
     throw InvalidArgument(
         str_cat("insert: ", device_slots.size(), " device slots for ", tokens.size(), " tokens"));
   }
-  if (controller_.num_sidecars() > 0) {
-    check_sidecar_insert(
+  if (sidecars_->on()) {
+    sidecars_->check_insert(
         sidecars, static_cast<std::int64_t>(tokens.size()) / page_size_,
         static_cast<std::int64_t>(tree_->prefix_tokens(tokens, identity)) / page_size_);
   }
@@ -469,19 +355,7 @@ std::int64_t HiRadixCache::insert(std::span<const std::int32_t> tokens,
       Node* l = add_leaf(node, tokens.subspan(pos), identity);
       l->device.assign(device_slots.begin() + static_cast<std::ptrdiff_t>(pos), device_slots.end());
       // The sidecar pages of the new part go with it; those of cached pages stay the caller's.
-      const auto first = static_cast<std::int64_t>(pos) / page_size_;
-      for (const SidecarInsert& si : sidecars) {
-        const auto spp = static_cast<std::size_t>(
-            controller_.sidecar(static_cast<std::size_t>(si.pool)).spec().slots_per_page);
-        Node::SidecarPages sp{.pool = si.pool};
-        for (std::size_t k = 0; k < si.pages.size(); ++k) {
-          if (si.pages[k] < first) continue;
-          sp.pages.push_back(static_cast<std::int32_t>(si.pages[k] - first));
-          const auto at = si.device_slots.begin() + static_cast<std::ptrdiff_t>(k * spp);
-          sp.device.insert(sp.device.end(), at, at + static_cast<std::ptrdiff_t>(spp));
-        }
-        if (!sp.pages.empty()) l->sidecars.push_back(std::move(sp));
-      }
+      sidecars_->adopt(l, sidecars, static_cast<std::int64_t>(pos) / page_size_);
       refresh(l);
       tiers_->inserted(l);
       return duplicate;

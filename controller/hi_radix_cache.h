@@ -48,7 +48,8 @@
 // the ghosts of evicted pages (ghost_set.h), the TP agreement and the cost rule (agreement.h),
 // the L3 paths and the backups' acks (l3_paths.h), the tier policy: writes, load back, device
 // and host eviction, demotion and the writes' and loads' acks (tier_policy.h), the KV events
-// (tier_events.h). This class holds the public API, the tree edits that keep every room
+// (tier_events.h), a hybrid model's sidecar pages (sidecar_units.h). This class holds the
+// public API, the tree edits that keep every room
 // current (split, add, remove, refresh), locks and the step that drains, agrees and hands each
 // ack to its room; its observations (stats, metrics, describe, check_invariants) are in
 // hi_radix_cache_stats.cc.
@@ -71,6 +72,7 @@
 #include "controller/hicache_controller.h"
 #include "controller/radix/events.h"
 #include "controller/radix/eviction_policy.h"
+#include "controller/radix/sidecar_types.h"
 #include "controller/radix/storage_admission.h"
 #include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
@@ -91,6 +93,7 @@ class CostRule;
 class L3Paths;
 class TierPolicy;
 class TierEvents;
+class SidecarUnits;
 }  // namespace radix
 
 class KvEventPublisher;
@@ -161,19 +164,10 @@ class HiRadixCache {
  public:
   using Node = radix::Node;  // opaque to callers: pass back what the cache handed out
 
-  // A sidecar pool's pages of an inserted sequence: `pages` are page indices of the tokens,
-  // ascending (an all_pages pool lists every page), their device slots slots_per_page each,
-  // taken from the pool's device allocator.
-  struct SidecarInsert {
-    std::int32_t pool = 0;
-    std::span<const std::int64_t> pages;
-    std::span<const std::int64_t> device_slots;
-  };
-  // One sidecar page on a matched path: its page index in the prefix and its device slots.
-  struct SidecarPageSlots {
-    std::int64_t page = 0;
-    std::vector<std::int64_t> device_slots;
-  };
+  // A sidecar pool's pages of an inserted sequence, and one sidecar page on a matched path
+  // (controller/radix/sidecar_units.h).
+  using SidecarInsert = radix::SidecarInsert;
+  using SidecarPageSlots = radix::SidecarPageSlots;
 
   struct MatchResult {
     std::vector<std::int64_t> device_slots;  // KV of the device-resident prefix
@@ -398,9 +392,7 @@ class HiRadixCache {
   // The node that ends `pages` pages into the path to `end` (split there when a node spans the
   // cut); the root for 0.
   Node* node_at_page(Node* end, std::int64_t pages);
-  // insert()'s check of a sidecar list for `pages` pages, the first `cached_pages` in the tree.
-  void check_sidecar_insert(std::span<const SidecarInsert> sidecars, std::int64_t pages,
-                            std::int64_t cached_pages) const;
+
   void agree_and_apply();
   void apply_events();
   // `local` with no TP collective (or one failed for good), else true only when it is true on
@@ -422,6 +414,7 @@ class HiRadixCache {
   std::unique_ptr<radix::ArrivedAcks> arrived_;
   std::unique_ptr<radix::Agreement> agreement_;
   std::unique_ptr<radix::CostRule> cost_;
+  std::unique_ptr<radix::SidecarUnits> sidecars_;  // a hybrid model's sidecar pages
   std::unique_ptr<Hooks> hooks_;
   std::unique_ptr<radix::L3Paths> l3_;
   std::unique_ptr<radix::TierPolicy> tiers_;        // write, load back, evict, demote; their acks

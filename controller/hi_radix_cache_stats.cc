@@ -8,6 +8,7 @@
 #include "controller/kv_events.h"
 #include "controller/radix/agreement.h"
 #include "controller/radix/eviction.h"
+#include "controller/radix/sidecar_units.h"
 #include "controller/radix/tree.h"
 
 namespace hicache {
@@ -126,18 +127,6 @@ RadixCacheStats HiRadixCache::stats() const {
   return s;
 }
 
-std::pair<std::int64_t, std::int64_t> HiRadixCache::sidecar_slots_held(std::int32_t pool) const {
-  std::pair<std::int64_t, std::int64_t> held{0, 0};
-  tree_->for_each_node([&](const Node* n) {
-    for (const Node::SidecarPages& sp : n->sidecars) {
-      if (sp.pool != pool) continue;
-      held.first += static_cast<std::int64_t>(sp.device.size());
-      held.second += static_cast<std::int64_t>(sp.host.size());
-    }
-  });
-  return held;
-}
-
 std::string HiRadixCache::check_invariants() const {
   std::string problem = tree_->check_node(tree_->root());
   tree_->for_each_node([&](const Node* n) {
@@ -153,34 +142,7 @@ std::string HiRadixCache::check_invariants() const {
       problem = str_cat("node ", n->id, ": ", n->host.size(), " host slots for ", len);
     }
     // Sidecar pages live on the tiers the KV lives on, inside the node, in order, once per pool.
-    std::vector<bool> seen(controller_.num_sidecars(), false);
-    for (const Node::SidecarPages& sp : n->sidecars) {
-      if (!problem.empty()) return;
-      if (sp.pool < 0 || static_cast<std::size_t>(sp.pool) >= seen.size() ||
-          seen[static_cast<std::size_t>(sp.pool)] || sp.pages.empty()) {
-        problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " listed badly");
-        return;
-      }
-      seen[static_cast<std::size_t>(sp.pool)] = true;
-      const auto node_pages = static_cast<std::int64_t>(len) / page_size_;
-      for (std::size_t k = 0; k < sp.pages.size(); ++k) {
-        if (sp.pages[k] < 0 || sp.pages[k] >= node_pages || (k > 0 && sp.pages[k] <= sp.pages[k - 1])) {
-          problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " page ", sp.pages[k],
-                            " out of order or outside the node's ", node_pages, " pages");
-          return;
-        }
-      }
-      const std::size_t slots =
-          sp.pages.size() *
-          static_cast<std::size_t>(
-              controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec().slots_per_page);
-      if (sp.device.size() != (n->device.empty() ? 0 : slots) ||
-          sp.host.size() != (n->host.empty() ? 0 : slots)) {
-        problem = str_cat("node ", n->id, ": sidecar pool ", sp.pool, " has ", sp.device.size(),
-                          " device / ", sp.host.size(), " host slots for the KV's tiers (dev ",
-                          n->device.size(), ", host ", n->host.size(), "): want ", slots, " each");
-      }
-    }
+    if (problem.empty()) problem = sidecars_->check(*n);
   });
   if (!problem.empty()) return problem;
   return index_->check(*tree_);
