@@ -855,11 +855,7 @@ void HiCacheConfig::validate() const {
         "config: 'sidecars' with 'storage': sidecar records in L3 are not supported yet "
         "(docs/hybrid.md)");
   }
-  if (!sidecars.empty() && tp.size > 1) {
-    throw InvalidArgument(str_cat("config: 'sidecars' with tp_size ", tp.size,
-                                  ": sidecar pools under TP are not supported yet "
-                                  "(docs/hybrid.md)"));
-  }
+
   for (const SidecarSpec& s : sidecars) {
     try {
       s.validate();

@@ -88,10 +88,7 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
     throw InvalidArgument(
         "radix cache: sidecar pools with an L3 store are not supported yet (docs/hybrid.md)");
   }
-  if (controller.num_sidecars() > 0 && tp != nullptr && tp->size() > 1) {
-    throw InvalidArgument(str_cat("radix cache: sidecar pools under TP (", tp->size(),
-                                  " ranks) are not supported yet (docs/hybrid.md)"));
-  }
+
   std::unique_ptr<PageKeyer> keyer;
   if (keys != nullptr) {
     keyer = std::make_unique<PageKeyer>(*keys);
@@ -174,6 +171,7 @@ void HiRadixCache::reset() {
   device_pool_.allocator().reset();
   host_pool_.reset();
   sidecars_->reset_pools();
+  tiers_->forget_sidecar_hosts();
   ++events_.resets;
   if (tier_events_) tier_events_->publish();
 }

@@ -41,7 +41,7 @@
 // pool holds every page of it; a trailing pool the last window_pages pages before its end),
 // never a longer one, and the device part is itself restorable; sidecar_device_slots() then
 // names the device slots of a pool's pages on the matched path. This version keeps sidecar pools
-// to one TP rank and no L3 store (both refused at construction).
+// off L3 (an L3 store is refused at construction and in attach_storage).
 //
 // Inside, a coordinator over the rooms of controller/radix/ (docs/architecture.md, "The radix
 // cache in rooms"): the tree's structure (tree.h), the eviction order and index (eviction.h),

@@ -48,7 +48,8 @@ TierPolicy::TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOp
       agreement_(agreement),
       cost_(cost),
       host_pool_(host_pool),
-      config_(config) {}
+      config_(config),
+      sidecar_host_held_(controller.num_sidecars(), 0) {}
 
 void TierPolicy::write_selected(Node* node) {
   if (node->host.empty() && !node->device.empty() && node->write_op == 0) {
@@ -71,11 +72,13 @@ void TierPolicy::write_node(Node* node, std::int64_t priority) {
       (host_room() < tokens || pending_.writes.size() >= controller_.config().queue_capacity)) {
     return;  // host full or queue full: the node stays device-only
   }
+  if (!make_sidecar_host_room(node)) return;  // a sidecar pool's host is full: device-only
   auto host = controller_.reserve_write(tokens);
   if (!host && !tp) return;  // host full or queue full: the node stays device-only
   if (host && !reserve_sidecar_hosts(node)) {
     controller_.release_write(*host);
-    return;  // a sidecar pool's host is full: the node stays device-only
+    if (!tp) return;  // the node stays device-only
+    host.reset();     // TP: the agreed room was there, this rank's pool disagrees: fail it below
   }
   if (host) {
     Node* one[] = {node};
@@ -97,6 +100,10 @@ void TierPolicy::write_node(Node* node, std::int64_t priority) {
   pending_.writes[node->id] = PendingOps::Op{node, {node}};
   if (host) {
     node->host = std::move(*host);
+    for (const auto& sp : node->sidecars) {
+      sidecar_host_held_[static_cast<std::size_t>(sp.pool)] +=
+          static_cast<std::int64_t>(sp.host.size());
+    }
   } else {
     // The room was there by the agreed count but not in this rank's pool: something else holds
     // its pages (the caller broke the contract of host_room()). The write fails here, and the
@@ -259,6 +266,10 @@ std::int64_t TierPolicy::leaving_host_tokens() const {
 }
 
 void TierPolicy::drop_host(Node* node) {
+  for (const auto& sp : node->sidecars) {
+    sidecar_host_held_[static_cast<std::size_t>(sp.pool)] -=
+        static_cast<std::int64_t>(sp.host.size());
+  }
   Node* one[] = {node};
   controller_.evict_host(node->host, sidecar_io(one));
   events_.evicted_host_tokens += node->host.size();
@@ -343,7 +354,9 @@ void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t lo
       if (local_ok) host_pool_.discard(n->host);
       n->host.clear();
       for (auto& sp : n->sidecars) {
-        if (local_ok) controller_.sidecar(static_cast<std::size_t>(sp.pool)).host_pool().discard(sp.host);
+        const auto pool = static_cast<std::size_t>(sp.pool);
+        if (local_ok) controller_.sidecar(pool).host_pool().discard(sp.host);
+        sidecar_host_held_[pool] -= static_cast<std::int64_t>(sp.host.size());
         sp.host.clear();
       }
       n->evict_after_write = false;
@@ -396,20 +409,34 @@ const std::vector<SidecarIo>& TierPolicy::sidecar_io(std::span<Node* const> node
   return io_;
 }
 
+std::int64_t TierPolicy::sidecar_host_room(std::int32_t pool) const {
+  const HostKVPool& host = controller_.sidecar(static_cast<std::size_t>(pool)).host_pool();
+  if (!agreement_.agreeing()) return host.free_tokens();
+  return host.capacity_tokens() - sidecar_host_held_[static_cast<std::size_t>(pool)];
+}
+
+bool TierPolicy::make_sidecar_host_room(Node* node) {
+  for (const Node::SidecarPages& sp : node->sidecars) {
+    const auto need = static_cast<std::int64_t>(sp.pages.size()) *
+                      controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec().slots_per_page;
+    // Host-only leaves go, coldest first, while they free this pool's pages: a few that free
+    // none (they hold no page of it) end the attempt, so one insert cannot empty the host.
+    for (int barren = 0; sidecar_host_room(sp.pool) < need && barren < kBarrenEvictions;) {
+      const std::int64_t before = sidecar_host_room(sp.pool);
+      if (evict_host(tree_.page_size()) == 0) break;
+      barren = sidecar_host_room(sp.pool) > before ? 0 : barren + 1;
+    }
+    if (sidecar_host_room(sp.pool) < need) return false;
+  }
+  return true;
+}
+
 bool TierPolicy::reserve_sidecar_hosts(Node* node) {
   for (std::size_t i = 0; i < node->sidecars.size(); ++i) {
     Node::SidecarPages& sp = node->sidecars[i];
     SidecarPool& pool = controller_.sidecar(static_cast<std::size_t>(sp.pool));
     const auto need = static_cast<std::int64_t>(sp.pages.size()) * pool.spec().slots_per_page;
     auto host = pool.host_pool().alloc(need);
-    // Host-only leaves go, coldest first, while they free this pool's pages: a few that free
-    // none (they hold no page of it) end the attempt, so one insert cannot empty the host.
-    for (int barren = 0; !host && barren < kBarrenEvictions;) {
-      const std::int64_t before = pool.host_pool().free_tokens();
-      if (evict_host(tree_.page_size()) == 0) break;
-      barren = pool.host_pool().free_tokens() > before ? 0 : barren + 1;
-      host = pool.host_pool().alloc(need);
-    }
     if (!host) {
       for (std::size_t j = 0; j < i; ++j) {
         Node::SidecarPages& done = node->sidecars[j];

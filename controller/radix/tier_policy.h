@@ -27,6 +27,7 @@
 // Not thread-safe: the engine's main loop owns it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -146,6 +147,8 @@ class alignas(64) TierPolicy {
 
   // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
   std::int64_t local_load_bps() const;
+  // The tree was dropped (HiRadixCache::reset): it holds no sidecar host slots.
+  void forget_sidecar_hosts() { std::fill(sidecar_host_held_.begin(), sidecar_host_held_.end(), 0); }
 
  private:
   // Writes a device-only node to the host at `priority`; nothing when the host or the queue is
@@ -164,8 +167,14 @@ class alignas(64) TierPolicy {
   // Fills io_ with the sidecar pages of `nodes` as the controller takes them (spans into the
   // nodes' lists: valid until those change).
   const std::vector<SidecarIo>& sidecar_io(std::span<Node* const> nodes);
-  // Reserves host pages for every sidecar page of the device-only `node` (SidecarPages::host),
-  // evicting host-only leaves while a pool is short; false (nothing reserved) when they do not fit.
+  // Host slots sidecar pool `pool` may still take: its free count (one rank), or under TP its
+  // capacity less the tree's sidecar host slots (the same on every rank, as host_room()).
+  std::int64_t sidecar_host_room(std::int32_t pool) const;
+  // Makes room on the host for every sidecar page of the device-only `node`, evicting host-only
+  // leaves while a pool is short (by sidecar_host_room); false when they do not fit.
+  bool make_sidecar_host_room(Node* node);
+  // Reserves host pages for every sidecar page of `node` (SidecarPages::host) in this rank's
+  // pools; false (nothing reserved) when a pool is short.
   bool reserve_sidecar_hosts(Node* node);
   // Allocates device pages for every sidecar page of `nodes` (SidecarPages::device), evicting
   // device nodes while a pool is short; false (nothing allocated) when they do not fit.
@@ -197,6 +206,9 @@ class alignas(64) TierPolicy {
   HostKVPool& host_pool_;
   Config config_;
   std::vector<SidecarIo> io_;  // reused by sidecar_io()
+  // Per sidecar pool, the host slots the tree's nodes hold (writes in flight included): the
+  // agreed count sidecar_host_room() subtracts under TP.
+  std::vector<std::int64_t> sidecar_host_held_;
   // Evictions in a row that free none of a short sidecar pool's pages before making room stops.
   static constexpr int kBarrenEvictions = 4;
 };

@@ -127,8 +127,6 @@ TEST(HiCacheConfig, BadSidecarsAreNamed) {
       {R"("sidecars": {"kv": {)" + good + R"(}}})", "sidecar pool 'kv'"},
       {R"("sidecars": {"state": {)" + good + R"(}}, "storage": {"backend": "file", "root": "/tmp/x"}})",
        "'sidecars' with 'storage'"},
-      {R"("sidecars": {"state": {)" + good + R"(}}, "tp_size": 2, "tp_store_dir": "/tmp/x"})",
-       "'sidecars' with tp_size 2"},
   };
   for (const auto& [tail, want] : cases) {
     try {

@@ -75,14 +75,14 @@ struct Hybrid {
   }
 
   Hybrid(WritePolicy policy, std::int64_t device_pages, std::int64_t host_pages,
-         std::int64_t side_device_pages, std::int64_t side_host_pages)
+         std::int64_t side_device_pages, std::int64_t side_host_pages, Collective* tp = nullptr)
       : device_pool(device, geometry(), device_pages * kPage),
         host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
         owned(make_pools(device, side_device_pages, side_host_pages)),
         pools(raw(owned)),
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy},
                    pools),
-        cache(controller, device_pool, host_pool) {}
+        cache(controller, device_pool, host_pool, {}, nullptr, nullptr, tp) {}
 
   SidecarPool& pool(Pool p) { return *pools[static_cast<std::size_t>(p)]; }
 
@@ -363,7 +363,7 @@ TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
                InvalidArgument);
 }
 
-TEST(HybridRadix, AnL3StoreOrTpRanksAreRefusedForNow) {
+TEST(HybridRadix, AnL3StoreIsRefusedForNow) {
   HostDevice device;
   DeviceKVPool dev(device, geometry(), 8 * kPage);
   HostKVPool host(device, geometry(), HostLayout::kPageFirst, 16 * kPage);
@@ -378,13 +378,6 @@ TEST(HybridRadix, AnL3StoreOrTpRanksAreRefusedForNow) {
     FAIL() << "accepted an L3 store";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("sidecar pools with an L3 store"), std::string::npos);
-  }
-  auto ranks = InProcessGroup::make_ranks(2);
-  try {
-    HiRadixCache cache(c, dev, host, {}, nullptr, nullptr, ranks[0].get());
-    FAIL() << "accepted TP ranks";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("sidecar pools under TP (2 ranks)"), std::string::npos);
   }
   HiRadixCache cache(c, dev, host);
   EXPECT_THROW(cache.attach_storage(storage, ns), InvalidArgument);
@@ -424,6 +417,50 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
     e.cache.reset();
     EXPECT_TRUE(e.sidecars_free()) << to_string(policy);
   }
+}
+
+// TP 2, ranks as threads: the same requests on each rank, pools small enough to evict on both
+// tiers. The trees stay identical (their descriptions match), every rank restores exactly the
+// state computed from scratch, and each rank's pools hold exactly what its tree holds.
+TEST(HybridRadix, TpRanksKeepIdenticalTreesAndRestoreTheSameState) {
+  auto ranks = InProcessGroup::make_ranks(2);
+  std::vector<Tokens> requests;
+  std::mt19937 rng(11);
+  std::vector<Tokens> bases;
+  for (std::int32_t b = 0; b < 5; ++b) bases.push_back(prompt(40 + b, 6));
+  for (int r = 0; r < 200; ++r) {
+    Tokens t = bases[rng() % bases.size()];
+    t.resize(static_cast<std::size_t>((1 + rng() % 6) * kPage));
+    for (std::uint32_t extra = rng() % 3; extra > 0; --extra) {
+      for (int i = 0; i < kPage; ++i) t.push_back(static_cast<std::int32_t>(rng() % 50000));
+    }
+    requests.push_back(std::move(t));
+  }
+  std::vector<std::string> trees(2);
+  std::vector<std::int64_t> restored(2), loads(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      Hybrid e(WritePolicy::kWriteThrough, 24, 48, 12, 24, ranks[rank].get());
+      for (const Tokens& t : requests) {
+        e.run(t);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      e.expect_accounting();
+      trees[rank] = e.cache.describe();
+      restored[rank] = e.restored_states;
+      loads[rank] = e.host_loads;
+      e.cache.reset();  // every rank at the same step
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(trees[0], trees[1]);
+  EXPECT_NE(trees[0].find("sidecars"), std::string::npos);
+  EXPECT_EQ(restored[0], restored[1]);
+  EXPECT_EQ(loads[0], loads[1]);
+  EXPECT_GT(restored[0], 40);
+  EXPECT_GT(loads[0], 3);
+  EXPECT_EQ(ranks[0]->failure(), "");
 }
 
 }  // namespace
