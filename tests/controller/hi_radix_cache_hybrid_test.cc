@@ -250,6 +250,25 @@ Tokens prompt(std::int32_t id, std::int64_t pages) {
   return t;
 }
 
+// `n` requests over `bases` 6-page prompts (ids from `first_id`): each a random 1-6 page prefix of
+// one of them and 0-2 pages of its own.
+std::vector<Tokens> shared_prefix_requests(std::uint32_t seed, std::int32_t bases,
+                                           std::int32_t first_id, int n) {
+  std::mt19937 rng(seed);
+  std::vector<Tokens> base;
+  for (std::int32_t b = 0; b < bases; ++b) base.push_back(prompt(first_id + b, 6));
+  std::vector<Tokens> out;
+  for (int r = 0; r < n; ++r) {
+    Tokens t = base[rng() % base.size()];
+    t.resize(static_cast<std::size_t>((1 + rng() % 6) * kPage));
+    for (std::uint32_t extra = rng() % 3; extra > 0; --extra) {
+      for (int i = 0; i < kPage; ++i) t.push_back(static_cast<std::int32_t>(rng() % 50000));
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 // A prefix restores only as far as its last checkpoint: 6 of 8 cached pages with checkpoints
 // at pages 1, 3 and 7 restore 4 pages, the node split there; no checkpoint restores nothing.
 TEST(HybridRadix, AMatchStopsAtTheLastRestorableCheckpoint) {
@@ -390,16 +409,9 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
   for (const WritePolicy policy : {WritePolicy::kWriteThrough, WritePolicy::kWriteBack,
                                    WritePolicy::kWriteThroughSelective}) {
     Hybrid e(policy, 24, 48, 12, 24);
-    std::mt19937 rng(7);
-    std::vector<Tokens> bases;
-    for (std::int32_t b = 0; b < 6; ++b) bases.push_back(prompt(10 + b, 6));
-    for (int r = 0; r < 300; ++r) {
-      Tokens t = bases[rng() % bases.size()];
-      t.resize(static_cast<std::size_t>((1 + rng() % 6) * kPage));
-      for (std::uint32_t extra = rng() % 3; extra > 0; --extra) {
-        for (int i = 0; i < kPage; ++i) t.push_back(static_cast<std::int32_t>(rng() % 50000));
-      }
-      e.run(t);
+    const std::vector<Tokens> requests = shared_prefix_requests(7, 6, 10, 300);
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      e.run(requests[r]);
       ASSERT_FALSE(::testing::Test::HasFatalFailure()) << "request " << r;
       if (r % 50 == 49) e.expect_accounting();
     }
@@ -424,18 +436,7 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
 // state computed from scratch, and each rank's pools hold exactly what its tree holds.
 TEST(HybridRadix, TpRanksKeepIdenticalTreesAndRestoreTheSameState) {
   auto ranks = InProcessGroup::make_ranks(2);
-  std::vector<Tokens> requests;
-  std::mt19937 rng(11);
-  std::vector<Tokens> bases;
-  for (std::int32_t b = 0; b < 5; ++b) bases.push_back(prompt(40 + b, 6));
-  for (int r = 0; r < 200; ++r) {
-    Tokens t = bases[rng() % bases.size()];
-    t.resize(static_cast<std::size_t>((1 + rng() % 6) * kPage));
-    for (std::uint32_t extra = rng() % 3; extra > 0; --extra) {
-      for (int i = 0; i < kPage; ++i) t.push_back(static_cast<std::int32_t>(rng() % 50000));
-    }
-    requests.push_back(std::move(t));
-  }
+  const std::vector<Tokens> requests = shared_prefix_requests(11, 5, 40, 200);
   std::vector<std::string> trees(2);
   std::vector<std::int64_t> restored(2), loads(2);
   std::vector<std::thread> threads;
