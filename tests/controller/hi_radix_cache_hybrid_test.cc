@@ -351,6 +351,7 @@ TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
   const Slots idx = *e.pool(kIndex).device_pool().allocator().alloc(2 * kPage);
   const Slots one{1}, both{0, 1}, backwards{1, 0}, beyond{2};
   const Slots idx_one(idx.begin(), idx.begin() + kPage);
+  const Slots repeated(2 * kPage, 3);  // one slot, many times: not whole pages of the pool
   struct Case {
     std::vector<HiRadixCache::SidecarInsert> side;
     const char* want;
@@ -362,7 +363,7 @@ TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
       {{{kState, beyond, st}}, "page 2 (entry 0) is out of order or outside the sequence's 2"},
       {{{kIndex, one, idx_one}}, "'index' is all_pages: it needs pages 0..1"},
       {{{kState, both, st}}, "1 device slots for 2 pages of 1 slots"},
-      {{{kIndex, both, Slots(2 * kPage, 3)}}, "sidecar pool 'index'"},
+      {{{kIndex, both, repeated}}, "sidecar pool 'index'"},
       {{{kState, one, st}}, "'index' is all_pages: it needs pages 0..1 (the tree holds the first 0), got none"},
   };
   for (const Case& c : cases) {
