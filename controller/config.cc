@@ -41,7 +41,10 @@ std::vector<SidecarSpec> parse_sidecars(const json& sidecars) {
       "policy", "slot_bytes", "device_pages", "host_pages",
       "layers", "slots_per_page", "window_pages", "dtype"};
   std::vector<SidecarSpec> out;
-  for (const auto& [name, pool] : sidecars.items()) {
+  for (const auto& item : sidecars.items()) {
+    // Named references, not a structured binding: the lambdas below capture them.
+    const std::string& name = item.key();
+    const json& pool = item.value();
     const std::string where = str_cat("config: sidecars.", name);
     if (!pool.is_object()) {
       throw InvalidArgument(str_cat(where, " is ", pool.dump(), "; it must be a JSON object"));
