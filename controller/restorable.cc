@@ -31,14 +31,6 @@ void RestorablePrefix::intersect(SidecarHitPolicy policy, std::int32_t window,
   }
 }
 
-void RestorablePrefix::intersect_endpoints(std::span<const std::int64_t> endpoints) {
-  scratch_.assign(legal_.size(), 0);
-  for (std::int64_t p : endpoints) {
-    if (p >= 1 && p <= max_pages()) scratch_[static_cast<std::size_t>(p)] = 1;
-  }
-  for (std::size_t p = 1; p < legal_.size(); ++p) legal_[p] &= scratch_[p];
-}
-
 std::int64_t RestorablePrefix::largest() const {
   for (std::int64_t p = max_pages(); p >= 1; --p) {
     if (legal_[static_cast<std::size_t>(p)] != 0) return p;

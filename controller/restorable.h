@@ -34,8 +34,6 @@ class RestorablePrefix {
   // Keeps the lengths a pool can restore: held[i] != 0 when the pool holds page i (pages
   // past held's end are not held). Throws InvalidArgument for a window < 1.
   void intersect(SidecarHitPolicy policy, std::int32_t window, std::span<const std::uint8_t> held);
-  // Keeps the lengths in `endpoints` (ascending or not; lengths outside 1..max_pages ignored).
-  void intersect_endpoints(std::span<const std::int64_t> endpoints);
 
   // The largest restorable length, 0 when there is none.
   std::int64_t largest() const;
@@ -53,7 +51,6 @@ class RestorablePrefix {
 
  private:
   std::vector<std::int64_t> legal_;  // legal_[p]: 1 when length p is restorable; [0] unused
-  std::vector<std::int64_t> scratch_;
 };
 
 }  // namespace hicache

@@ -63,7 +63,7 @@ TEST(RestorablePrefix, PoolsIntersectTheirEndpointsNotTheirMaxima) {
   RestorablePrefix r;
   r.reset(3, 3);
   intersect(r, SidecarHitPolicy::kTrailing, 1, held(3, {0, 2}));  // SWA-like: {1, 3}
-  r.intersect_endpoints(Pages{1, 2, 99, -1});                      // Mamba: {1, 2}
+  intersect(r, SidecarHitPolicy::kTrailing, 1, held(3, {0, 1}));  // Mamba: {1, 2}
   EXPECT_EQ(r.endpoints(), (Pages{1}));
   EXPECT_EQ(r.largest(), 1);
 }
