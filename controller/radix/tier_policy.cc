@@ -508,20 +508,19 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_nodes(
     device_pool_.allocator().free(*device);
     return std::nullopt;
   }
+  const auto give_back = [&] {
+    device_pool_.allocator().free(*device);
+    for (Node* n : missing) free_sidecar_devices(n);
+  };
   bool queued = false;
   try {
     queued = controller_.load_into(host, *device, 0, op, sidecar_io(missing));
   } catch (...) {
-    device_pool_.allocator().free(*device);
-    for (Node* n : missing) free_sidecar_devices(n);
+    give_back();
     throw;
   }
-  if (!queued) {  // the queue is full
-    device_pool_.allocator().free(*device);
-    for (Node* n : missing) free_sidecar_devices(n);
-    return std::nullopt;
-  }
-  return device;
+  if (!queued) give_back();  // the queue is full
+  return queued ? device : std::nullopt;
 }
 
 }  // namespace radix
