@@ -197,7 +197,7 @@ bool HiCacheController::write_reserved(std::span<const std::int64_t> device_slot
   // conservative for ops the priority queue runs before it (and harmless if the push fails).
   if (ready_after != nullptr) write_stream_->wait(*ready_after);
   if (write_queue_.push(std::move(op)) != PushResult::kOk) {  // stopped (reserve_write saw room)
-    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
+    finish_sidecar_hosts(op, PageState::kFree);
     arena_.give(std::move(op));
     host_pool_.abort_io(host_slots);
     host_pool_.free(host_slots);
@@ -281,11 +281,11 @@ std::uint64_t HiCacheController::enqueue_sidecar_copies(Stream& stream, Scratch&
   return bytes;
 }
 
-void HiCacheController::finish_sidecar_hosts(const CacheOperation& op, PageState to, bool free) {
+void HiCacheController::finish_sidecar_hosts(const CacheOperation& op, PageState to) {
   for (const SidecarSlots& side : op.sidecars) {
     try {
       HostKVPool& host = sidecars_.at(side.pool)->host_pool();
-      if (free) {
+      if (to == PageState::kFree) {
         host.abort_io(side.host_slots);
         host.free(side.host_slots);
       } else {
@@ -300,7 +300,7 @@ void HiCacheController::finish_sidecar_hosts(const CacheOperation& op, PageState
 void HiCacheController::return_load(CacheOperation& op) {
   host_pool_.complete_io(op.host_slots, PageState::kBackup);
   device_pool_.allocator().free(op.device_slots);
-  finish_sidecar_hosts(op, PageState::kBackup, /*free=*/false);
+  finish_sidecar_hosts(op, PageState::kBackup);
   for (const SidecarSlots& side : op.sidecars) {
     try {
       sidecars_.at(side.pool)->device_pool().allocator().free(side.device_slots);
@@ -358,7 +358,7 @@ bool HiCacheController::queue_load(std::span<const std::int64_t> host_slots,
   auto op = make_op(host_slots, device_slots, priority, ack_node);
   add_sidecars(op, sidecars);
   if (pending_loads_.push(std::move(op)) != PushResult::kOk) {
-    finish_sidecar_hosts(op, PageState::kBackup, /*free=*/false);
+    finish_sidecar_hosts(op, PageState::kBackup);
     arena_.give(std::move(op));
     host_pool_.complete_io(host_slots, PageState::kBackup);
     return false;
@@ -468,7 +468,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
         op.sidecars.empty() ? 0 : enqueue_sidecar_copies(*write_stream_, s, op, /*to_host=*/true);
     write_stream_->synchronize();
     host_pool_.complete_io(op.host_slots, PageState::kSynced);
-    finish_sidecar_hosts(op, PageState::kSynced, /*free=*/false);
+    finish_sidecar_hosts(op, PageState::kSynced);
     bytes_written_ += static_cast<std::uint64_t>(op.num_tokens() *
                                                  device_pool_.geometry().token_bytes()) +
                       sidecar_bytes;
@@ -483,7 +483,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
     } catch (const std::exception&) {
       // The pages were not in the state this op left them in; nothing more to return.
     }
-    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
+    finish_sidecar_hosts(op, PageState::kFree);
   }
   finish_op(op, acks_->write, ok, s);
 }
@@ -521,7 +521,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
     }
     load_stream_->synchronize();
     host_pool_.complete_io(batch.op.host_slots, PageState::kSynced);
-    finish_sidecar_hosts(batch.op, PageState::kSynced, /*free=*/false);
+    finish_sidecar_hosts(batch.op, PageState::kSynced);
     bytes_loaded_ += static_cast<std::uint64_t>(batch.op.num_tokens() *
                                                 device_pool_.geometry().token_bytes()) +
                      sidecar_bytes;
@@ -545,7 +545,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
       host_pool_.complete_io(batch.op.host_slots, PageState::kBackup);
     } catch (const std::exception&) {
     }
-    finish_sidecar_hosts(batch.op, PageState::kBackup, /*free=*/false);
+    finish_sidecar_hosts(batch.op, PageState::kBackup);
   }
   counter_->release(batch.slot);
   finish_op(batch.op, acks_->load, ok, s);
@@ -630,7 +630,7 @@ void HiCacheController::return_queued_slots() {
   for (CacheOperation& op : write_queue_.drain()) {
     host_pool_.abort_io(op.host_slots);
     host_pool_.free(op.host_slots);
-    finish_sidecar_hosts(op, PageState::kFree, /*free=*/true);
+    finish_sidecar_hosts(op, PageState::kFree);
   }
   for (CacheOperation& op : pending_loads_.drain()) return_load(op);
   for (LoadBatch& batch : load_queue_.drain()) return_load(batch.op);

@@ -230,9 +230,9 @@ class HiCacheController {
   // bytes.
   std::uint64_t enqueue_sidecar_copies(Stream& stream, Scratch& scratch, const CacheOperation& op,
                                        bool to_host);
-  // The host pages of op's sidecars: each moved to `to` (complete_io), or (free) freed after
-  // abort_io. Never throws: pages in another state are left alone.
-  void finish_sidecar_hosts(const CacheOperation& op, PageState to, bool free);
+  // The host pages of op's sidecars: moved to `to` (complete_io), or for kFree freed after
+  // abort_io (a write that did not land). Never throws: pages in another state are left alone.
+  void finish_sidecar_hosts(const CacheOperation& op, PageState to);
   // Load ops dropped before they ran: KV and sidecar host pages back to backup, device slots
   // freed.
   void return_load(CacheOperation& op);
