@@ -104,7 +104,11 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   config_.validate();
   config_.load_back_min_tokens = std::max<std::int64_t>(config_.load_back_min_tokens, page_size_);
   tree_ = std::make_unique<radix::Tree>(page_size_, config_.edge_hash_bits);
-  index_ = std::make_unique<radix::EvictionIndex>(config_.eviction_policy, page_size_);
+  // A node's sidecar bytes weigh against its KV's (radix::eviction_mark); without sidecar
+  // pools every node is KV alone and the order is plain LRU / LFU.
+  index_ = std::make_unique<radix::EvictionIndex>(
+      config_.eviction_policy, page_size_,
+      config_.weigh_footprint ? device_pool.geometry().token_bytes() : 0);
   ghost_ = std::make_unique<radix::GhostSet>(
       (host_pool.capacity_tokens() + device_pool.allocator().capacity_tokens()) / page_size_);
   pending_ = std::make_unique<radix::PendingOps>();

@@ -104,6 +104,11 @@ struct RadixCacheConfig {
   // absent then.
   bool host_tier = true;
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;  // for both device and host eviction
+  // A node's sidecar bytes (a hybrid model's state) weigh against its KV bytes in the eviction
+  // order (radix::eviction_mark, docs/hybrid.md): a node holding much state per token it saves
+  // leaves sooner. No effect without sidecar pools. false: the order of the last access alone
+  // (the baseline the footprint benchmark measures against).
+  bool weigh_footprint = true;
   std::int32_t write_through_threshold = 2;               // hits before a selective write
   std::int64_t load_back_min_tokens = 0;  // smaller host hits are recomputed (0: one page)
   // Cost-aware tiers: the engine's cost of recomputing one token (prefill, all layers), in

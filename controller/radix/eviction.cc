@@ -16,29 +16,53 @@ std::string_view to_string(EvictionPolicy policy) {
 
 namespace radix {
 
+std::uint64_t eviction_mark(const Node& node, Tier tier, std::int64_t kv_bytes_per_token) {
+  if (node.sidecar_bytes <= 0 || kv_bytes_per_token <= 0) return node.last_access;
+  const std::uint64_t f = node.access_frontier[static_cast<std::size_t>(tier)];
+  if (f >= node.last_access) return node.last_access;  // no turnover to weigh yet
+  __extension__ typedef unsigned __int128 Wide;  // marks times bytes: no overflow
+  const auto kv = static_cast<Wide>(node.key_size) * static_cast<Wide>(kv_bytes_per_token);
+  const Wide footprint = kv + static_cast<Wide>(node.sidecar_bytes);
+  return f + static_cast<std::uint64_t>(static_cast<Wide>(node.last_access - f) * kv / footprint);
+}
+
 namespace {
 
 class LruOrder final : public EvictionOrder {
  public:
-  EvictKey key(const Node& node) const override { return {0, node.last_access, node.id}; }
+  explicit LruOrder(std::int64_t kv_bytes_per_token) : kv_(kv_bytes_per_token) {}
+  EvictKey key(const Node& node, Tier tier) const override {
+    return {0, eviction_mark(node, tier, kv_), node.id};
+  }
+
+ private:
+  std::int64_t kv_;
 };
 
 class LfuOrder final : public EvictionOrder {
  public:
-  EvictKey key(const Node& node) const override { return {node.hits, node.last_access, node.id}; }
+  explicit LfuOrder(std::int64_t kv_bytes_per_token) : kv_(kv_bytes_per_token) {}
+  EvictKey key(const Node& node, Tier tier) const override {
+    return {node.hits, eviction_mark(node, tier, kv_), node.id};
+  }
+
+ private:
+  std::int64_t kv_;
 };
 
 bool free_to_go(const Node& n) { return n.lock == 0 && n.write_op == 0 && n.load_op == 0; }
 
 }  // namespace
 
-std::unique_ptr<EvictionOrder> EvictionOrder::make(EvictionPolicy policy) {
-  if (policy == EvictionPolicy::kLfu) return std::make_unique<LfuOrder>();
-  return std::make_unique<LruOrder>();
+std::unique_ptr<EvictionOrder> EvictionOrder::make(EvictionPolicy policy,
+                                                   std::int64_t kv_bytes_per_token) {
+  if (policy == EvictionPolicy::kLfu) return std::make_unique<LfuOrder>(kv_bytes_per_token);
+  return std::make_unique<LruOrder>(kv_bytes_per_token);
 }
 
-EvictionIndex::EvictionIndex(EvictionPolicy policy, std::int32_t page_size)
-    : order_(EvictionOrder::make(policy)), page_size_(page_size) {}
+EvictionIndex::EvictionIndex(EvictionPolicy policy, std::int32_t page_size,
+                             std::int64_t kv_bytes_per_token)
+    : order_(EvictionOrder::make(policy, kv_bytes_per_token)), page_size_(page_size) {}
 
 void EvictionIndex::clear() {
   device_.clear();
@@ -75,7 +99,7 @@ Node* EvictionIndex::next_victim(Tier tier) {
   while (!index.empty()) {
     auto first = index.begin();
     Node* n = first->second;
-    const EvictKey now = order_->key(*n);
+    const EvictKey now = order_->key(*n, tier);
     if (first->first == now) return n;  // every other key is older yet, and so is the node's
     auto& at = device ? n->indexed.device_at : n->indexed.host_at;
     index.erase(first);
@@ -87,7 +111,6 @@ Node* EvictionIndex::next_victim(Tier tier) {
 void EvictionIndex::refresh(Node* node) {
   if (node->parent == nullptr) return;  // the root holds no KV, never evicted
   const bool go = free_to_go(*node);
-  const EvictKey key = order_->key(*node);
   Node::Indexed now;
   now.counted = true;
   now.on_device = !node->device.empty();
@@ -99,8 +122,12 @@ void EvictionIndex::refresh(Node* node) {
   now.loading = node->load_op != 0;
   now.backing_up = node->backup_op != 0;
   std::optional<EvictKey> device_key, host_key;
-  if (go && now.on_device && node->device_children == 0 && !node->passed_over) device_key = key;
-  if (go && !now.on_device && !node->host.empty() && node->children.empty()) host_key = key;
+  if (go && now.on_device && node->device_children == 0 && !node->passed_over) {
+    device_key = order_->key(*node, Tier::kDevice);
+  }
+  if (go && !now.on_device && !node->host.empty() && node->children.empty()) {
+    host_key = order_->key(*node, Tier::kHost);
+  }
   Node::Indexed& was = node->indexed;
   add(was, -1);
   add(now, 1);
@@ -141,9 +168,8 @@ std::string EvictionIndex::check(const Tree& tree) const {
     const bool device_candidate = go && !n->device.empty() && on_device_children == 0;
     const bool host_candidate = go && n->device.empty() && !n->host.empty() && n->children.empty();
     // An entry's key may be older than the node's (touch is lazy), never newer.
-    const EvictKey key = order_->key(*n);
-    auto indexed = [&](const std::optional<EvictIndex::iterator>& at) {
-      return at && (*at)->second == n && (*at)->first <= key;
+    auto indexed = [&](const std::optional<EvictIndex::iterator>& at, Tier tier) {
+      return at && (*at)->second == n && (*at)->first <= order_->key(*n, tier);
     };
     ++sum.nodes;
     sum.device_tokens += static_cast<std::int64_t>(n->device.size());
@@ -158,10 +184,10 @@ std::string EvictionIndex::check(const Tree& tree) const {
     if (n->device_children != on_device_children) {
       problem = str_cat("node ", n->id, ": counts ", n->device_children,
                         " children on the device, has ", on_device_children);
-    } else if (indexed(n->indexed.device_at) != device_candidate) {
+    } else if (indexed(n->indexed.device_at, Tier::kDevice) != device_candidate) {
       problem = str_cat("node ", n->id, device_candidate ? ": missing from" : ": stale in",
                         " the device eviction index");
-    } else if (indexed(n->indexed.host_at) != host_candidate) {
+    } else if (indexed(n->indexed.host_at, Tier::kHost) != host_candidate) {
       problem = str_cat("node ", n->id, host_candidate ? ": missing from" : ": stale in",
                         " the host eviction index");
     }

@@ -27,19 +27,31 @@
 namespace hicache {
 namespace radix {
 
-// An eviction policy: a key per node; eviction takes the smallest first. REQUIRES of an
-// implementation: a node's key never decreases while it lives (hits and access times only
-// grow), since the index keeps stale keys until they reach the front; the last element is the
-// node's id, so no two nodes tie.
+// A node's eviction mark on `tier`: when it is due, on its access clock (Tree::touch). A node
+// without sidecar pages: its last access, so the orders below are plain LRU and LFU. A node
+// whose footprint is KV bytes k plus sidecar bytes s (a hybrid model's state, docs/hybrid.md):
+//   F + (last access - F) * k / (k + s),   F = the tier's frontier at that access,
+// the Greedy-Dual-Size rule with the frontier as its inflation value (the mark of the latest
+// node evicted from the tier). A node that holds many state bytes per token it saves ages that
+// much faster: a KV-only node stays about one turnover of the tier after its last access, a
+// node whose state is 9x its KV about a tenth of one. Never decreases while the node lives
+// (its access and the frontiers only grow, and its footprint changes only in a split, which
+// forgets and re-indexes it). `kv_bytes_per_token` 0: unweighted (the last access).
+std::uint64_t eviction_mark(const Node& node, Tier tier, std::int64_t kv_bytes_per_token);
+
+// An eviction policy: a key per node and tier; eviction takes the smallest first. REQUIRES of
+// an implementation: a node's key never decreases while it lives (hits and marks only grow),
+// since the index keeps stale keys until they reach the front; the last element is the node's
+// id, so no two nodes tie.
 class EvictionOrder {
  public:
   virtual ~EvictionOrder() = default;
-  virtual EvictKey key(const Node& node) const = 0;
-  // LRU: (0, last access, id). LFU: (hits, last access, id).
-  static std::unique_ptr<EvictionOrder> make(EvictionPolicy policy);
+  virtual EvictKey key(const Node& node, Tier tier) const = 0;
+  // LRU: (0, mark, id). LFU: (hits, mark, id). Marks weigh footprints by kv_bytes_per_token
+  // (eviction_mark).
+  static std::unique_ptr<EvictionOrder> make(EvictionPolicy policy,
+                                             std::int64_t kv_bytes_per_token = 0);
 };
-
-enum class Tier { kDevice, kHost };
 
 class EvictionIndex {
  public:
@@ -50,7 +62,10 @@ class EvictionIndex {
     std::int64_t evictable_device_tokens = 0;  // device tokens of unlocked nodes, no op in flight
   };
 
-  EvictionIndex(EvictionPolicy policy, std::int32_t page_size);
+  // `kv_bytes_per_token`: a token's KV bytes on one tier, what a node's sidecar bytes are
+  // weighed against (eviction_mark); 0: unweighted.
+  EvictionIndex(EvictionPolicy policy, std::int32_t page_size,
+                std::int64_t kv_bytes_per_token = 0);
   // Forgets every entry and total (the tree was dropped); nodes still alive must not be
   // refreshed or forgotten afterwards.
   void clear();
@@ -61,11 +76,16 @@ class EvictionIndex {
   // Takes `node` out of the indexes and totals (before it leaves the tree or is split).
   void forget(Node* node);
   // The first candidate of `tier` in eviction order (re-keying stale entries on the way), still
-  // in the index; nullptr when there is none.
+  // in the index; nullptr when there is none. The caller that takes it off the tier advances
+  // the tier's frontier to its mark (Tree::advance_frontier(tier, mark(node, tier))).
   Node* next_victim(Tier tier);
+  // `node`'s eviction mark on `tier` (eviction_mark, with this index's weighting).
+  std::uint64_t mark(const Node& node, Tier tier) const {
+    return std::get<1>(order_->key(node, tier));
+  }
 
   const Totals& totals() const { return totals_; }
-  EvictKey key(const Node& node) const { return order_->key(node); }
+  EvictKey key(const Node& node, Tier tier) const { return order_->key(node, tier); }
   std::size_t candidates(Tier tier) const {
     return tier == Tier::kDevice ? device_.size() : host_.size();
   }

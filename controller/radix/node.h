@@ -1,10 +1,12 @@
 // radix::Node: one node of HiRadixCache's tree, shared by the rooms of controller/radix/. Each
 // field says which room writes it:
 //   tree (tree.h)          key, id, parent, children, same_hash, identity, lock, hits,
-//                          last_access: the structure and what a match records;
+//                          last_access, access_frontier: the structure and what a match
+//                          records;
 //   tiers (the tier policy, tier_policy.h, the L3 paths, l3_paths.h, and the coordinator's
 //   split, hi_radix_cache.cc)
-//                          device, host, sidecars, write_op, load_op, backup_op, digests,
+//                          device, host, sidecars, sidecar_bytes, write_op, load_op,
+//                          backup_op, digests,
 //                          stored_pages, evict_after_write, leave_host_after_backup;
 //   eviction (eviction.h)  device_children, passed_over, indexed;
 //   KV events (tier_events.h) announced.
@@ -17,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <boost/unordered/unordered_flat_map.hpp>
 #include <cstddef>
 #include <cstdint>
@@ -37,6 +40,9 @@
 namespace hicache::radix {
 
 struct Node;
+
+// A tier eviction takes nodes from; its value indexes Node::access_frontier.
+enum class Tier { kDevice = 0, kHost = 1 };
 
 // A node's place in an eviction order, ascending (eviction.h): (policy's rank, last access, id).
 // The id breaks the tie between the two halves of a split, the same way on every TP rank.
@@ -180,6 +186,11 @@ struct alignas(64) Node {
     std::vector<std::int64_t> host;    // the same on the host, or empty
   };
   std::vector<SidecarPages> sidecars;
+  // tiers: the bytes of `sidecars`' pages on one tier (the same on either), kept with them by
+  // the sidecar room (sidecar_units.h); eviction weighs them against the node's KV bytes.
+  std::int64_t sidecar_bytes = 0;
+  // tree: each tier's eviction frontier (Tree::frontier) at the node's last access, by Tier.
+  std::array<std::uint64_t, 2> access_frontier{};
   std::string identity;              // tree: a child of the root's cache identity (empty: none)
   std::int64_t stored_pages = 0;     // tiers: leading pages known to be in L3
   bool evict_after_write = false;    // tiers: write_back frees the device copy on the ack

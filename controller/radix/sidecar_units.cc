@@ -72,7 +72,9 @@ void SidecarUnits::adopt(Node* leaf, std::span<const SidecarInsert> sidecars,
       const auto at = si.device_slots.begin() + static_cast<std::ptrdiff_t>(k * spp);
       sp.device.insert(sp.device.end(), at, at + static_cast<std::ptrdiff_t>(spp));
     }
-    if (!sp.pages.empty()) leaf->sidecars.push_back(std::move(sp));
+    if (sp.pages.empty()) continue;
+    leaf->sidecar_bytes += page_bytes(si.pool) * static_cast<std::int64_t>(sp.pages.size());
+    leaf->sidecars.push_back(std::move(sp));
   }
 }
 
@@ -95,6 +97,9 @@ void SidecarUnits::split(Node* node, Node* upper, std::int64_t upper_pages) cons
       to->assign(from->begin(), from->begin() + slots);
       from->erase(from->begin(), from->begin() + slots);
     }
+    const std::int64_t moved = page_bytes(sp.pool) * static_cast<std::int64_t>(k);
+    upper->sidecar_bytes += moved;
+    node->sidecar_bytes -= moved;
     upper->sidecars.push_back(std::move(up));
   }
   std::erase_if(node->sidecars, [](const Node::SidecarPages& sp) { return sp.pages.empty(); });
@@ -168,12 +173,14 @@ std::pair<std::int64_t, std::int64_t> SidecarUnits::slots_held(std::int32_t pool
 std::string SidecarUnits::check(const Node& n) const {
   std::vector<bool> seen(controller_.num_sidecars(), false);
   const auto node_pages = static_cast<std::int64_t>(n.key().size()) / tree_.page_size();
+  std::int64_t bytes = 0;
   for (const Node::SidecarPages& sp : n.sidecars) {
     if (sp.pool < 0 || static_cast<std::size_t>(sp.pool) >= seen.size() ||
         seen[static_cast<std::size_t>(sp.pool)] || sp.pages.empty()) {
       return str_cat("node ", n.id, ": sidecar pool ", sp.pool, " listed badly");
     }
     seen[static_cast<std::size_t>(sp.pool)] = true;
+    bytes += page_bytes(sp.pool) * static_cast<std::int64_t>(sp.pages.size());
     for (std::size_t k = 0; k < sp.pages.size(); ++k) {
       if (sp.pages[k] < 0 || sp.pages[k] >= node_pages ||
           (k > 0 && sp.pages[k] <= sp.pages[k - 1])) {
@@ -188,6 +195,9 @@ std::string SidecarUnits::check(const Node& n) const {
                      " device / ", sp.host.size(), " host slots for the KV's tiers (dev ",
                      n.device.size(), ", host ", n.host.size(), "): want ", slots, " each");
     }
+  }
+  if (bytes != n.sidecar_bytes) {
+    return str_cat("node ", n.id, ": counts ", n.sidecar_bytes, " sidecar bytes, holds ", bytes);
   }
   return {};
 }

@@ -38,10 +38,11 @@ class SidecarUnits {
   void check_insert(std::span<const SidecarInsert> sidecars, std::int64_t pages,
                     std::int64_t cached_pages) const;
   // Gives `leaf` (the new part of an insert, from the sequence's page `first_page`) the pages of
-  // `sidecars` it covers, their device slots; those of earlier pages stay the caller's.
+  // `sidecars` it covers, their device slots and their bytes (Node::sidecar_bytes); those of
+  // earlier pages stay the caller's.
   void adopt(Node* leaf, std::span<const SidecarInsert> sidecars, std::int64_t first_page) const;
-  // A split: `upper` (the first `upper_pages` pages of `node`'s key) takes their sidecar pages
-  // and slots on every tier; `node` keeps the rest, its page offsets shifted.
+  // A split: `upper` (the first `upper_pages` pages of `node`'s key) takes their sidecar pages,
+  // slots on every tier and bytes; `node` keeps the rest, its page offsets shifted.
   void split(Node* node, Node* upper, std::int64_t upper_pages) const;
 
   // For a match of `pages` pages ending at `end`, the first `device_pages` of them on the device:
@@ -65,6 +66,9 @@ class SidecarUnits {
  private:
   std::int32_t slots_per_page(std::int32_t pool) const {
     return controller_.sidecar(static_cast<std::size_t>(pool)).spec().slots_per_page;
+  }
+  std::int64_t page_bytes(std::int32_t pool) const {
+    return controller_.sidecar(static_cast<std::size_t>(pool)).spec().page_bytes();
   }
 
   HiCacheController& controller_;

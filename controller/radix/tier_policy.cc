@@ -215,6 +215,7 @@ std::int64_t TierPolicy::evict_device(std::int64_t tokens) {
   while (freed + scheduled < tokens) {
     Node* n = index_.next_victim(Tier::kDevice);
     if (n == nullptr) break;
+    tree_.advance_frontier(Tier::kDevice, index_.mark(*n, Tier::kDevice));
     if (n->host.empty() && (policy_ == WritePolicy::kWriteBack || !n->children.empty())) {
       write_node(n, kEvictionWritePriority);
       if (n->write_op == 0 && !n->children.empty() && host_tier_) {
@@ -285,6 +286,7 @@ std::int64_t TierPolicy::evict_host(std::int64_t tokens) {
   while (freed + scheduled < tokens) {
     Node* n = index_.next_victim(Tier::kHost);
     if (n == nullptr) break;
+    tree_.advance_frontier(Tier::kHost, index_.mark(*n, Tier::kHost));
     const auto size = static_cast<std::int64_t>(n->host.size());
     if (to_l3 && !whole_in_l3(*n)) {
       // Queue full (the same count on every rank): the acks in flight bring the room.

@@ -105,6 +105,7 @@ Node* Tree::split(Node* node, std::size_t tokens) {
   node->drop_key_front(tokens);
   m->lock = node->lock;  // every lock at or below node passed through the whole old node
   m->last_access = node->last_access;
+  m->access_frontier = node->access_frontier;
   m->hits = node->hits;
   m->identity = node->identity;
   Node* parent = node->parent;

@@ -10,6 +10,8 @@
 // Not thread-safe: the engine's main loop owns it.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -34,8 +36,20 @@ class Tree {
 
   // The next id for a node or an op.
   NodeId next_id() { return next_id_++; }
-  // Sets the node's access time to the clock's next tick (every call a later time).
-  void touch(Node* node) { node->last_access = ++clock_; }
+  // Sets the node's access time to the clock's next tick (every call a later time), and
+  // records each tier's eviction frontier at that time.
+  void touch(Node* node) {
+    node->last_access = ++clock_;
+    node->access_frontier = frontier_;
+  }
+  // A tier's eviction frontier: the largest eviction mark (eviction.h) of a node taken from
+  // that tier so far, an access time of the clock's scale. It only grows; clear() keeps it, as
+  // it keeps the clock.
+  std::uint64_t frontier(Tier tier) const { return frontier_[static_cast<std::size_t>(tier)]; }
+  void advance_frontier(Tier tier, std::uint64_t mark) {
+    auto& f = frontier_[static_cast<std::size_t>(tier)];
+    f = std::max(f, mark);
+  }
 
   // The child of `node` whose key starts with `page` (one whole page) and, when `node` is the
   // root, whose identity is `identity` (ignored below the root); nullptr when there is none.
@@ -53,7 +67,8 @@ class Tree {
   Node* add_leaf(Node* parent, std::span<const std::int32_t> key, std::string_view identity);
   // Splits `node` after its first `tokens` (whole pages, fewer than its key): a new upper node
   // with the next id takes those tokens and node's place under its parent (same edge), and node
-  // goes under it with the rest. The upper node copies the lock, hits, access time and identity;
+  // goes under it with the rest. The upper node copies the lock, hits, access time (and its
+  // frontiers) and identity;
   // the tiers (slots, ops, digests) stay all on `node` for the caller to divide. Returns the
   // upper node.
   Node* split(Node* node, std::size_t tokens);
@@ -90,6 +105,7 @@ class Tree {
   std::unique_ptr<Node> root_;
   NodeId next_id_ = 1;
   std::uint64_t clock_ = 0;
+  std::array<std::uint64_t, 2> frontier_{};
 };
 
 }  // namespace hicache::radix

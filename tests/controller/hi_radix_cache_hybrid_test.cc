@@ -5,6 +5,7 @@
 // the bytes computed from scratch.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -30,11 +31,13 @@ std::uint64_t side_seed(std::span<const std::int32_t> tokens, std::size_t page, 
   return page_seed(tokens, page) * 1000003ULL + static_cast<std::uint64_t>(pool) + 1;
 }
 
-SidecarSpec spec(Pool pool, std::int64_t device_pages, std::int64_t host_pages) {
+SidecarSpec spec(Pool pool, std::int64_t device_pages, std::int64_t host_pages,
+                 std::int64_t state_slot_bytes = 256) {
   switch (pool) {
     case kState:  // a recurrent state checkpoint: one slot a page, 2 layers
       return {.name = "state", .policy = SidecarHitPolicy::kTrailing, .window_pages = 1,
-              .layers = 2, .slots_per_page = 1, .slot_bytes = 256, .dtype = DType::kFloat32,
+              .layers = 2, .slots_per_page = 1, .slot_bytes = state_slot_bytes,
+              .dtype = DType::kFloat32,
               .device_pages = device_pages, .host_pages = host_pages};
     case kSwa:  // a sliding window of 2 pages of per-token KV
       return {.name = "swa", .policy = SidecarHitPolicy::kTrailing, .window_pages = 2,
@@ -48,6 +51,14 @@ SidecarSpec spec(Pool pool, std::int64_t device_pages, std::int64_t host_pages) 
   }
 }
 
+// What a test may change of the hybrid engine beyond its pool sizes.
+struct HybridOptions {
+  RadixCacheConfig config;
+  std::int64_t state_slot_bytes = 256;
+  // The state pool's own sizes; 0: the other sidecar pools'.
+  std::int64_t state_device_pages = 0, state_host_pages = 0;
+};
+
 // An engine of the hybrid model: pools, a controller with three sidecar pools, the cache.
 struct Hybrid {
   HostDevice device;
@@ -58,13 +69,19 @@ struct Hybrid {
   HiCacheController controller;
   HiRadixCache cache;
   std::int64_t requests = 0, restored_states = 0, host_loads = 0, dropped = 0;
+  std::int64_t restored_tokens = 0;  // prefixes restored (KV and state), summed
   std::int64_t checkpoint_every = 2;  // the engine checkpoints its state every 2 pages and at the end
 
   static std::vector<std::unique_ptr<SidecarPool>> make_pools(HostDevice& d, std::int64_t dev,
-                                                              std::int64_t host) {
+                                                              std::int64_t host,
+                                                              const HybridOptions& o) {
     std::vector<std::unique_ptr<SidecarPool>> p;
     for (Pool pool : {kState, kSwa, kIndex}) {
-      p.push_back(std::make_unique<SidecarPool>(d, spec(pool, dev, host)));
+      const bool state = pool == kState;
+      p.push_back(std::make_unique<SidecarPool>(
+          d, spec(pool, state && o.state_device_pages > 0 ? o.state_device_pages : dev,
+                  state && o.state_host_pages > 0 ? o.state_host_pages : host,
+                  o.state_slot_bytes)));
     }
     return p;
   }
@@ -75,14 +92,15 @@ struct Hybrid {
   }
 
   Hybrid(WritePolicy policy, std::int64_t device_pages, std::int64_t host_pages,
-         std::int64_t side_device_pages, std::int64_t side_host_pages, Collective* tp = nullptr)
+         std::int64_t side_device_pages, std::int64_t side_host_pages, Collective* tp = nullptr,
+         const HybridOptions& options = {})
       : device_pool(device, geometry(), device_pages * kPage),
         host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
-        owned(make_pools(device, side_device_pages, side_host_pages)),
+        owned(make_pools(device, side_device_pages, side_host_pages, options)),
         pools(raw(owned)),
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy},
                    pools),
-        cache(controller, device_pool, host_pool, {}, nullptr, nullptr, tp) {}
+        cache(controller, device_pool, host_pool, options.config, nullptr, nullptr, tp) {}
 
   SidecarPool& pool(Pool p) { return *pools[static_cast<std::size_t>(p)]; }
 
@@ -164,6 +182,7 @@ struct Hybrid {
     }
     verify_restored(tokens, held, p);
     if (::testing::Test::HasFatalFailure()) return;
+    restored_tokens += p * kPage;
 
     // Compute pages p..n-1: KV, the window and the indexer for each, the state at checkpoints.
     const auto n = static_cast<std::int64_t>(tokens.size()) / kPage;
@@ -430,6 +449,49 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
     e.cache.reset();
     EXPECT_TRUE(e.sidecars_free()) << to_string(policy);
   }
+}
+
+// Footprint-weighted eviction (radix::eviction_mark), measured against the order of the last
+// access alone: 8 documents of 16 pages, each checkpointed once at its end and asked again
+// every round, and between them one-page chats never asked again, each with its own
+// checkpoint. A checkpoint is 64 KV pages' bytes; the state pool (12 checkpoints on the
+// device, 24 on the host) is what runs short. With 2 chats per document a round's checkpoints
+// fit the host and both orders restore about the same; with 4 they do not, and the last access
+// alone gives the one-off chats' checkpoints the room of the documents that come back, while
+// weighing each node's state bytes against its KV's evicts the chats first (a chat saves one
+// page for a whole checkpoint, a document 16). The figures are printed (docs/hybrid.md).
+TEST(HybridRadix, WeighingTheFootprintKeepsTheNodesThatSaveMoreTokensPerStateByte) {
+  auto restored = [](int chats, bool weigh) -> std::int64_t {
+    std::vector<Tokens> requests;
+    std::int32_t chat = 5000;
+    for (int round = 0; round < 12; ++round) {
+      for (std::int32_t d = 0; d < 8; ++d) {
+        requests.push_back(prompt(100 + d, 16));
+        for (int c = 0; c < chats; ++c) requests.push_back(prompt(chat++, 1));
+      }
+    }
+    Hybrid e(WritePolicy::kWriteThrough, 512, 1024, 512, 1024, nullptr,
+             HybridOptions{.config = RadixCacheConfig{.weigh_footprint = weigh},
+                           .state_slot_bytes = 64 * 256 / 2,  // 2 layers: 64 KV pages
+                           .state_device_pages = 12,
+                           .state_host_pages = 24});
+    e.checkpoint_every = 1000;  // only at the end of a prompt
+    for (const Tokens& t : requests) {
+      e.run(t);
+      if (::testing::Test::HasFatalFailure()) return -1;
+    }
+    e.expect_accounting();
+    std::printf("footprint eviction, %d chats per document, %s: restored %lld of %d tokens\n",
+                chats, weigh ? "weighed" : "last access", static_cast<long long>(e.restored_tokens),
+                12 * 8 * (16 + chats) * kPage);
+    return e.restored_tokens;
+  };
+  const std::int64_t fits_lru = restored(2, false), fits_weighed = restored(2, true);
+  const std::int64_t short_lru = restored(4, false), short_weighed = restored(4, true);
+  // The documents' reuses alone are 11 rounds x 8 x 64 tokens.
+  EXPECT_GE(fits_weighed, fits_lru * 95 / 100);  // room for all: about the same
+  EXPECT_GE(short_weighed, 11 * 8 * 16 * kPage * 9 / 10);  // short: the documents stay
+  EXPECT_GT(short_weighed, 2 * short_lru);
 }
 
 // TP 2, ranks as threads: the same requests on each rank, pools small enough to evict on both

@@ -1,5 +1,5 @@
-// radix::EvictionOrder, EvictionIndex and GhostSet on their own: the policies' order, which
-// nodes are candidates on each tier, lazy re-keying after a touch, the running totals, a missed
+// radix::EvictionOrder, EvictionIndex and GhostSet on their own: the policies' order and its
+// footprint weighting, which nodes are candidates on each tier, lazy re-keying after a touch, the running totals, a missed
 // refresh named by check(), and the ghosts' one count per evicted page.
 #include "controller/radix/eviction.h"
 
@@ -32,12 +32,57 @@ TEST(EvictionOrder, LruGoesByAccessLfuByHitsThenAccess) {
   old_often->hits = 9;
   const auto lru = EvictionOrder::make(EvictionPolicy::kLru);
   const auto lfu = EvictionOrder::make(EvictionPolicy::kLfu);
-  EXPECT_LT(lru->key(*old_often), lru->key(*new_rare));  // older first
-  EXPECT_LT(lfu->key(*new_rare), lfu->key(*old_often));  // fewer hits first
-  new_rare->hits = 9;                                    // a tie on hits: the older goes
-  EXPECT_LT(lfu->key(*old_often), lfu->key(*new_rare));
+  EXPECT_LT(lru->key(*old_often, Tier::kDevice), lru->key(*new_rare, Tier::kDevice));  // older
+  EXPECT_LT(lfu->key(*new_rare, Tier::kHost), lfu->key(*old_often, Tier::kHost));  // fewer hits
+  new_rare->hits = 9;  // a tie on hits: the older goes
+  EXPECT_LT(lfu->key(*old_often, Tier::kHost), lfu->key(*new_rare, Tier::kHost));
   EXPECT_EQ(parse_eviction_policy("lfu"), EvictionPolicy::kLfu);
   EXPECT_THROW(parse_eviction_policy("fifo"), InvalidArgument);
+}
+
+// Greedy-Dual-Size over the access clock: a node whose state is 9x its KV stays a tenth as long
+// past its tier's frontier as a KV-only node. Each tier weighs against its own frontier, a
+// frontier never goes back, and a later access never lowers a node's mark.
+TEST(EvictionOrder, AStateHeavyNodeAgesByItsFootprintAgainstItsTiersFrontier) {
+  constexpr std::int64_t kKvPerToken = 10;
+  Tree tree(kPage, 64);
+  Node* light = tree.add_leaf(tree.root(), pages_from(1, 1), "");  // clock 1
+  Node* heavy = tree.add_leaf(tree.root(), pages_from(2, 1), "");  // clock 2
+  heavy->sidecar_bytes = 9 * kPage * kKvPerToken;
+  for (int i = 0; i < 98; ++i) tree.touch(light);  // clock 100
+  tree.advance_frontier(Tier::kDevice, 100);       // a node of mark 100 left the device
+  tree.advance_frontier(Tier::kDevice, 50);        // a smaller mark: the frontier stays
+  EXPECT_EQ(tree.frontier(Tier::kDevice), 100u);
+  EXPECT_EQ(tree.frontier(Tier::kHost), 0u);
+  for (int i = 0; i < 100; ++i) tree.touch(light);  // clock 200
+  tree.touch(heavy);                                // clock 201
+  EXPECT_EQ(eviction_mark(*light, Tier::kDevice, kKvPerToken), 200u);  // KV only: its access
+  EXPECT_EQ(eviction_mark(*heavy, Tier::kDevice, kKvPerToken), 100u + 101u / 10);
+  EXPECT_EQ(eviction_mark(*heavy, Tier::kHost, kKvPerToken), 201u / 10);
+  EXPECT_EQ(eviction_mark(*heavy, Tier::kDevice, 0), 201u);  // unweighted
+  const auto lru = EvictionOrder::make(EvictionPolicy::kLru, kKvPerToken);
+  const auto plain = EvictionOrder::make(EvictionPolicy::kLru);
+  EXPECT_LT(lru->key(*heavy, Tier::kDevice), lru->key(*light, Tier::kDevice));  // goes first
+  EXPECT_LT(plain->key(*light, Tier::kDevice), plain->key(*heavy, Tier::kDevice));
+  const std::uint64_t before = eviction_mark(*heavy, Tier::kDevice, kKvPerToken);
+  tree.touch(heavy);
+  EXPECT_GE(eviction_mark(*heavy, Tier::kDevice, kKvPerToken), before);
+
+  // In the index: the heavy node is the first victim though touched last, and stays indexed
+  // under its older key after later touches and frontier moves (check() allows older keys).
+  EvictionIndex index(EvictionPolicy::kLru, kPage, kKvPerToken);
+  heavy->device.assign(kPage, 0);
+  light->device.assign(kPage, kPage);
+  index.refresh(heavy);
+  index.refresh(light);
+  EXPECT_EQ(index.next_victim(Tier::kDevice), heavy);
+  tree.advance_frontier(Tier::kDevice, index.mark(*heavy, Tier::kDevice));
+  for (int i = 0; i < 50; ++i) tree.touch(heavy);  // mark 110 + 142 / 10: still before light
+  EXPECT_EQ(index.check(tree), "");
+  EXPECT_EQ(index.next_victim(Tier::kDevice), heavy);
+  for (int i = 0; i < 1000; ++i) tree.touch(heavy);  // mark 110 + 1142 / 10 = 224 > 200
+  EXPECT_EQ(index.check(tree), "");
+  EXPECT_EQ(index.next_victim(Tier::kDevice), light);
 }
 
 TEST(EvictionIndex, ADeviceCandidateHasNoChildOnTheDeviceAndAHostCandidateIsAHostOnlyLeaf) {

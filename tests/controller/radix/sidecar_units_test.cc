@@ -55,6 +55,7 @@ TEST(SidecarUnits, AdoptAndSplitKeepEachPageWithItsSlots) {
   ASSERT_EQ(n->sidecars.size(), 2u);
   EXPECT_EQ(n->sidecars[0].pages, (std::vector<std::int32_t>{1, 3}));  // pages 3 and 5
   EXPECT_EQ(n->sidecars[0].device, (Slots{6, 5}));
+  EXPECT_EQ(n->sidecar_bytes, 2 * 64 + 4 * 64);  // a state page 64 bytes, an index page 4 x 16
   EXPECT_EQ(r.units.check(*n), "");
 
   Node* upper = r.tree.split(n, 2 * kPage);
@@ -66,6 +67,8 @@ TEST(SidecarUnits, AdoptAndSplitKeepEachPageWithItsSlots) {
   EXPECT_EQ(n->sidecars[0].pages, (std::vector<std::int32_t>{1}));
   EXPECT_EQ(n->sidecars[0].device, (Slots{5}));
   EXPECT_EQ(n->sidecars[1].device.front(), 2 * kPage);
+  EXPECT_EQ(upper->sidecar_bytes, 64 + 2 * 64);
+  EXPECT_EQ(n->sidecar_bytes, 64 + 2 * 64);
   upper->device.assign(n->device.begin(), n->device.begin() + 2 * kPage);
   n->device.erase(n->device.begin(), n->device.begin() + 2 * kPage);
   EXPECT_EQ(r.units.check(*upper), "");
@@ -103,6 +106,8 @@ TEST(SidecarUnits, CheckNamesPagesOffTheKvsTiersOrOutOfOrder) {
             std::string::npos)
       << r.units.check(*n);
   n->sidecars[0].device = {3};
+  EXPECT_EQ(r.units.check(*n), "node 1: counts 0 sidecar bytes, holds 64");  // not counted
+  n->sidecar_bytes = 64;
   EXPECT_EQ(r.units.check(*n), "");
   n->sidecars[0].pages = {2};
   EXPECT_NE(r.units.check(*n).find("page 2 out of order or outside the node's 2 pages"),
