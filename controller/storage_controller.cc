@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "controller/restorable.h"
 #include "pools/paged_token_allocator.h"
 #include "transfer/errors.h"
 
@@ -69,11 +70,26 @@ void PrefetchOperation::set_error(std::string error) {
   error_ = std::move(error);
 }
 
+KeyNamespace sidecar_namespace(const KeyNamespace& kv, const SidecarSpec& spec) {
+  KeyNamespace ns = kv;
+  ns.fingerprint = str_cat(kv.fingerprint, "+sidecar=", spec.name, ",", to_string(spec.policy),
+                           spec.policy == SidecarHitPolicy::kTrailing
+                               ? str_cat(",w", spec.window_pages)
+                               : std::string(),
+                           ",l", spec.layers, ",s", spec.slots_per_page, ",b", spec.slot_bytes);
+  ns.dtype = std::string(to_string(spec.dtype));
+  ns.layout = std::string(to_string(HostLayout::kPageFirstDirect));
+  ns.mla = false;
+  return ns;
+}
+
 StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
                                      const KeyNamespace& keys, Collective& prefetch_collective,
                                      Collective& backup_collective, Collective& main_collective,
-                                     StorageControllerConfig config)
-    : host_(host), storage_(storage), keyer_(keys), prefetch_collective_(prefetch_collective),
+                                     StorageControllerConfig config,
+                                     std::vector<SidecarPool*> sidecars)
+    : host_(host), storage_(storage), keyer_(keys), kv_prefix_(keyer_.prefix()),
+      prefetch_collective_(prefetch_collective),
       backup_collective_(backup_collective), main_collective_(main_collective), config_(config),
       page_size_(host.geometry().page_size), prefetch_queue_(config.queue_capacity),
       prefetch_io_queue_(config.queue_capacity), backup_queue_(config.queue_capacity) {
@@ -103,6 +119,25 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
   if (config_.timeout_base.count() < 0 || config_.timeout_per_page.count() < 0 ||
       config_.timeout_cap.count() < 0) {
     throw InvalidArgument("storage controller: prefetch timeouts must be >= 0 ms");
+  }
+  for (SidecarPool* pool : sidecars) {
+    if (pool == nullptr) throw InvalidArgument("storage controller: a null sidecar pool");
+    const SidecarSpec& spec = pool->spec();
+    if (!pool->host_pool().has_contiguous_pages()) {
+      throw InvalidArgument(str_cat("storage controller: sidecar pool '", spec.name,
+                                    "' has no contiguous host pages"));
+    }
+    Sidecar sc{.host = &pool->host_pool(),
+               .policy = spec.policy,
+               .window = spec.window_pages,
+               .slots_per_page = spec.slots_per_page,
+               .batch_pages = config_.io_batch_pages > 0
+                                  ? config_.io_batch_pages
+                                  : std::max<std::int64_t>(
+                                        1, storage.preferred_batch_pages(spec.page_bytes())),
+               .prefix = PageKeyer(sidecar_namespace(keys, spec)).prefix()};
+    validate_key(str_cat(sc.prefix, "-", std::string(64, '0')));  // a key fits the stores
+    sidecars_.push_back(std::move(sc));
   }
   start_threads();
 }
@@ -198,7 +233,8 @@ void StorageController::notify_events() {
 // Backup
 
 std::optional<std::int64_t> StorageController::write_storage(
-    std::span<const std::int64_t> host_slots, std::vector<std::string> keys) {
+    std::span<const std::int64_t> host_slots, std::vector<std::string> keys,
+    std::span<const SidecarPagesIo> sidecars) {
   BackupOp op;
   slots_to_pages(host_slots, static_cast<std::int32_t>(page_size_), host_.num_pages(),
                  "write_storage", op.pages);
@@ -207,6 +243,33 @@ std::optional<std::int64_t> StorageController::write_storage(
                                   " keys"));
   }
   for (const auto& k : keys) validate_key(k);
+  std::vector<bool> seen(sidecars_.size(), false);
+  for (const SidecarPagesIo& io : sidecars) {
+    if (io.pool < 0 || static_cast<std::size_t>(io.pool) >= sidecars_.size() ||
+        seen[static_cast<std::size_t>(io.pool)]) {
+      throw InvalidArgument(str_cat("write_storage: sidecar pool ", io.pool, " is not one of the ",
+                                    sidecars_.size(), " pools, or is given twice"));
+    }
+    seen[static_cast<std::size_t>(io.pool)] = true;
+    const Sidecar& sc = sidecars_[static_cast<std::size_t>(io.pool)];
+    BackupOp::Sidecar side{.pool = static_cast<std::size_t>(io.pool), .at = io.pages, .host_pages = {}};
+    for (std::size_t k = 0; k < io.pages.size(); ++k) {
+      if (io.pages[k] < 0 || io.pages[k] >= static_cast<std::int64_t>(op.pages.size()) ||
+          (k > 0 && io.pages[k] <= io.pages[k - 1])) {
+        throw InvalidArgument(str_cat("write_storage: sidecar pool ", io.pool, " page ",
+                                      io.pages[k], " out of order or outside the op's ",
+                                      op.pages.size(), " pages"));
+      }
+    }
+    slots_to_pages(io.host_slots, sc.slots_per_page, sc.host->num_pages(),
+                   "write_storage (sidecar)", side.host_pages);
+    if (side.host_pages.size() != io.pages.size()) {
+      throw InvalidArgument(str_cat("write_storage: sidecar pool ", io.pool, ": ",
+                                    side.host_pages.size(), " host pages for ", io.pages.size(),
+                                    " pages"));
+    }
+    if (!side.at.empty()) op.sidecars.push_back(std::move(side));
+  }
   op.keys = std::move(keys);
   op.id = next_id_.fetch_add(1);
   const std::int64_t id = op.id;
@@ -292,7 +355,9 @@ void StorageController::wait_until_idle() {
 BackupAck StorageController::run_backup(const BackupOp& op) {
   const auto total_pages = static_cast<std::int64_t>(op.pages.size());
   BackupAck ack{op.id, 0, total_pages * page_size_, {}};
-  std::int64_t stored = total_pages;  // ranks other than 0 under MLA store nothing and agree
+  // Ranks other than 0 under MLA store no KV and agree with the whole op (their sidecar pages,
+  // their own shard, they do store).
+  std::int64_t stored = total_pages;
   if (!config_.mla || backup_collective_.rank() == 0) {
     stored = 0;
     try {
@@ -306,6 +371,15 @@ BackupAck StorageController::run_backup(const BackupOp& op) {
     } catch (const std::exception& e) {
       ++failed_ops_;
       ack.error = str_cat("backup failed: ", e.what());
+    }
+  }
+  if (!op.sidecars.empty() && stored > 0) {
+    try {
+      stored = write_sidecars(op, stored, ack.error);
+    } catch (const std::exception& e) {
+      ++failed_ops_;
+      ack.error = str_cat("sidecar backup failed: ", e.what());
+      stored = 0;  // which of its pages are stored is unknown
     }
   }
   // Always reduce, whatever happened locally: a skipped call would hang the other ranks.
@@ -357,6 +431,47 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
   return ok;
 }
 
+std::string StorageController::sidecar_key(std::size_t pool, const std::string& kv_key) const {
+  return str_cat(sidecars_[pool].prefix, std::string_view(kv_key).substr(kv_prefix_.size()));
+}
+
+std::int64_t StorageController::write_sidecars(const BackupOp& op, std::int64_t limit,
+                                               std::string& error) {
+  std::vector<std::string> keys;
+  std::vector<ConstByteSpan> spans;
+  for (const BackupOp::Sidecar& side : op.sidecars) {
+    const Sidecar& sc = sidecars_[side.pool];
+    const auto batch = static_cast<std::size_t>(sc.batch_pages);
+    const auto page_bytes = static_cast<std::int64_t>(sc.host->geometry().page_bytes());
+    // Its pages of the prefix still stored, in batches; the first failure cuts the prefix.
+    const auto n = static_cast<std::size_t>(
+        std::lower_bound(side.at.begin(), side.at.end(), limit) - side.at.begin());
+    for (std::size_t begin = 0; begin < n; begin += batch) {
+      const std::size_t end = std::min(n, begin + batch);
+      keys.clear();
+      spans.clear();
+      for (std::size_t k = begin; k < end; ++k) {
+        keys.push_back(sidecar_key(side.pool, op.keys[static_cast<std::size_t>(side.at[k])]));
+        spans.push_back(sc.host->page_bytes(side.host_pages[k]));
+      }
+      const auto results = storage_.batch_set(keys, spans);
+      std::size_t ok = 0;
+      while (ok < keys.size() && results[ok].is_ok()) ++ok;
+      sidecar_written_bytes_ += static_cast<std::int64_t>(ok) * page_bytes;
+      if (ok < keys.size()) {
+        const std::int64_t page = side.at[begin + ok];
+        if (page < limit) {
+          limit = page;
+          error = str_cat("sidecar pool ", side.pool, " page ", page, " (key '", keys[ok],
+                          "'): ", to_string(results[ok].status), " ", results[ok].reason);
+        }
+        break;
+      }
+    }
+  }
+  return limit;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefetch
 
@@ -364,28 +479,68 @@ std::shared_ptr<PrefetchOperation> StorageController::prefetch(
     std::string request_id, std::span<const std::int32_t> tokens,
     std::optional<PageDigest> prior) {
   if (request_id.empty()) throw InvalidArgument("prefetch: empty request id");
+  if (!sidecars_.empty()) {
+    throw InvalidArgument(str_cat("prefetch: ", sidecars_.size(),
+                                  " sidecar pools need the caller's reservation (prefetch_into)"));
+  }
   return queue_prefetch(std::make_shared<PrefetchOperation>(
       std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
       page_size_));
 }
 
+std::int64_t StorageController::sidecar_reserve_pages(std::int32_t pool,
+                                                     std::int64_t pages) const {
+  if (pool < 0 || static_cast<std::size_t>(pool) >= sidecars_.size()) {
+    throw InvalidArgument(str_cat("sidecar pool ", pool, " is not one of the ", sidecars_.size(),
+                                  " pools"));
+  }
+  const Sidecar& sc = sidecars_[static_cast<std::size_t>(pool)];
+  return sc.policy == SidecarHitPolicy::kAllPages ? pages
+                                                  : std::min<std::int64_t>(sc.window, pages);
+}
+
 std::shared_ptr<PrefetchOperation> StorageController::prefetch_into(
     std::string request_id, std::span<const std::int32_t> tokens, std::optional<PageDigest> prior,
-    std::span<const std::int64_t> host_slots) {
+    std::span<const std::int64_t> host_slots, std::span<const SidecarPagesIo> sidecars) {
   if (request_id.empty()) throw InvalidArgument("prefetch_into: empty request id");
   const auto pages = static_cast<std::int64_t>(tokens.size()) / page_size_;
   if (static_cast<std::int64_t>(host_slots.size()) < pages * page_size_) {
     throw InvalidArgument(str_cat("prefetch_into: ", host_slots.size(), " host slots for ", pages,
                                   " whole pages of ", page_size_, " tokens"));
   }
+  if (sidecars.size() != sidecars_.size()) {
+    throw InvalidArgument(str_cat("prefetch_into: ", sidecars.size(), " sidecar reservations for ",
+                                  sidecars_.size(), " sidecar pools"));
+  }
+  std::vector<PrefetchOperation::SidecarFetch> fetch(sidecars_.size());
+  std::vector<bool> seen(sidecars_.size(), false);
+  for (const SidecarPagesIo& io : sidecars) {
+    const std::int64_t want = sidecar_reserve_pages(io.pool, pages);  // throws for a bad pool
+    const auto i = static_cast<std::size_t>(io.pool);
+    if (seen[i]) throw InvalidArgument(str_cat("prefetch_into: sidecar pool ", io.pool, " twice"));
+    seen[i] = true;
+    std::vector<std::int64_t> held;
+    slots_to_pages(io.host_slots, sidecars_[i].slots_per_page, sidecars_[i].host->num_pages(),
+                   "prefetch_into (sidecar)", held);
+    if (static_cast<std::int64_t>(held.size()) != want) {
+      throw InvalidArgument(str_cat("prefetch_into: sidecar pool ", io.pool, ": ", held.size(),
+                                    " host pages reserved for ", want));
+    }
+    sidecars_[i].host->require_state(io.host_slots, PageState::kReserved, "prefetch_into");
+    fetch[i].reserved.assign(io.host_slots.begin(), io.host_slots.end());
+  }
   host_.require_state(host_slots, PageState::kReserved, "prefetch_into");
   auto op = std::make_shared<PrefetchOperation>(
       std::move(request_id), std::vector<std::int32_t>(tokens.begin(), tokens.end()), prior,
       page_size_);
   op->slots_.assign(host_slots.begin(), host_slots.end());
+  op->sidecars_ = std::move(fetch);
   op->caller_slots_ = true;
   auto queued = queue_prefetch(op);
-  if (queued == nullptr) op->slots_.clear();  // still the caller's
+  if (queued == nullptr) {  // still the caller's
+    op->slots_.clear();
+    op->sidecars_.clear();
+  }
   return queued;
 }
 
@@ -415,15 +570,39 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   PrefetchOperation& op = *handle;
   // Phase 1: the hit. Local failures become a zero hit; the reduction always runs.
   std::int64_t hit_pages = 0;
+  // Per sidecar pool: which pages of the KV hit L3 holds (none where the query failed).
+  std::vector<std::vector<std::uint8_t>> held(sidecars_.size());
   try {
     keyer_.keys(op.tokens_, op.prior_ ? &*op.prior_ : nullptr, op.keys_);
     hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
+    std::vector<std::string> keys;
+    for (std::size_t p = 0; p < sidecars_.size() && hit_pages > 0; ++p) {
+      keys.clear();
+      for (std::int64_t i = 0; i < hit_pages; ++i) {
+        keys.push_back(sidecar_key(p, op.keys_[static_cast<std::size_t>(i)]));
+      }
+      const std::vector<bool> present = storage_.exists_each(keys);
+      held[p].assign(present.begin(), present.end());
+    }
   } catch (const std::exception& e) {
     ++failed_ops_;
     op.set_error(str_cat("prefetch hit query failed: ", e.what()));
   }
   std::int64_t agreed_hit[1] = {hit_pages};
-  if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
+  if (sidecars_.empty()) {
+    if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
+  } else {
+    // The longest prefix every pool of every rank restores: the ranks intersect their sets of
+    // restorable lengths (a trailing pool's have gaps), in one collective.
+    RestorablePrefix restorable;
+    restorable.reset(std::min<std::int64_t>(hit_pages, static_cast<std::int64_t>(op.keys_.size())),
+                     static_cast<std::int64_t>(op.tokens_.size()) / page_size_);
+    for (std::size_t p = 0; p < sidecars_.size(); ++p) {
+      restorable.intersect(sidecars_[p].policy, sidecars_[p].window, held[p]);
+    }
+    if (!restorable.agree(prefetch_collective_, "prefetch.restorable")) ++failed_ops_;
+    agreed_hit[0] = restorable.largest();
+  }
   const std::int64_t hit_tokens = std::max<std::int64_t>(agreed_hit[0], 0) * page_size_;
   hit_tokens_ += hit_tokens;
   if (hit_tokens < config_.prefetch_threshold_tokens) {
@@ -469,6 +648,21 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     return;
   }
   op.keys_.resize(static_cast<std::size_t>(agreed_hit[0]));
+  // The sidecar pages that restore the hit: every page of an all_pages pool, the window before
+  // the hit's end of a trailing one, each into the next page of the pool's reservation.
+  for (std::size_t p = 0; p < op.sidecars_.size(); ++p) {
+    PrefetchOperation::SidecarFetch& f = op.sidecars_[p];
+    const Sidecar& sc = sidecars_[p];
+    const std::int64_t from = sc.policy == SidecarHitPolicy::kAllPages
+                                  ? 0
+                                  : std::max<std::int64_t>(0, agreed_hit[0] - sc.window);
+    for (std::int64_t page = from; page < agreed_hit[0]; ++page) {
+      f.at.push_back(page);
+      f.host_pages.push_back(f.reserved[static_cast<std::size_t>((page - from) * sc.slots_per_page)] /
+                             sc.slots_per_page);
+    }
+    f.landed.assign(f.at.size(), 0);
+  }
   op.hit_pages_ = agreed_hit[0];
   {
     MutexLock lock(op.mu_);
@@ -531,8 +725,83 @@ void StorageController::prefetch_io_loop() {
   }
 }
 
+std::int64_t StorageController::restorable_landed(const PrefetchOperation& op,
+                                                  std::int64_t kv_pages) const {
+  const std::int64_t hit = op.hit_pages_.load();
+  RestorablePrefix restorable;
+  restorable.reset(std::min(kv_pages, hit), hit);
+  std::vector<std::uint8_t> held(static_cast<std::size_t>(hit));
+  for (std::size_t p = 0; p < op.sidecars_.size(); ++p) {
+    const PrefetchOperation::SidecarFetch& f = op.sidecars_[p];
+    std::fill(held.begin(), held.end(), 0);
+    for (std::size_t k = 0; k < f.at.size(); ++k) {
+      held[static_cast<std::size_t>(f.at[k])] = f.landed[k];
+    }
+    restorable.intersect(sidecars_[p].policy, sidecars_[p].window, held);
+  }
+  return restorable.largest();
+}
+
+void StorageController::read_sidecars(PrefetchOperation& op) {
+  std::vector<std::string> keys;
+  std::vector<ByteSpan> spans;
+  std::vector<std::int64_t> slots;
+  for (std::size_t p = 0; p < op.sidecars_.size(); ++p) {
+    PrefetchOperation::SidecarFetch& f = op.sidecars_[p];
+    const Sidecar& sc = sidecars_[p];
+    const auto batch = static_cast<std::size_t>(sc.batch_pages);
+    const auto page_bytes = static_cast<std::int64_t>(sc.host->geometry().page_bytes());
+    bool failed = false;
+    for (std::size_t begin = 0; begin < f.at.size() && !failed && !op.terminate_; begin += batch) {
+      const std::size_t end = std::min(f.at.size(), begin + batch);
+      keys.clear();
+      spans.clear();
+      slots.clear();
+      for (std::size_t k = begin; k < end; ++k) {
+        keys.push_back(sidecar_key(p, op.keys_[static_cast<std::size_t>(f.at[k])]));
+        spans.push_back(sc.host->page_bytes(f.host_pages[k]));
+        for (std::int32_t i = 0; i < sc.slots_per_page; ++i) {
+          slots.push_back(f.host_pages[k] * sc.slots_per_page + i);
+        }
+      }
+      sc.host->protect_write(slots);
+      std::vector<IoResult> results;
+      std::string error;
+      try {
+        results = storage_.batch_get(keys, spans);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      // Each page lands (backup) or goes back to reserved; the first failure ends the pool:
+      // the pages after it restore nothing the hit's prefix before it does not.
+      std::size_t ok = 0;
+      while (ok < results.size() && ok < keys.size() && results[ok].is_ok()) ++ok;
+      const auto spp = static_cast<std::size_t>(sc.slots_per_page);
+      const std::span<const std::int64_t> all(slots);
+      if (ok > 0) sc.host->complete_io(all.first(ok * spp), PageState::kBackup);
+      if (ok < keys.size()) sc.host->abort_io(all.subspan(ok * spp));
+      for (std::size_t k = 0; k < ok; ++k) f.landed[begin + k] = 1;
+      sidecar_read_bytes_ += static_cast<std::int64_t>(ok) * page_bytes;
+      if (ok < keys.size()) {
+        failed = true;
+        if (error.empty()) {
+          error = str_cat(to_string(results[ok].status), " ", results[ok].reason);
+        }
+        op.set_error(str_cat("sidecar pool ", p, " page ", f.at[begin + ok], " (key '", keys[ok],
+                             "'): ", error));
+      }
+    }
+  }
+}
+
 void StorageController::read_pages(PrefetchOperation& op) {
-  const auto pages = static_cast<std::size_t>(op.hit_pages_.load());
+  std::size_t pages = static_cast<std::size_t>(op.hit_pages_.load());
+  const bool sidecars = !op.sidecars_.empty();
+  if (sidecars) {
+    read_sidecars(op);
+    // Only the KV pages that the landed sidecar pages can restore are worth reading.
+    pages = static_cast<std::size_t>(restorable_landed(op, op.hit_pages_.load()));
+  }
   const auto batch = static_cast<std::size_t>(batch_pages_);
   const auto page_bytes = static_cast<std::size_t>(host_.geometry().page_bytes());
   const std::span<const std::int64_t> all_slots(op.slots_);
@@ -582,10 +851,15 @@ void StorageController::read_pages(PrefetchOperation& op) {
       ok = 0;
       error = e.what();
     }
-    // Pages count as completed only now that their bytes are in host memory.
+    // Pages count as completed only now that their bytes are in host memory; with sidecar
+    // pools, as far as the landed pages restore.
     if (ok > 0) host_.complete_io(slots.first(ok * page_size_), PageState::kBackup);
     if (ok < n) host_.abort_io(slots.subspan(ok * page_size_));
-    op.completed_pages_ += static_cast<std::int64_t>(ok);
+    if (sidecars) {
+      op.completed_pages_ = restorable_landed(op, static_cast<std::int64_t>(begin + ok));
+    } else {
+      op.completed_pages_ += static_cast<std::int64_t>(ok);
+    }
     if (ok < n) {
       MutexLock lock(op.mu_);
       op.error_ = std::move(error);
@@ -652,6 +926,7 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
     host_.free(op.slots_);  // the caller's reservation, untouched
     op.slots_.clear();
   }
+  if (result.revoked) free_sidecar_rest(op, {});
   if (!result.revoked) {
     std::int64_t completed[1] = {op.completed_pages_.load()};
     if (agreed_pages) {
@@ -667,6 +942,20 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
     result.tokens = static_cast<std::int64_t>(keep);
     result.host_slots.assign(slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(keep));
     result.keys.assign(op.keys_.begin(), op.keys_.begin() + static_cast<std::ptrdiff_t>(agreed));
+    // Each pool keeps its landed pages of the agreed prefix (those restore it: the agreed
+    // length is restorable on every rank), the rest of its reservation is freed.
+    for (std::size_t p = 0; p < op.sidecars_.size(); ++p) {
+      const PrefetchOperation::SidecarFetch& f = op.sidecars_[p];
+      const auto spp = static_cast<std::int64_t>(sidecars_[p].slots_per_page);
+      SidecarPagesIo kept{.pool = static_cast<std::int32_t>(p), .pages = {}, .host_slots = {}};
+      for (std::size_t k = 0; k < f.at.size(); ++k) {
+        if (f.at[k] >= static_cast<std::int64_t>(agreed) || f.landed[k] == 0) continue;
+        kept.pages.push_back(f.at[k]);
+        for (std::int64_t i = 0; i < spp; ++i) kept.host_slots.push_back(f.host_pages[k] * spp + i);
+      }
+      if (!kept.pages.empty()) result.sidecars.push_back(std::move(kept));
+    }
+    free_sidecar_rest(op, result.sidecars);
     op.budget_.release();
     prefetched_pages_ += agreed;
     ++terminated_;
@@ -683,6 +972,24 @@ PrefetchResult StorageController::terminate_prefetch(PrefetchOperation& op,
   }
   op.cv_.notify_all();
   return result;
+}
+
+void StorageController::free_sidecar_rest(PrefetchOperation& op,
+                                          const std::vector<SidecarPagesIo>& keep) {
+  for (std::size_t p = 0; p < op.sidecars_.size(); ++p) {
+    PrefetchOperation::SidecarFetch& f = op.sidecars_[p];
+    std::vector<std::int64_t> kept;
+    for (const SidecarPagesIo& io : keep) {
+      if (static_cast<std::size_t>(io.pool) == p) kept = io.host_slots;
+    }
+    std::sort(kept.begin(), kept.end());
+    std::vector<std::int64_t> rest;
+    for (std::int64_t slot : f.reserved) {
+      if (!std::binary_search(kept.begin(), kept.end(), slot)) rest.push_back(slot);
+    }
+    if (!rest.empty()) sidecars_[p].host->free(rest);
+    f.reserved.clear();
+  }
 }
 
 void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
@@ -703,6 +1010,13 @@ void StorageController::register_metrics(MetricsRegistry& registry, MetricLabels
   constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
   metrics_.add(kBytes, kBytesHelp, {{"direction", "l2_to_l3"}}, written_bytes_);
   metrics_.add(kBytes, kBytesHelp, {{"direction", "l3_to_l2"}}, read_bytes_);
+  if (!sidecars_.empty()) {
+    constexpr const char* kSide = "hicache_sidecar_bytes_total";
+    constexpr const char* kSideHelp =
+        "Sidecar pool bytes (a hybrid model's state) moved between tiers, by direction";
+    metrics_.add(kSide, kSideHelp, {{"direction", "l2_to_l3"}}, sidecar_written_bytes_);
+    metrics_.add(kSide, kSideHelp, {{"direction", "l3_to_l2"}}, sidecar_read_bytes_);
+  }
   constexpr const char* kLatency = "hicache_op_latency_seconds";
   constexpr const char* kLatencyHelp = "Transfer op latency from submit to acknowledgement";
   metrics_.add(kLatency, kLatencyHelp, {{"direction", "l2_to_l3"}}, backup_latency_);

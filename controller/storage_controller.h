@@ -29,6 +29,16 @@
 // length. The queue is FIFO: every rank must run the same ops in the same order, since each op
 // makes one collective call.
 //
+// Sidecar pools (a hybrid model's state, docs/hybrid.md): a backup names each pool's pages of
+// the op beside the KV's, written under the pool's namespace (sidecar_namespace) after the KV's
+// pages; the stored prefix is the leading pages whose KV and sidecar pages are all stored. A
+// prefetch's hit is the longest prefix every pool can restore (RestorablePrefix) from the records
+// L3 holds: the KV's leading run, then each pool's records of those pages asked one by one
+// (exists_each), agreed by the ranks in one collective (RestorablePrefix::agree) instead of the
+// KV hit's MIN. It reads the sidecar pages that restore that prefix (all_pages: every page,
+// trailing: the window before its end), then the KV pages; completed_tokens() is the longest
+// prefix the pages landed so far restore.
+//
 // A backend that throws or a collective that fails never ends the thread: the op is acked with
 // zero completed tokens and the reason, and failed_ops() counts it.
 //
@@ -50,6 +60,7 @@
 
 #include "controller/event_signal.h"
 #include "pools/host_kv_pool.h"
+#include "pools/sidecar_pool.h"
 #include "storage/collective.h"
 #include "storage/page_key.h"
 #include "storage/storage_backend.h"
@@ -94,6 +105,25 @@ enum class PrefetchStage {
 };
 
 class StorageController;
+
+// The namespace of sidecar pool `spec`'s L3 records beside the KV's namespace `kv`: the KV's
+// model and page size, the pool's name, policy, window and geometry in the fingerprint, its
+// dtype, the page_first_direct layout, and this rank's shard (a sidecar pool is never shared by
+// the ranks, even under MLA: every rank stores its own). A record of another pool, model,
+// dtype, format or geometry has another key.
+KeyNamespace sidecar_namespace(const KeyNamespace& kv, const SidecarSpec& spec);
+
+// One sidecar pool's pages in a backup, a prefetch's reservation or its result.
+struct SidecarPagesIo {
+  std::int32_t pool = 0;  // the index of the pool in the controller's sidecars
+  // The pages' indices in the op (page i of its KV), ascending. write_storage: the pages to
+  // store. PrefetchResult: the pages kept. prefetch_into: unused (empty).
+  std::vector<std::int64_t> pages;
+  // Host slots of the pool, slots_per_page per page: one page per entry of `pages`; for
+  // prefetch_into, the reservation (state reserved): one page per whole page of the tokens for
+  // an all_pages pool, min(window, pages) for a trailing one.
+  std::vector<std::int64_t> host_slots;
+};
 
 // Prefetch budget credits (host tokens held by prefetches). A credit gives its tokens back when
 // released or destroyed, whichever comes first, so no path (error, revoke, stop, an op dropped
@@ -162,6 +192,14 @@ class PrefetchOperation {
   std::atomic<std::int64_t> completed_pages_{0};
   std::vector<std::string> keys_;      // the agreed hit's keys
   std::vector<std::int64_t> slots_;    // host slots reserved for them
+  // Per sidecar pool (prefetch_into): the caller's reservation, and once agreed the pages to
+  // read (op page indices), the pool pages they land in, and which landed (the I/O worker's).
+  struct SidecarFetch {
+    std::vector<std::int64_t> reserved;
+    std::vector<std::int64_t> at, host_pages;
+    std::vector<std::uint8_t> landed;
+  };
+  std::vector<SidecarFetch> sidecars_;
   bool caller_slots_ = false;          // slots_ came from prefetch_into (all kept to terminate)
   BudgetCredit budget_;                // credits held while host pages are reserved
 };
@@ -171,6 +209,9 @@ struct PrefetchResult {
   std::int64_t tokens = 0;                // agreed completed prefix
   std::vector<std::int64_t> host_slots;   // its host slots (pages in state backup)
   std::vector<std::string> keys;          // one per page
+  // Per sidecar pool that kept pages: the pages of the prefix it restores (pages in state
+  // backup, as the KV's); the rest of the reservation was freed.
+  std::vector<SidecarPagesIo> sidecars;
 };
 
 struct BackupAck {
@@ -184,10 +225,13 @@ class StorageController {
  public:
   // Throws InvalidArgument naming a bad config value. `keyer` names the pages (this rank's
   // namespace); the three collectives serve the prefetch thread, the backup thread and the
-  // caller of terminate_prefetch (all of one TP group, one communicator each).
+  // caller of terminate_prefetch (all of one TP group, one communicator each). `sidecars`: the
+  // cache's sidecar pools (their host tiers move to and from L3 with the KV), in the order
+  // SidecarPagesIo::pool names them; they outlive the controller.
   StorageController(HostKVPool& host, StorageBackend& storage, const KeyNamespace& keys,
                     Collective& prefetch_collective, Collective& backup_collective,
-                    Collective& main_collective, StorageControllerConfig config = {});
+                    Collective& main_collective, StorageControllerConfig config = {},
+                    std::vector<SidecarPool*> sidecars = {});
   ~StorageController();
   StorageController(const StorageController&) = delete;
   StorageController& operator=(const StorageController&) = delete;
@@ -195,11 +239,14 @@ class StorageController {
   StorageBackend& storage() const { return storage_; }
 
   // Queues the backup of the pages of `host_slots` (whole pages, in order) under `keys`, one per
-  // page. Returns the op id, or nothing when the queue is full or stopped. Throws
-  // InvalidArgument (nothing queued) when the slots are not whole pages of this pool or the
-  // counts differ or a key is invalid.
+  // page, and of the sidecar pages of `sidecars` beside them. Returns the op id, or nothing when
+  // the queue is full or stopped. Throws InvalidArgument (nothing queued) when the slots are not
+  // whole pages of this pool or the counts differ or a key is invalid, or a sidecar entry names
+  // a pool that does not exist or twice, pages out of order or outside the op, or slots that
+  // are not one whole page of the pool per page.
   std::optional<std::int64_t> write_storage(std::span<const std::int64_t> host_slots,
-                                            std::vector<std::string> keys);
+                                            std::vector<std::string> keys,
+                                            std::span<const SidecarPagesIo> sidecars = {});
 
   // Whether write_storage() / prefetch() would find room in their queue now. Only the caller's
   // thread pushes, and the threads only take, so the answer holds until the caller's next push.
@@ -226,7 +273,8 @@ class StorageController {
 
   // Queues a prefetch of the whole pages of `tokens`, chained after `prior` (the digest of the
   // page before tokens[0]; nothing at the start of a sequence). Returns nothing when the queue is
-  // full or stopped. Throws InvalidArgument for an empty request id.
+  // full or stopped. Throws InvalidArgument for an empty request id, and with sidecar pools
+  // (their pages need the caller's reservation: prefetch_into).
   std::shared_ptr<PrefetchOperation> prefetch(std::string request_id,
                                               std::span<const std::int32_t> tokens,
                                               std::optional<PageDigest> prior = std::nullopt);
@@ -238,13 +286,20 @@ class StorageController {
   // pool's free count changes only on the caller's thread, at calls every TP rank makes in the
   // same order, so an allocation there finds the same room on every rank. Takes no prefetch
   // budget (the caller limits what it reserves). The ranks agree on the hit only: the caller's
-  // slots hold it on every rank. Returns nothing, the slots still the caller's,
-  // when the queue is full or stopped. Throws InvalidArgument (malformed or too few slots, empty
+  // slots hold it on every rank. With sidecar pools, `sidecars` reserves each pool's host pages
+  // (SidecarPagesIo::host_slots; every pool once), owned by the op as the KV's are. Returns
+  // nothing, the slots still the caller's, when the queue is full or stopped. Throws
+  // InvalidArgument (malformed or too few slots, a sidecar pool missing, unknown or twice, empty
   // request id) or StateError (a page not reserved); nothing changes then.
   std::shared_ptr<PrefetchOperation> prefetch_into(std::string request_id,
                                                    std::span<const std::int32_t> tokens,
                                                    std::optional<PageDigest> prior,
-                                                   std::span<const std::int64_t> host_slots);
+                                                   std::span<const std::int64_t> host_slots,
+                                                   std::span<const SidecarPagesIo> sidecars = {});
+  // Host pages of sidecar pool `pool` that prefetch_into reserves for `pages` whole pages: all
+  // of them for an all_pages pool, min(window, pages) for a trailing one.
+  std::int64_t sidecar_reserve_pages(std::int32_t pool, std::int64_t pages) const;
+  std::size_t num_sidecars() const { return sidecars_.size(); }
   // Moves revoked request ids into `out`; never blocks.
   std::size_t drain_revokes(std::vector<std::string>& out);
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
@@ -281,6 +336,14 @@ class StorageController {
   std::int64_t batch_pages() const { return batch_pages_; }
   // Backup payload bytes the store accepted so far.
   std::int64_t written_bytes() const { return static_cast<std::int64_t>(written_bytes_.value()); }
+  // Of the sidecar pools' pages: bytes stored by backups, and read by prefetches (not counted in
+  // written_bytes() / read_bytes(), which are the KV's).
+  std::int64_t sidecar_written_bytes() const {
+    return static_cast<std::int64_t>(sidecar_written_bytes_.value());
+  }
+  std::int64_t sidecar_read_bytes() const {
+    return static_cast<std::int64_t>(sidecar_read_bytes_.value());
+  }
   // Registers the backup and prefetch counters (ops by outcome, pages, revokes, latency
   // histograms) and the queue depths in `registry` until destroyed or registered again.
   void register_metrics(MetricsRegistry& registry, MetricLabels labels = {});
@@ -309,6 +372,21 @@ class StorageController {
     std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
     std::vector<std::int64_t> pages;
     std::vector<std::string> keys;
+    struct Sidecar {
+      std::size_t pool = 0;
+      std::vector<std::int64_t> at, host_pages;  // op page indices, the pool's pages
+    };
+    std::vector<Sidecar> sidecars;
+  };
+
+  // A sidecar pool as L3 sees it.
+  struct Sidecar {
+    HostKVPool* host = nullptr;
+    SidecarHitPolicy policy = SidecarHitPolicy::kAllPages;
+    std::int32_t window = 1;
+    std::int32_t slots_per_page = 1;
+    std::int64_t batch_pages = 1;  // pages per store call
+    std::string prefix;            // its keys' namespace prefix
   };
 
   struct PrefetchTask {
@@ -337,10 +415,24 @@ class StorageController {
   void wait_until_idle();
   std::int64_t write_batch(const BackupOp& op, std::size_t begin, std::size_t end,
                            std::string& error);
+  // Stores op's sidecar pages of op pages below `limit`; returns the stored prefix: `limit`, or
+  // the op page of the first sidecar page that failed.
+  std::int64_t write_sidecars(const BackupOp& op, std::int64_t limit, std::string& error);
+  // The key of sidecar pool `pool`'s record of the page whose KV key is `kv_key`.
+  std::string sidecar_key(std::size_t pool, const std::string& kv_key) const;
+  // The longest prefix of op's hit that its landed pages restore: `kv_pages` KV pages and the
+  // sidecar pages marked landed (with every KV page landed when kv_pages is the hit).
+  std::int64_t restorable_landed(const PrefetchOperation& op, std::int64_t kv_pages) const;
+  // Reads op's agreed sidecar pages (the I/O worker, before the KV's).
+  void read_sidecars(PrefetchOperation& op);
+  // The op's sidecar slots not in `keep` (per pool, its kept pages' slots) back to free.
+  void free_sidecar_rest(PrefetchOperation& op, const std::vector<SidecarPagesIo>& keep);
 
   HostKVPool& host_;
   StorageBackend& storage_;
   PageKeyer keyer_;  // prefetch thread only
+  const std::string kv_prefix_;  // keyer_'s prefix, for every thread
+  std::vector<Sidecar> sidecars_;
   Collective& prefetch_collective_;
   Collective& backup_collective_;
   Collective& main_collective_;
@@ -364,6 +456,7 @@ class StorageController {
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;
   std::atomic<std::int64_t> next_id_{1};
   Counter failed_ops_, read_bytes_, read_ns_, written_bytes_;
+  Counter sidecar_written_bytes_, sidecar_read_bytes_;
   Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
   Histogram backup_latency_, prefetch_latency_;
   // From a prefetch's last read (every page of its hit read, not cut short) to the
