@@ -853,11 +853,6 @@ void HiCacheConfig::validate() const {
   if (!radix.host_tier && !storage.empty()) {
     throw InvalidArgument("config: host_tier false (a device-only cache) takes no 'storage'");
   }
-  if (!sidecars.empty() && !storage.empty()) {
-    throw InvalidArgument(
-        "config: 'sidecars' with 'storage': sidecar records in L3 are not supported yet "
-        "(docs/hybrid.md)");
-  }
 
   for (const SidecarSpec& s : sidecars) {
     try {

@@ -57,6 +57,25 @@ class HiRadixCache::Hooks final : public radix::L3Paths::Cache, public radix::Ti
     return c_.tier_events_ ? c_.tier_events_->l3_clock() : 0;
   }
   void backup_acked(Node* node) override { c_.tiers_->backup_acked(node); }
+  bool reserve_prefetch_sidecars(std::span<const std::int64_t> pages,
+                                 std::vector<SidecarPagesIo>& out,
+                                 std::vector<std::int64_t>& counted) override {
+    return c_.tiers_->reserve_prefetch_sidecars(pages, out, counted);
+  }
+  void sidecar_hosts_released(std::int32_t pool, std::int64_t slots) override {
+    c_.tiers_->sidecar_hosts_released(pool, slots);
+  }
+  void adopt_sidecar_hosts(Node* node, std::vector<SidecarPagesIo>& fetched,
+                           std::int64_t first_page) override {
+    c_.sidecars_->adopt_host(node, fetched, first_page);
+  }
+  void free_sidecar_hosts(std::span<const SidecarPagesIo> fetched) override {
+    for (const SidecarPagesIo& io : fetched) {
+      if (io.host_slots.empty()) continue;
+      c_.controller_.sidecar(static_cast<std::size_t>(io.pool)).host_pool().free(io.host_slots);
+      c_.tiers_->sidecar_hosts_released(io.pool, static_cast<std::int64_t>(io.host_slots.size()));
+    }
+  }
   // TierPolicy::Cache
   void remove_leaf(Node* node) override { c_.remove_leaf(node); }
   void host_copy_synced(Node* node) override { c_.l3_->backup_node(node); }
@@ -84,9 +103,10 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
   if (!config_.host_tier && storage != nullptr) {
     throw InvalidArgument("radix cache: host_tier false (device only) with a storage tier");
   }
-  if (controller.num_sidecars() > 0 && storage != nullptr) {
-    throw InvalidArgument(
-        "radix cache: sidecar pools with an L3 store are not supported yet (docs/hybrid.md)");
+  if (storage != nullptr && storage->num_sidecars() != controller.num_sidecars()) {
+    throw InvalidArgument(str_cat("radix cache: the storage controller has ",
+                                  storage->num_sidecars(), " sidecar pools, the controller ",
+                                  controller.num_sidecars()));
   }
 
   std::unique_ptr<PageKeyer> keyer;
@@ -540,9 +560,10 @@ void HiRadixCache::detach_storage() {
 
 void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace& keys) {
   if (l3_->attached()) throw StateError("attach_storage: L3 is attached already");
-  if (controller_.num_sidecars() > 0) {
-    throw InvalidArgument(
-        "attach_storage: sidecar pools with an L3 store are not supported yet (docs/hybrid.md)");
+  if (storage.num_sidecars() != controller_.num_sidecars()) {
+    throw InvalidArgument(str_cat("attach_storage: the storage controller has ",
+                                  storage.num_sidecars(), " sidecar pools, the controller ",
+                                  controller_.num_sidecars()));
   }
   if (!config_.host_tier) {
     throw InvalidArgument("attach_storage: the cache has no host tier (host_tier false)");

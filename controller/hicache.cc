@@ -145,7 +145,7 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
       sc.mla = g.attention == AttentionKind::kMLA;
       storage_controller_ = std::make_unique<StorageController>(
           *host_pool_, *storage_, ns_, *collectives_.prefetch, *collectives_.backup,
-          *collectives_.main, sc);
+          *collectives_.main, sc, sidecars);
     }
     cache_ = std::make_unique<HiRadixCache>(
         *controller_, *device_pool_, *host_pool_, config_.radix, storage_controller_.get(),
@@ -223,7 +223,6 @@ void HiCache::detach_storage() {
 
 void HiCache::attach_storage(const std::string& storage_json, HiCacheCollectives collectives) {
   if (storage_controller_) throw StateError("attach_storage: L3 is attached already");
-  refuse_storage_with_sidecars();
   const std::string& json = storage_json.empty() ? config_.storage : storage_json;
   if (json.empty()) throw InvalidArgument("attach_storage: no storage config (empty)");
   // A rank whose store cannot be opened still joins the agreement (attach_agreed), so that no
@@ -246,16 +245,8 @@ std::shared_ptr<StorageBackend> HiCache::open_storage(const std::string& json) c
   return wrapped;
 }
 
-void HiCache::refuse_storage_with_sidecars() const {
-  if (!sidecar_pools_.empty()) {
-    throw InvalidArgument(
-        "attach_storage: sidecar pools with an L3 store are not supported yet (docs/hybrid.md)");
-  }
-}
-
 void HiCache::attach_storage(std::shared_ptr<StorageBackend> store,
                              HiCacheCollectives collectives) {
-  refuse_storage_with_sidecars();
   attach_agreed(std::move(store), nullptr, collectives);
 }
 
@@ -310,8 +301,10 @@ void HiCache::attach_agreed(std::shared_ptr<StorageBackend> store, std::exceptio
   }
   auto sc = config_.storage_controller;
   sc.mla = config_.geometry.attention == AttentionKind::kMLA;
+  std::vector<SidecarPool*> sidecars;
+  for (const auto& pool : sidecar_pools_) sidecars.push_back(pool.get());
   auto controller = std::make_unique<StorageController>(*host_pool_, *store, ns_, *pre, *back,
-                                                        *collectives_.main, sc);
+                                                        *collectives_.main, sc, sidecars);
   cache_->attach_storage(*controller, ns_);
   collectives_.prefetch = pre;
   collectives_.backup = back;

@@ -162,8 +162,6 @@ class HiCache {
   std::unique_ptr<MetricsServer> metrics_server_;
   bool stopped_ = false;
   int group_renewals_ = 0;  // fresh TP groups made by attaches: names the next one
-  // InvalidArgument when the cache has sidecar pools (their L3 records are not built yet).
-  void refuse_storage_with_sidecars() const;
   // The store's removals go to the KV events (L3 records that left), when both are on.
   void observe_removals();
   // make_storage of the store config as HiCache opens it, wrapped by wrap_storage_.

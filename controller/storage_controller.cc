@@ -519,6 +519,7 @@ std::shared_ptr<PrefetchOperation> StorageController::prefetch_into(
     const auto i = static_cast<std::size_t>(io.pool);
     if (seen[i]) throw InvalidArgument(str_cat("prefetch_into: sidecar pool ", io.pool, " twice"));
     seen[i] = true;
+    if (io.host_slots.empty()) continue;  // not reserved on this rank: no hit here
     std::vector<std::int64_t> held;
     slots_to_pages(io.host_slots, sidecars_[i].slots_per_page, sidecars_[i].host->num_pages(),
                    "prefetch_into (sidecar)", held);
@@ -574,7 +575,10 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
   std::vector<std::vector<std::uint8_t>> held(sidecars_.size());
   try {
     keyer_.keys(op.tokens_, op.prior_ ? &*op.prior_ : nullptr, op.keys_);
-    hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
+    // A sidecar pool without a reservation on this rank: no hit here (no query either).
+    const bool reserved = std::none_of(op.sidecars_.begin(), op.sidecars_.end(),
+                                       [](const auto& f) { return f.reserved.empty(); });
+    if (reserved) hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
     std::vector<std::string> keys;
     for (std::size_t p = 0; p < sidecars_.size() && hit_pages > 0; ++p) {
       keys.clear();

@@ -195,7 +195,7 @@ class PrefetchOperation {
   // Per sidecar pool (prefetch_into): the caller's reservation, and once agreed the pages to
   // read (op page indices), the pool pages they land in, and which landed (the I/O worker's).
   struct SidecarFetch {
-    std::vector<std::int64_t> reserved;
+    std::vector<std::int64_t> reserved;  // empty: this rank could not reserve (no hit here)
     std::vector<std::int64_t> at, host_pages;
     std::vector<std::uint8_t> landed;
   };
@@ -287,7 +287,10 @@ class StorageController {
   // same order, so an allocation there finds the same room on every rank. Takes no prefetch
   // budget (the caller limits what it reserves). The ranks agree on the hit only: the caller's
   // slots hold it on every rank. With sidecar pools, `sidecars` reserves each pool's host pages
-  // (SidecarPagesIo::host_slots; every pool once), owned by the op as the KV's are. Returns
+  // (SidecarPagesIo::host_slots; every pool once), owned by the op as the KV's are. A pool
+  // given no slots at all: this rank could not reserve them (under TP a pool's free count can
+  // differ between the ranks); the op still runs its collectives, with no hit on this rank, so
+  // the ranks agree on nothing restorable and it is revoked everywhere. Returns
   // nothing, the slots still the caller's, when the queue is full or stopped. Throws
   // InvalidArgument (malformed or too few slots, a sidecar pool missing, unknown or twice, empty
   // request id) or StateError (a page not reserved); nothing changes then.
@@ -300,6 +303,9 @@ class StorageController {
   // of them for an all_pages pool, min(window, pages) for a trailing one.
   std::int64_t sidecar_reserve_pages(std::int32_t pool, std::int64_t pages) const;
   std::size_t num_sidecars() const { return sidecars_.size(); }
+  // The key of sidecar pool `pool`'s record of the page whose KV key is `kv_key` (a key of this
+  // controller's namespace). Thread-safe.
+  std::string sidecar_key(std::size_t pool, const std::string& kv_key) const;
   // Moves revoked request ids into `out`; never blocks.
   std::size_t drain_revokes(std::vector<std::string>& out);
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
@@ -418,8 +424,6 @@ class StorageController {
   // Stores op's sidecar pages of op pages below `limit`; returns the stored prefix: `limit`, or
   // the op page of the first sidecar page that failed.
   std::int64_t write_sidecars(const BackupOp& op, std::int64_t limit, std::string& error);
-  // The key of sidecar pool `pool`'s record of the page whose KV key is `kv_key`.
-  std::string sidecar_key(std::size_t pool, const std::string& kv_key) const;
   // The longest prefix of op's hit that its landed pages restore: `kv_pages` KV pages and the
   // sidecar pages marked landed (with every KV page landed when kv_pages is the hit).
   std::int64_t restorable_landed(const PrefetchOperation& op, std::int64_t kv_pages) const;

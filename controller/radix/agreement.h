@@ -45,6 +45,8 @@ struct PendingOps {
     std::vector<std::int32_t> tokens;
     std::string identity;
     std::int64_t reserved = 0;  // host tokens reserved for it
+    // Per sidecar pool, the host slots it counts (TierPolicy::reserve_prefetch_sidecars).
+    std::vector<std::int64_t> sidecar_counted;
     // TP: what the last check_events agreed (whether every rank's policy lets it terminate, and
     // the pages every rank had completed then).
     bool agreed_ready = false;

@@ -1,6 +1,7 @@
 #include "controller/radix/l3_paths.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace hicache::radix {
 
@@ -70,8 +71,15 @@ void L3Paths::backup_node(Node* node) {
   std::vector<std::string> keys;
   keys.reserve(node->digests.size());
   for (const PageDigest& d : node->digests) keys.push_back(keyer_->key(d));
+  // The node's sidecar pages go with its KV (page offsets in the node are the op's pages).
+  std::vector<SidecarPagesIo> sidecars;
+  for (const Node::SidecarPages& sp : node->sidecars) {
+    sidecars.push_back({.pool = sp.pool,
+                        .pages = std::vector<std::int64_t>(sp.pages.begin(), sp.pages.end()),
+                        .host_slots = sp.host});
+  }
   const std::uint64_t clock = cache_.l3_removal_clock();  // before the store can take it
-  const auto id = storage_->write_storage(node->host, std::move(keys));
+  const auto id = storage_->write_storage(node->host, std::move(keys), sidecars);
   if (!id) {  // backup queue full: the node stays host-only, L1/L2 unaffected
     events_.backup_dropped_tokens += node->host.size();
     return;
@@ -137,6 +145,12 @@ void L3Paths::touch_path(Node* node) {
                                                        static_cast<std::int64_t>(n->digests.size()));
     for (std::int64_t i = 0; i < stored; ++i) {
       keys.push_back(keyer_->key(n->digests[static_cast<std::size_t>(i)]));
+      // The page's sidecar records right after it: a chain restores only with them.
+      for (const Node::SidecarPages& sp : n->sidecars) {
+        if (std::binary_search(sp.pages.begin(), sp.pages.end(), static_cast<std::int32_t>(i))) {
+          keys.push_back(storage_->sidecar_key(static_cast<std::size_t>(sp.pool), keys.back()));
+        }
+      }
     }
     // A page past the stored prefix is unreachable in L3 beyond it: the chain ends here.
     if (stored * page < static_cast<std::int64_t>(n->key().size())) break;
@@ -192,11 +206,24 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   if (const std::int64_t room = cache_.host_room(); room < want) cache_.evict_host(want - room);
   std::optional<std::vector<std::int64_t>> slots;
   if (cache_.host_room() >= want) slots = host_pool_.alloc(want);
+  // Each sidecar pool's pages for what it may restore, room made as for a write.
+  std::vector<std::int64_t> side_pages, side_counted;
+  std::vector<SidecarPagesIo> side;
+  for (std::size_t i = 0; i < storage_->num_sidecars(); ++i) {
+    side_pages.push_back(storage_->sidecar_reserve_pages(static_cast<std::int32_t>(i),
+                                                         want / tree_.page_size()));
+  }
+  if (slots && !side_pages.empty() &&
+      !cache_.reserve_prefetch_sidecars(side_pages, side, side_counted)) {
+    host_pool_.free(*slots);
+    slots.reset();
+  }
   std::shared_ptr<PrefetchOperation> op;
-  if (slots) op = storage_->prefetch_into(request_id, tokens.first(usable), prior, *slots);
+  if (slots) op = storage_->prefetch_into(request_id, tokens.first(usable), prior, *slots, side);
   if (!op) {  // the host is short, or the controller stopped
     if (slots) {
       host_pool_.free(*slots);
+      release_sidecars(side, side_counted);
     } else {
       ++events_.prefetches_host_full;
     }
@@ -209,8 +236,20 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
       std::move(op), node,
       std::vector<std::int32_t>(tokens.begin(),
                                 tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
-      node == root ? std::string(identity) : std::string(), want};
+      node == root ? std::string(identity) : std::string(), want, std::move(side_counted)};
   return true;
+}
+
+void L3Paths::release_sidecars(std::span<const SidecarPagesIo> held,
+                               std::span<const std::int64_t> counted) {
+  for (std::size_t i = 0; i < counted.size(); ++i) {
+    std::int64_t still = 0;  // of the pool's count, what `held` holds
+    for (const SidecarPagesIo& io : held) {
+      if (static_cast<std::size_t>(io.pool) == i) still += static_cast<std::int64_t>(io.host_slots.size());
+    }
+    cache_.sidecar_hosts_released(static_cast<std::int32_t>(i), counted[i] - still);
+  }
+  cache_.free_sidecar_hosts(held);
 }
 
 bool L3Paths::check_progress(const std::string& request_id, std::int64_t* inserted_tokens) {
@@ -253,6 +292,15 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
   const bool landed = p.steps_since_landed >= 0 || p.op->io_done();
   const PrefetchResult r = storage_->terminate_prefetch(*p.op, agreed_pages);
   reserved_tokens_ -= p.reserved;
+  // The sidecar slots it counted and did not keep are gone (terminate freed them, or this rank
+  // never had them); those it kept count until a node takes or frees them.
+  for (std::size_t i = 0; i < p.sidecar_counted.size(); ++i) {
+    std::int64_t kept = 0;
+    for (const SidecarPagesIo& io : r.sidecars) {
+      if (static_cast<std::size_t>(io.pool) == i) kept += static_cast<std::int64_t>(io.host_slots.size());
+    }
+    cache_.sidecar_hosts_released(static_cast<std::int32_t>(i), p.sidecar_counted[i] - kept);
+  }
   if (landed && !aborted && !r.revoked) {
     events_.prefetch_confirm_steps.observe(static_cast<double>(std::max<std::int64_t>(0, p.steps_since_landed)));
   }
@@ -263,10 +311,11 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
   std::int64_t inserted = 0;
   if (!aborted && r.tokens > 0) {
     inserted = insert_host(p.node, std::span(p.tokens).first(static_cast<std::size_t>(r.tokens)),
-                           r.host_slots, p.identity);
+                           r.host_slots, p.identity, r.sidecars);
     events_.prefetched_tokens += r.tokens;
-  } else if (!r.host_slots.empty()) {
-    host_pool_.free(r.host_slots);
+  } else {
+    if (!r.host_slots.empty()) host_pool_.free(r.host_slots);
+    cache_.free_sidecar_hosts(r.sidecars);
   }
   // The agreed hit of a prefetch that was not revoked (the revoked one's the storage controller
   // counted): what the tree did not get of it, and why.
@@ -300,8 +349,10 @@ void L3Paths::finish_arrived_prefetches() {
 
 std::int64_t L3Paths::insert_host(Node* node, std::span<const std::int32_t> tokens,
                                   std::span<const std::int64_t> host_slots,
-                                  std::string_view identity) {
+                                  std::string_view identity,
+                                  std::span<const SidecarPagesIo> fetched) {
   const std::int32_t page = tree_.page_size();
+  std::vector<SidecarPagesIo> sidecars(fetched.begin(), fetched.end());  // what no node took yet
   std::size_t pos = 0;
   while (pos < tokens.size()) {
     Node* child = tree_.child_of(node, tokens.subspan(pos, page), identity);
@@ -309,17 +360,28 @@ std::int64_t L3Paths::insert_host(Node* node, std::span<const std::int32_t> toke
       Node* l = cache_.add_node(node, tokens.subspan(pos), identity);
       l->host.assign(host_slots.begin() + static_cast<std::ptrdiff_t>(pos), host_slots.end());
       l->stored_pages = static_cast<std::int64_t>(l->key().size()) / page;  // came from L3
+      // Its sidecar pages come with it; the rest go back.
+      cache_.adopt_sidecar_hosts(l, sidecars, static_cast<std::int64_t>(pos) / page);
+      cache_.free_sidecar_hosts(sidecars);
       cache_.refresh(l);
       return static_cast<std::int64_t>(tokens.size() - pos);
     }
     const std::size_t common = tree_.common_tokens(child, tokens.subspan(pos));
     if (common < child->key().size()) child = cache_.split_node(child, common);
-    // Cached already (another request got there first): the fetched copy is not needed.
+    // Cached already (another request got there first): the fetched KV is not needed. A
+    // host-only node with no op in flight takes the fetched sidecar pages it lacks (a prefetch
+    // brings a trailing pool's window only, so a node split off one may lack a window).
     host_pool_.free(host_slots.subspan(pos, common));
+    if (!sidecars.empty() && child->device.empty() && child->write_op == 0 &&
+        child->load_op == 0) {
+      cache_.adopt_sidecar_hosts(child, sidecars, static_cast<std::int64_t>(pos) / page);
+      cache_.refresh(child);
+    }
     tree_.touch(child);
     pos += common;
     node = child;
   }
+  cache_.free_sidecar_hosts(sidecars);
   return 0;
 }
 

@@ -59,6 +59,19 @@ class L3Paths {
     // released): the tier policy frees a host copy that was leaving the host
     // (TierPolicy::backup_acked). The op's nodes come deepest first.
     virtual void backup_acked(Node* node) = 0;
+    // Sidecar pools (docs/hybrid.md). A prefetch's host pages of each pool
+    // (TierPolicy::reserve_prefetch_sidecars); `slots` of pool `pool` it counted that went
+    // back (TierPolicy::sidecar_hosts_released); a host-only node takes the fetched pages of its
+    // range (from the prefetch's page `first_page`) that it lacks, out of `fetched`
+    // (SidecarUnits::adopt_host); free_sidecar_hosts frees (and stops counting) every slot of
+    // `fetched`.
+    virtual bool reserve_prefetch_sidecars(std::span<const std::int64_t> pages,
+                                           std::vector<SidecarPagesIo>& out,
+                                           std::vector<std::int64_t>& counted) = 0;
+    virtual void sidecar_hosts_released(std::int32_t pool, std::int64_t slots) = 0;
+    virtual void adopt_sidecar_hosts(Node* node, std::vector<SidecarPagesIo>& fetched,
+                                     std::int64_t first_page) = 0;
+    virtual void free_sidecar_hosts(std::span<const SidecarPagesIo> fetched) = 0;
 
    protected:
     ~Cache() = default;
@@ -135,10 +148,17 @@ class L3Paths {
   const std::string& key_prefix() const { return keyer_->prefix(); }
 
  private:
-  // Adds fetched host pages under `node`; pages already in the tree keep theirs and the fetched
-  // copies are freed. Returns the tokens added.
+  // Adds fetched host pages under `node`, with the sidecar pages fetched beside them; pages
+  // already in the tree keep theirs and the fetched copies are freed, but for the sidecar pages
+  // a host-only node (no op in flight) lacks: it takes them (a restore inside it may need them).
+  // Returns the tokens added.
   std::int64_t insert_host(Node* node, std::span<const std::int32_t> tokens,
-                           std::span<const std::int64_t> host_slots, std::string_view identity);
+                           std::span<const std::int64_t> host_slots, std::string_view identity,
+                           std::span<const SidecarPagesIo> sidecars);
+
+  // A prefetch's sidecar reservation that no op took: `held` freed, the rest of `counted`
+  // (pools this rank could not reserve) no longer counted.
+  void release_sidecars(std::span<const SidecarPagesIo> held, std::span<const std::int64_t> counted);
 
   Cache& cache_;
   Tree& tree_;

@@ -78,6 +78,43 @@ void SidecarUnits::adopt(Node* leaf, std::span<const SidecarInsert> sidecars,
   }
 }
 
+void SidecarUnits::adopt_host(Node* node, std::vector<SidecarPagesIo>& fetched,
+                              std::int64_t first_page) const {
+  const std::int64_t end_page = first_page + static_cast<std::int64_t>(node->key().size()) /
+                                                  tree_.page_size();
+  for (SidecarPagesIo& io : fetched) {
+    const auto spp = static_cast<std::ptrdiff_t>(slots_per_page(io.pool));
+    auto held = std::find_if(node->sidecars.begin(), node->sidecars.end(),
+                             [&](const Node::SidecarPages& sp) { return sp.pool == io.pool; });
+    SidecarPagesIo rest{.pool = io.pool, .pages = {}, .host_slots = {}};
+    for (std::size_t k = 0; k < io.pages.size(); ++k) {
+      const auto slot = io.host_slots.begin() + static_cast<std::ptrdiff_t>(k) * spp;
+      const auto page = static_cast<std::int32_t>(io.pages[k] - first_page);
+      const bool inside = io.pages[k] >= first_page && io.pages[k] < end_page;
+      if (inside && held == node->sidecars.end()) {
+        node->sidecars.push_back({.pool = io.pool, .pages = {}, .device = {}, .host = {}});
+        held = std::prev(node->sidecars.end());
+      }
+      Node::SidecarPages* sp = inside ? &*held : nullptr;
+      const auto at = sp ? std::lower_bound(sp->pages.begin(), sp->pages.end(), page)
+                         : std::vector<std::int32_t>::iterator{};
+      if (sp == nullptr || (at != sp->pages.end() && *at == page)) {  // not its, or held
+        rest.pages.push_back(io.pages[k]);
+        rest.host_slots.insert(rest.host_slots.end(), slot, slot + spp);
+        continue;
+      }
+      const auto k_at = at - sp->pages.begin();
+      sp->pages.insert(at, page);
+      sp->host.insert(sp->host.begin() + k_at * spp, slot, slot + spp);
+      node->sidecar_bytes += page_bytes(io.pool);
+    }
+    io = std::move(rest);
+  }
+  // Pools in the order of their index, as insert() lists them.
+  std::sort(node->sidecars.begin(), node->sidecars.end(),
+            [](const Node::SidecarPages& a, const Node::SidecarPages& b) { return a.pool < b.pool; });
+}
+
 void SidecarUnits::split(Node* node, Node* upper, std::int64_t upper_pages) const {
   const auto cut = static_cast<std::int32_t>(upper_pages);
   for (Node::SidecarPages& sp : node->sidecars) {

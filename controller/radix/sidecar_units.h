@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "controller/hicache_controller.h"
+#include "controller/storage_controller.h"
 #include "controller/radix/sidecar_types.h"
 #include "controller/radix/node.h"
 #include "controller/radix/tree.h"
@@ -41,6 +42,11 @@ class SidecarUnits {
   // `sidecars` it covers, their device slots and their bytes (Node::sidecar_bytes); those of
   // earlier pages stay the caller's.
   void adopt(Node* leaf, std::span<const SidecarInsert> sidecars, std::int64_t first_page) const;
+  // A host-only `node` (starting at the prefetch's page `first_page`) takes the pages of
+  // `fetched` (StorageController's result: prefetch page indices, host slots) inside its range
+  // that it does not hold, their host slots and bytes; they leave `fetched`. The rest stay the
+  // caller's.
+  void adopt_host(Node* node, std::vector<SidecarPagesIo>& fetched, std::int64_t first_page) const;
   // A split: `upper` (the first `upper_pages` pages of `node`'s key) takes their sidecar pages,
   // slots on every tier and bytes; `node` keeps the rest, its page offsets shifted.
   void split(Node* node, Node* upper, std::int64_t upper_pages) const;

@@ -433,6 +433,38 @@ bool TierPolicy::make_sidecar_host_room(Node* node) {
   return true;
 }
 
+bool TierPolicy::reserve_prefetch_sidecars(std::span<const std::int64_t> pages,
+                                           std::vector<SidecarPagesIo>& out,
+                                           std::vector<std::int64_t>& counted) {
+  out.clear();
+  counted.clear();
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    const auto pool = static_cast<std::int32_t>(i);
+    const std::int64_t need = pages[i] * controller_.sidecar(i).spec().slots_per_page;
+    for (int barren = 0; sidecar_host_room(pool) < need && barren < kBarrenEvictions;) {
+      const std::int64_t before = sidecar_host_room(pool);
+      if (evict_host(tree_.page_size()) == 0) break;
+      barren = sidecar_host_room(pool) > before ? 0 : barren + 1;
+    }
+    if (sidecar_host_room(pool) < need) {
+      for (std::size_t j = 0; j < out.size(); ++j) {
+        if (!out[j].host_slots.empty()) controller_.sidecar(j).host_pool().free(out[j].host_slots);
+        sidecar_hosts_released(out[j].pool, counted[j]);
+      }
+      out.clear();
+      counted.clear();
+      return false;
+    }
+    // Counted whether or not this rank's own pool had the pages (the agreed count).
+    SidecarPagesIo io{.pool = pool, .pages = {}, .host_slots = {}};
+    if (auto slots = controller_.sidecar(i).host_pool().alloc(need)) io.host_slots = std::move(*slots);
+    sidecar_host_held_[i] += need;
+    counted.push_back(need);
+    out.push_back(std::move(io));
+  }
+  return true;
+}
+
 bool TierPolicy::reserve_sidecar_hosts(Node* node) {
   for (std::size_t i = 0; i < node->sidecars.size(); ++i) {
     Node::SidecarPages& sp = node->sidecars[i];

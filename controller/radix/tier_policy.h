@@ -40,6 +40,7 @@
 #include "controller/radix/node.h"
 #include "controller/radix/storage_admission.h"
 #include "controller/radix/tree.h"
+#include "controller/storage_controller.h"
 #include "pools/device_kv_pool.h"
 #include "pools/host_kv_pool.h"
 
@@ -147,6 +148,22 @@ class alignas(64) TierPolicy {
 
   // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
   std::int64_t local_load_bps() const;
+  // A prefetch's host pages of each sidecar pool (pages[i] pages of pool i), room made as a
+  // write makes it (host-only leaves go while a pool is short by sidecar_host_room). Their
+  // slots (pages[i] x slots_per_page, reserved or not) count with the tree's sidecar host slots
+  // until released. False, nothing reserved, when a pool
+  // stays short. A pool whose agreed room sufficed but whose own free pages did not (TP: the
+  // controller's threads free pages at times that differ between the ranks) gets no slots, and
+  // the prefetch restores nothing (StorageController::prefetch_into).
+  // `counted`: each pool's slots counted.
+  bool reserve_prefetch_sidecars(std::span<const std::int64_t> pages,
+                                 std::vector<SidecarPagesIo>& out,
+                                 std::vector<std::int64_t>& counted);
+  // `slots` host slots of sidecar pool `pool` that a prefetch counted are no longer its (freed,
+  // or never reserved on this rank); those a node took count as the node's.
+  void sidecar_hosts_released(std::int32_t pool, std::int64_t slots) {
+    sidecar_host_held_[static_cast<std::size_t>(pool)] -= slots;
+  }
   // The tree was dropped (HiRadixCache::reset): it holds no sidecar host slots.
   void forget_sidecar_hosts() { std::fill(sidecar_host_held_.begin(), sidecar_host_held_.end(), 0); }
 
@@ -206,8 +223,8 @@ class alignas(64) TierPolicy {
   HostKVPool& host_pool_;
   Config config_;
   std::vector<SidecarIo> io_;  // reused by sidecar_io()
-  // Per sidecar pool, the host slots the tree's nodes hold (writes in flight included): the
-  // agreed count sidecar_host_room() subtracts under TP.
+  // Per sidecar pool, the host slots the tree's nodes hold (writes in flight included) and
+  // prefetches reserved: the agreed count sidecar_host_room() subtracts under TP.
   std::vector<std::int64_t> sidecar_host_held_;
   // Evictions in a row that free none of a short sidecar pool's pages before making room stops.
   static constexpr int kBarrenEvictions = 4;

@@ -702,6 +702,41 @@ std::int64_t prefetch(HiCache& hc, std::span<const std::int32_t> tokens) {
   }
 }
 
+// sidecars with storage: the state goes to L3 with its KV, and a fresh cache on the same store
+// prefetches both back (the prefix restores only with its state). attach_storage at run time
+// gives the storage controller the same pools.
+TEST(ConfigEffect, SidecarsWithStorageGoToL3AndComeBack) {
+  TempDir dir;
+  const std::string sidecars = R"({"state": {"policy": "trailing", "layers": 2, "slot_bytes": 512,
+                                   "dtype": "fp32", "device_pages": 4, "host_pages": 8}})";
+  const std::string storage = str_cat(R"({"backend": "file", "root": ")", dir.path.string(), R"("})");
+  const auto t = tokens_of(3, 2);
+  {
+    HiCache hc(config_with({{"write_policy", R"("write_through")"}, {"sidecars", sidecars},
+                            {"storage", storage}}));
+    ASSERT_NE(hc.storage_controller(), nullptr);
+    EXPECT_EQ(hc.storage_controller()->num_sidecars(), 1u);
+    SidecarPool& state = hc.sidecar_pool("state");
+    const auto kv = *hc.device_pool().allocator().alloc(2 * kPage);
+    const auto st = *state.device_pool().allocator().alloc(1);
+    const std::vector<std::int64_t> last{1};
+    const HiRadixCache::SidecarInsert side[] = {{hc.sidecar_index("state"), last, st}};
+    hc.cache().insert(t, kv, {}, side);
+    settle(hc);
+    EXPECT_EQ(hc.cache().stats().stored_tokens, 2 * kPage);
+    EXPECT_EQ(hc.storage_controller()->sidecar_written_bytes(), state.spec().page_bytes());
+  }
+  HiCache fresh(config_with({{"write_policy", R"("write_through")"}, {"sidecars", sidecars},
+                             {"storage", storage}, {"prefetch_threshold_tokens", "4"},
+                             {"prefetch_policy", R"("wait_complete")"}}));
+  EXPECT_EQ(prefetch(fresh, t), 2 * kPage);
+  EXPECT_EQ(fresh.cache().match_prefix(t).host_hit_tokens, 2 * kPage) << "restorable from L3";
+  EXPECT_EQ(fresh.storage_controller()->sidecar_read_bytes(), fresh.sidecar_pool("state").spec().page_bytes());
+  fresh.detach_storage();
+  fresh.attach_storage(storage);
+  EXPECT_EQ(fresh.storage_controller()->num_sidecars(), 1u);
+}
+
 // prefetch_threshold_tokens, prefetch_budget_tokens and storage_batch_pages: whether an L3 hit
 // is read at all (a hit below the threshold is revoked, one past the budget declined), and in
 // how many storage calls.

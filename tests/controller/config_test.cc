@@ -125,8 +125,6 @@ TEST(HiCacheConfig, BadSidecarsAreNamed) {
       {R"("sidecars": {"state": {"policy": "trailing", "slot_bytes": 64, "device_pages": 4, "host_pages": 2}}})",
        "config: sidecars: sidecar pool 'state': host_pages 2: must be at least device_pages (4)"},
       {R"("sidecars": {"kv": {)" + good + R"(}}})", "sidecar pool 'kv'"},
-      {R"("sidecars": {"state": {)" + good + R"(}}, "storage": {"backend": "file", "root": "/tmp/x"}})",
-       "'sidecars' with 'storage'"},
   };
   for (const auto& [tail, want] : cases) {
     try {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -57,6 +58,8 @@ struct HybridOptions {
   std::int64_t state_slot_bytes = 256;
   // The state pool's own sizes; 0: the other sidecar pools'.
   std::int64_t state_device_pages = 0, state_host_pages = 0;
+  L3* l3 = nullptr;  // an L3 store: every request asks it for what the tree lacks
+  int tp_rank = 0, tp_size = 1;  // the L3 namespace's shard
 };
 
 // An engine of the hybrid model: pools, a controller with three sidecar pools, the cache.
@@ -67,8 +70,11 @@ struct Hybrid {
   std::vector<std::unique_ptr<SidecarPool>> owned;
   std::vector<SidecarPool*> pools;
   HiCacheController controller;
+  KeyNamespace ns;
+  std::unique_ptr<StorageController> storage;
   HiRadixCache cache;
   std::int64_t requests = 0, restored_states = 0, host_loads = 0, dropped = 0;
+  std::int64_t prefetched = 0;  // requests whose prefix grew by a prefetch
   std::int64_t restored_tokens = 0;  // prefixes restored (KV and state), summed
   std::int64_t checkpoint_every = 2;  // the engine checkpoints its state every 2 pages and at the end
 
@@ -100,7 +106,23 @@ struct Hybrid {
         pools(raw(owned)),
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy},
                    pools),
-        cache(controller, device_pool, host_pool, options.config, nullptr, nullptr, tp) {}
+        ns(namespace_of(options)),
+        storage(options.l3 == nullptr
+                    ? nullptr
+                    : std::make_unique<StorageController>(
+                          host_pool, options.l3->file, ns, *options.l3->prefetch,
+                          *options.l3->backup, *options.l3->main,
+                          StorageControllerConfig{.policy = PrefetchPolicy::kWaitComplete},
+                          pools)),
+        cache(controller, device_pool, host_pool, options.config, storage.get(),
+              storage ? &ns : nullptr, tp) {}
+
+  static KeyNamespace namespace_of(const HybridOptions& o) {
+    KeyNamespace k = key_ns();
+    k.tp_rank = o.tp_rank;
+    k.tp_size = o.tp_size;
+    return k;
+  }
 
   SidecarPool& pool(Pool p) { return *pools[static_cast<std::size_t>(p)]; }
 
@@ -109,7 +131,10 @@ struct Hybrid {
     while (std::chrono::steady_clock::now() < deadline) {
       cache.check_events();
       const auto s = cache.stats();
-      if (s.writes_in_flight == 0 && s.loads_in_flight == 0) return;
+      if (s.writes_in_flight == 0 && s.loads_in_flight == 0 && s.backups_in_flight == 0 &&
+          cache.prefetches_in_flight() == 0) {
+        return;
+      }
       std::this_thread::yield();
     }
     FAIL() << "writes or loads never finished";
@@ -170,6 +195,17 @@ struct Hybrid {
     cache.check_events();
     ASSERT_EQ(cache.check_invariants(), "");
     auto m = cache.match_prefix(tokens);
+    const std::size_t known = m.device_slots.size() + static_cast<std::size_t>(m.host_hit_tokens);
+    if (storage && tokens.size() > known) {
+      // Past the restorable prefix: ask L3 (KV and state together), wait, match again.
+      const std::string id = str_cat("req-", requests);
+      if (cache.prefetch_from_storage(id, m.last_host_node, tokens.subspan(known))) {
+        std::int64_t inserted = 0;
+        while (!cache.check_prefetch_progress(id, &inserted)) cache.check_events();
+        m = cache.match_prefix(tokens);
+        prefetched += inserted > 0 ? 1 : 0;
+      }
+    }
     Slots slots;
     bool loaded = false;
     HiRadixCache::Node* held = hold_match(cache, controller, device_pool, m, slots, &loaded);
@@ -402,7 +438,9 @@ TEST(HybridRadix, BadSidecarInsertsAreNamedAndChangeNothing) {
                InvalidArgument);
 }
 
-TEST(HybridRadix, AnL3StoreIsRefusedForNow) {
+// The storage controller must move the same sidecar pools as the controller: one built without
+// them is refused at construction and by attach_storage, naming both counts.
+TEST(HybridRadix, AStorageControllerWithoutTheSidecarPoolsIsRefused) {
   HostDevice device;
   DeviceKVPool dev(device, geometry(), 8 * kPage);
   HostKVPool host(device, geometry(), HostLayout::kPageFirst, 16 * kPage);
@@ -414,12 +452,20 @@ TEST(HybridRadix, AnL3StoreIsRefusedForNow) {
   StorageController storage(host, l3.file, ns, l3.local, l3.local, l3.local, {});
   try {
     HiRadixCache cache(c, dev, host, {}, &storage, &ns);
-    FAIL() << "accepted an L3 store";
+    FAIL() << "accepted a storage controller without the sidecar pools";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("sidecar pools with an L3 store"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("the storage controller has 0 sidecar pools, the "
+                                         "controller 1"),
+              std::string::npos)
+        << e.what();
   }
   HiRadixCache cache(c, dev, host);
   EXPECT_THROW(cache.attach_storage(storage, ns), InvalidArgument);
+  StorageController with(host, l3.file, ns, l3.local, l3.local, l3.local, {},
+                         std::vector<SidecarPool*>{&state});
+  cache.attach_storage(with, ns);  // the same pools: accepted
+  EXPECT_THROW(cache.attach_storage(with, ns), StateError);  // attached already
+  cache.detach_storage();
 }
 
 // Many requests sharing prefixes, pools small enough to evict on both tiers, under each write
@@ -451,6 +497,56 @@ TEST(HybridRadix, EveryRequestRestoresTheStateComputedFromScratch) {
   }
 }
 
+// L3 beside the tiers: an engine writes through to a file store; a fresh engine on the same
+// store (nothing on its device or host) serves the same requests from L3, state and KV
+// prefetched together, and every request restores exactly the state computed from scratch.
+// Then the store loses some state records: prefixes end earlier, never with wrong bytes.
+TEST(HybridRadix, AFreshEngineRestoresKvAndStateFromL3ByteForByte) {
+  L3 l3("hybrid-l3");
+  const auto requests = shared_prefix_requests(31, 4, 300, 120);
+  {
+    Hybrid first(WritePolicy::kWriteThrough, 96, 192, 96, 192, nullptr,
+                 HybridOptions{.l3 = &l3});
+    for (const Tokens& t : requests) {
+      first.run(t);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    first.expect_accounting();
+    EXPECT_GT(first.cache.stats().stored_tokens, 0);
+    EXPECT_GT(first.storage->sidecar_written_bytes(), 0);
+  }
+  Hybrid second(WritePolicy::kWriteThrough, 96, 192, 96, 192, nullptr, HybridOptions{.l3 = &l3});
+  second.run(requests[0]);  // an empty tree: all it restores comes from L3
+  EXPECT_EQ(second.prefetched, 1);
+  EXPECT_EQ(second.restored_states, 1);
+  for (std::size_t i = 1; i < requests.size(); ++i) {
+    second.run(requests[i]);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  second.expect_accounting();
+  EXPECT_GT(second.prefetched, static_cast<std::int64_t>(requests.size()) / 2);
+  EXPECT_GT(second.storage->sidecar_read_bytes(), 0);
+  std::printf("hybrid L3: %lld of %lld requests grew by a prefetch, %lld restored a state\n",
+              static_cast<long long>(second.prefetched), static_cast<long long>(second.requests),
+              static_cast<long long>(second.restored_states));
+
+  // Every state record gone: a fresh engine restores no prefix from L3 that needs one.
+  std::vector<std::string> state_keys;  // a record's file is named by its key
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(l3.root)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find("sidecar=state") != std::string::npos) state_keys.push_back(name);
+  }
+  ASSERT_FALSE(state_keys.empty());
+  for (const auto& k : state_keys) EXPECT_TRUE(l3.file.remove(k)) << k;
+  Hybrid third(WritePolicy::kWriteThrough, 96, 192, 96, 192, nullptr, HybridOptions{.l3 = &l3});
+  for (const Tokens& t : requests) {
+    third.run(t);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_EQ(third.prefetched, 0) << "a prefix restored without its state";
+  third.expect_accounting();
+}
+
 // Footprint-weighted eviction (radix::eviction_mark), measured against the order of the last
 // access alone: 8 documents of 16 pages, each checkpointed once at its end and asked again
 // every round, and between them one-page chats never asked again, each with its own
@@ -479,6 +575,7 @@ TEST(HybridRadix, WeighingTheFootprintKeepsTheNodesThatSaveMoreTokensPerStateByt
     for (const Tokens& t : requests) {
       e.run(t);
       if (::testing::Test::HasFatalFailure()) return -1;
+      e.settle();  // every write acked before the next request: the same figures every run
     }
     e.expect_accounting();
     std::printf("footprint eviction, %d chats per document, %s: restored %lld of %d tokens\n",
@@ -525,6 +622,66 @@ TEST(HybridRadix, TpRanksKeepIdenticalTreesAndRestoreTheSameState) {
   EXPECT_GT(restored[0], 40);
   EXPECT_GT(loads[0], 3);
   EXPECT_EQ(ranks[0]->failure(), "");
+}
+
+// TP 2 with L3: each rank writes through to its own store; then rank 1's store loses some
+// state records and fresh engines serve the same requests from L3. The ranks' restorable
+// prefixes differ, so every prefetch's hit is their intersection: the trees stay identical, both
+// restore the same prefixes, every restored byte is the one computed from scratch, and no
+// collective diverges.
+TEST(HybridRadix, TpRanksWithDifferentL3RecordsAgreeAndStayIdentical) {
+  std::shared_ptr<InProcessGroup> main_group, prefetch_group, backup_group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &main_group);
+  auto pre = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &prefetch_group);
+  auto back = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &backup_group);
+  std::vector<std::unique_ptr<L3>> stores;
+  for (int r = 0; r < 2; ++r) {
+    stores.push_back(std::make_unique<L3>(str_cat("hybrid-tp-l3-", r)));
+    stores[r]->prefetch = pre[r].get();
+    stores[r]->backup = back[r].get();
+    stores[r]->main = tp[r].get();
+  }
+  const std::vector<Tokens> requests = shared_prefix_requests(17, 4, 600, 80);
+  auto run_all = [&](std::vector<std::string>& trees, std::vector<std::int64_t>& prefetched,
+                     std::vector<std::int64_t>& restored) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        Hybrid e(WritePolicy::kWriteThrough, 48, 96, 48, 96, tp[r].get(),
+                 HybridOptions{.l3 = stores[r].get(), .tp_rank = r, .tp_size = 2});
+        for (const Tokens& t : requests) {
+          e.run(t);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+        e.expect_accounting();
+        trees[r] = e.cache.describe();
+        prefetched[r] = e.prefetched;
+        restored[r] = e.restored_states;
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<std::string> trees(2);
+  std::vector<std::int64_t> prefetched(2), restored(2);
+  run_all(trees, prefetched, restored);
+  ASSERT_EQ(trees[0], trees[1]);
+  // Rank 1 loses every third state record.
+  int n = 0, removed = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(stores[1]->root)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find("sidecar=state") != std::string::npos && n++ % 3 == 0) {
+      removed += stores[1]->file.remove(name) ? 1 : 0;
+    }
+  }
+  EXPECT_GT(removed, 0);
+  run_all(trees, prefetched, restored);
+  EXPECT_EQ(trees[0], trees[1]);
+  EXPECT_EQ(prefetched[0], prefetched[1]);
+  EXPECT_EQ(restored[0], restored[1]);
+  EXPECT_GT(prefetched[0], 0);
+  EXPECT_EQ(main_group->divergence(), "");
+  EXPECT_EQ(prefetch_group->divergence(), "");
+  EXPECT_EQ(backup_group->divergence(), "");
 }
 
 }  // namespace

@@ -64,6 +64,21 @@ class FakeCache final : public L3Paths::Cache {
   }
   std::uint64_t l3_removal_clock() const override { return 0; }
   void backup_acked(Node* node) override { acked.push_back(node->id); }
+  // No sidecar pools here: the paths never reserve any and hand over none.
+  bool reserve_prefetch_sidecars(std::span<const std::int64_t>, std::vector<SidecarPagesIo>&,
+                                 std::vector<std::int64_t>&) override {
+    ADD_FAILURE() << "sidecar pages reserved without sidecar pools";
+    return false;
+  }
+  void sidecar_hosts_released(std::int32_t, std::int64_t) override {
+    ADD_FAILURE() << "sidecar pages released without sidecar pools";
+  }
+  void adopt_sidecar_hosts(Node*, std::vector<SidecarPagesIo>& fetched, std::int64_t) override {
+    EXPECT_TRUE(fetched.empty());
+  }
+  void free_sidecar_hosts(std::span<const SidecarPagesIo> fetched) override {
+    EXPECT_TRUE(fetched.empty());
+  }
   std::vector<NodeId> acked;
 
   L3Paths* paths = nullptr;
