@@ -47,13 +47,29 @@ std::vector<std::int64_t> RestorablePrefix::endpoints() const {
 }
 
 bool RestorablePrefix::agree(Collective& tp, std::string_view tag) {
-  if (legal_.size() <= 1) {
+  const std::size_t n = legal_.size() - 1;  // lengths 1..n
+  if (n == 0) {
     // Nothing to reduce, but every rank still joins the same call.
     return tp.min_allreduce({}, tag).ok;
   }
-  const auto r = tp.min_allreduce(std::span<std::int64_t>(legal_).subspan(1), tag);
-  if (!r.ok) std::fill(legal_.begin(), legal_.end(), 0);
-  return r.ok;
+  // From the longest lengths down, as many per call as the collective carries, until a call
+  // finds a common one: every rank sees the same result of each call, so all make the same
+  // calls. The lengths below that call's are not agreed: dropped.
+  const std::size_t chunk = std::max<std::size_t>(1, tp.max_values());
+  for (std::size_t end = n; end > 0;) {
+    const std::size_t begin = end > chunk ? end - chunk : 0;  // lengths begin+1..end
+    const auto part = std::span<std::int64_t>(legal_).subspan(1 + begin, end - begin);
+    if (const auto r = tp.min_allreduce(part, tag); !r.ok) {
+      std::fill(legal_.begin(), legal_.end(), 0);
+      return false;
+    }
+    if (std::find(part.begin(), part.end(), 1) != part.end()) {
+      std::fill(legal_.begin() + 1, legal_.begin() + 1 + static_cast<std::ptrdiff_t>(begin), 0);
+      return true;
+    }
+    end = begin;
+  }
+  return true;  // no common length
 }
 
 }  // namespace hicache

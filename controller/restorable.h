@@ -44,9 +44,12 @@ class RestorablePrefix {
   }
   std::int64_t max_pages() const { return static_cast<std::int64_t>(legal_.size()) - 1; }
 
-  // TP: keeps the lengths every rank of `tp` can restore (one min-reduction under `tag`; every
-  // rank calls it with the same max_pages). False when the collective failed: then nothing is
-  // restorable on this rank (a failed agreement counts as zero hits, as the prefetch hit does).
+  // TP: keeps the lengths every rank of `tp` can restore (every rank calls it with the same
+  // max_pages): one min-reduction under `tag` when max_pages fits one call
+  // (Collective::max_values); else calls of that many lengths from the longest down until one
+  // finds a common length, the shorter lengths then dropped (largest() is exact; endpoints()
+  // lists the agreed ones). False when the collective failed: then nothing is restorable on
+  // this rank (a failed agreement counts as zero hits, as the prefetch hit does).
   bool agree(Collective& tp, std::string_view tag);
 
  private:

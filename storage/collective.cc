@@ -200,9 +200,15 @@ class InProcessRank final : public Collective {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string_view name() const override { return "in-process"; }
+  std::size_t max_values() const override { return kCollectiveMaxValues; }
 
  protected:
   std::string reduce_min(std::span<std::int64_t> buffer) override {
+    // The buffer holds the two call-check elements beside the values (Gloo's limit, here too).
+    if (buffer.size() > kCollectiveMaxValues + 2) {
+      return str_cat("a call carries at most ", kCollectiveMaxValues, " values, not ",
+                     buffer.size() - 2);
+    }
     return group_->arrive(rank_, buffer);
   }
   void interrupt(const std::string& why) override { group_->interrupt(rank_, why); }

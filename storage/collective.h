@@ -24,7 +24,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -34,6 +36,11 @@
 #include "transfer/mutex.h"
 
 namespace hicache {
+
+// The most values one min_allreduce of the multi-process groups carries (Gloo's message slots;
+// the in-process group keeps the same limit, so the tests meet it too). A longer vector goes in
+// several calls (RestorablePrefix::agree).
+inline constexpr std::size_t kCollectiveMaxValues = 62;
 
 struct CollectiveResult {
   bool ok = true;
@@ -49,6 +56,8 @@ class Collective {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string_view name() const = 0;
+  // The most values one min_allreduce carries (a longer call fails); unbounded by default.
+  virtual std::size_t max_values() const { return std::numeric_limits<std::size_t>::max(); }
 
   // Element-wise minimum over the ranks, in place. Not reentrant: one caller thread at a time
   // per rank (concurrent callers are serialised).
@@ -117,7 +126,7 @@ class Collective {
   std::string cancelled_ HICACHE_GUARDED_BY(cancel_mu_);  // the reason, while cancelled
 };
 
-// One rank: the reduction is the identity.
+// One rank: the reduction is the identity (of any length).
 class LocalCollective final : public Collective {
  public:
   int rank() const override { return 0; }
@@ -131,7 +140,8 @@ class LocalCollective final : public Collective {
 };
 
 // N ranks as threads of one process (how the tests run TP=2 and TP=4): make_ranks() returns one
-// Collective per rank, each to be used by its own thread. A rank that waits longer than
+// Collective per rank, each to be used by its own thread. A call carries at most
+// kCollectiveMaxValues values, as over Gloo. A rank that waits longer than
 // `timeout` for the others fails (and with it the group). divergence() keeps the first
 // tag/sequence mismatch so a test can fail loudly on it.
 class InProcessGroup : public std::enable_shared_from_this<InProcessGroup> {

@@ -61,7 +61,7 @@ class GlooCollective final : public Collective {
  public:
   // Longest vector one call carries (values plus the two call-check elements of
   // Collective::min_allreduce); every rank's receive slots are this long.
-  static constexpr std::size_t kMaxElements = 64;
+  static constexpr std::size_t kMaxElements = kCollectiveMaxValues + 2;
 
   explicit GlooCollective(const GlooConfig& c) : config_(c) {
     SigpipeGuard guard;
@@ -88,6 +88,7 @@ class GlooCollective final : public Collective {
   int rank() const override { return config_.rank; }
   int size() const override { return config_.size; }
   std::string_view name() const override { return "gloo"; }
+  std::size_t max_values() const override { return kCollectiveMaxValues; }
 
  protected:
   std::string reduce_min(std::span<std::int64_t> buffer) override {

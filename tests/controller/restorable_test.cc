@@ -113,6 +113,46 @@ TEST(RestorablePrefix, TpRanksAgreeOnTheLargestCommonLengthInOneCollective) {
   }
 }
 
+// Past kCollectiveMaxValues lengths the agreement goes in calls of that many lengths, longest
+// first, until one finds a common length: 200 pages, rank 0 restoring {10, 150}, rank 1 {10,
+// 140}, agree on 10 after 4 calls (lengths 139-200, 77-138, 15-76, 1-14); with 150 common, one
+// call. Every rank makes the same calls; lengths below the deciding call are dropped.
+TEST(RestorablePrefix, ALongPrefixAgreesInCallsFromTheLongestLengthsDown) {
+  struct Case {
+    std::vector<Pages> checkpoints;  // trailing window 1: the page before each endpoint
+    std::int64_t want;
+    std::uint64_t calls;
+  };
+  for (const Case& c : {Case{{{9, 149}, {9, 139}}, 10, 4}, Case{{{9, 149, 189}, {9, 149}}, 150, 1}}) {
+    auto ranks = InProcessGroup::make_ranks(2);
+    std::vector<std::int64_t> largest(2, -1);
+    std::vector<Pages> agreed(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        RestorablePrefix r;
+        r.reset(200, 200);
+        intersect(r, SidecarHitPolicy::kTrailing, 1, held(200, c.checkpoints[rank]));
+        if (r.agree(*ranks[rank], "test.restorable")) {
+          largest[rank] = r.largest();
+          agreed[rank] = r.endpoints();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(largest[rank], c.want) << "rank " << rank;
+      EXPECT_EQ(agreed[rank], (Pages{c.want})) << "rank " << rank;
+      EXPECT_EQ(ranks[rank]->calls(), c.calls) << "rank " << rank;
+      EXPECT_EQ(ranks[rank]->failure(), "");
+    }
+  }
+  // One call of more values than a collective carries fails (as over Gloo).
+  auto one = InProcessGroup::make_ranks(1);
+  std::vector<std::int64_t> too_many(kCollectiveMaxValues + 1, 1);
+  EXPECT_FALSE(one[0]->min_allreduce(too_many, "test.too_many").ok);
+}
+
 // A failed agreement restores nothing on this rank: zero hits, never a length a peer lacks.
 TEST(RestorablePrefix, AFailedAgreementRestoresNothing) {
   auto ranks = InProcessGroup::make_ranks(2);
