@@ -302,8 +302,9 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     unlock(node);
   }
   l3_->touch_path(node);  // the L3 pages of what was served here stay younger than tails
-  events_.matched_device_tokens += r.device_slots.size();
-  events_.matched_host_tokens += static_cast<std::uint64_t>(r.host_hit_tokens);
+  events_.matched_device_tokens += r.device_slots.size() + static_cast<std::uint64_t>(r.resident_host_hit_tokens);
+  events_.matched_host_tokens +=
+      static_cast<std::uint64_t>(r.host_hit_tokens - r.resident_host_hit_tokens);
   events_.unmatched_tokens +=
       tokens.size() - r.device_slots.size() - static_cast<std::size_t>(r.host_hit_tokens);
   if (pos < usable) {
@@ -325,6 +326,8 @@ void HiRadixCache::cut_to_restorable(MatchResult& r) {
   }
   if (cut.all < pages) r.last_host_node = node_at_page(r.last_host_node, cut.all);
   r.host_hit_tokens = (cut.all - cut.on_device) * page_size_;
+  r.resident_host_hit_tokens =
+      (std::min(device_pages, cut.all) - std::min(cut.on_device, device_pages)) * page_size_;
 }
 
 HiRadixCache::Node* HiRadixCache::node_at_page(Node* end, std::int64_t pages) {

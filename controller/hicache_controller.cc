@@ -689,8 +689,21 @@ void HiCacheController::register_metrics(MetricsRegistry& registry, MetricLabels
                load_failures_);
   constexpr const char* kBytes = "hicache_bytes_total";
   constexpr const char* kBytesHelp = "KV bytes moved between tiers, by direction";
-  metrics_.add(kBytes, kBytesHelp, write, bytes_written_);
-  metrics_.add(kBytes, kBytesHelp, load, bytes_loaded_);
+  // The KV's alone (bytes_written_ / bytes_loaded_ count the sidecars' too, for the cost rule);
+  // a hybrid model's sidecar bytes have their own series, as L3's do (StorageController).
+  metrics_.add_counter_fn(kBytes, kBytesHelp, write, [this] {
+    return static_cast<double>(bytes_written_.value() - sidecar_bytes_written_.value());
+  });
+  metrics_.add_counter_fn(kBytes, kBytesHelp, load, [this] {
+    return static_cast<double>(bytes_loaded_.value() - sidecar_bytes_loaded_.value());
+  });
+  if (!sidecars_.empty()) {
+    constexpr const char* kSide = "hicache_sidecar_bytes_total";
+    constexpr const char* kSideHelp =
+        "Sidecar pool bytes (a hybrid model's state) moved between tiers, by direction";
+    metrics_.add(kSide, kSideHelp, write, sidecar_bytes_written_);
+    metrics_.add(kSide, kSideHelp, load, sidecar_bytes_loaded_);
+  }
   // Whole tokens move: the KV's bytes (all but the sidecars') over a token's are tokens, exactly.
   const auto token_bytes = static_cast<double>(device_pool_.geometry().token_bytes());
   metrics_.add_counter_fn(kTokensMetric, kTokensHelp, write, [this, token_bytes] {

@@ -350,6 +350,33 @@ TEST(HybridRadix, AMatchStopsAtTheLastRestorableCheckpoint) {
   EXPECT_EQ(e.cache.check_invariants(), "");
 }
 
+// A match whose device part restores less than the device holds: A's path is [0, 4) with a
+// checkpoint at page 3, [4, 6) without one (B diverged at page 6), both on the device, and
+// [6, 8) with a checkpoint at page 7 on the host only. The device part restores 4 pages; the
+// host hit restores 8, of which pages 4 and 5 are on the device already (resident): load_back
+// copies the 2 others.
+TEST(HybridRadix, AHostHitNamesThePagesOnTheDeviceAlready) {
+  Hybrid e(WritePolicy::kWriteThrough, 32, 64, 32, 64);
+  e.checkpoint_every = 4;
+  const Tokens a = prompt(7, 8);
+  e.run(a);  // checkpoints at pages 3 and 7
+  Tokens b(a.begin(), a.begin() + 6 * kPage);
+  const Tokens tail = prompt(8, 2);
+  b.insert(b.end(), tail.begin(), tail.end());
+  e.run(b);  // restores 4, computes 4..7: the tree splits A's part at 6
+  e.settle();
+  e.cache.match_prefix(b);  // b's leaf younger than a's
+  ASSERT_EQ(e.cache.evict_device(2 * kPage), 2 * kPage);  // a's [6, 8): host only
+  const auto m = e.cache.match_prefix(a);
+  EXPECT_EQ(m.device_slots.size(), 4u * kPage);
+  EXPECT_EQ(m.host_hit_tokens, 4 * kPage);
+  EXPECT_EQ(m.resident_host_hit_tokens, 2 * kPage) << e.cache.describe();
+  const std::int64_t loaded = e.cache.stats().loaded_back_tokens;
+  e.run(a);  // loads back and checks every restored byte
+  EXPECT_EQ(e.cache.stats().loaded_back_tokens - loaded, 2 * kPage);
+  EXPECT_EQ(e.cache.check_invariants(), "");
+}
+
 // A node's state, window and index pages go to the host with its KV, come back with it, and
 // arrive byte for byte; then both tiers free every pool's pages.
 TEST(HybridRadix, SidecarPagesMoveWithTheirNodeThroughTheHostAndBack) {
