@@ -925,8 +925,11 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
       {"requests_submitted", submitted},
       {"requests_finished", finished},
       {"requests_aborted_by_reset", aborted},
-      {"pages_l1_to_l2", static_cast<double>(ctl.bytes_written) / page_bytes},
-      {"pages_l2_to_l1", static_cast<double>(ctl.bytes_loaded) / page_bytes},
+      // KV pages (a hybrid model's sidecar bytes are counted apart, below).
+      {"pages_l1_to_l2",
+       static_cast<double>(ctl.bytes_written - ctl.sidecar_bytes_written) / page_bytes},
+      {"pages_l2_to_l1",
+       static_cast<double>(ctl.bytes_loaded - ctl.sidecar_bytes_loaded) / page_bytes},
       {"pages_l2_to_l3",
        static_cast<double>(retired_written + (sc ? sc->written_bytes() : 0)) / page_bytes},
       {"pages_l3_to_l2",
@@ -956,6 +959,13 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
       {"requests_rejected", es.rejected},
       {"resets", cs.resets},
       {"pass", pass}};
+  if (ctl.sidecar_bytes_written > 0) {  // a hybrid model: its state's own figures
+    table["sidecar_bytes_l1_to_l2"] = ctl.sidecar_bytes_written;
+    table["sidecar_bytes_l2_to_l1"] = ctl.sidecar_bytes_loaded;
+    table["sidecar_bytes_l2_to_l3"] = sc ? sc->sidecar_written_bytes() : 0;
+    table["sidecar_bytes_l3_to_l2"] = sc ? sc->sidecar_read_bytes() : 0;
+    table["sidecar_pages_verified"] = es.verified_sidecar_pages;
+  }
   if (me.instances > 1) {
     table["instance"] = me.instance;
     // Null where this process cannot tell (an MLA rank other than 0).

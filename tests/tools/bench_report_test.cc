@@ -263,16 +263,33 @@ TEST(HicacheBench, ExclusiveStorageAdmissionVerifiesEveryPageOnOneRankAndUnderTp
 // Tenants asking about the same document: with one identity the later questions hit the
 // document's pages; with a tenant per question none hits another's, on any tier, and every
 // page served is still verified (page data derives from the identity).
-// The simulated engine inserts no sidecar pages: a cache with sidecar pools would restore
-// nothing, so the flag is refused before anything runs, naming why.
-TEST(HicacheBench, SidecarsAreRefusedUntilTheEngineModelsAHybridModel) {
-  const BenchRun r = run_bench(
-      R"(--tiers host --sidecars '{"state": {"policy": "trailing", "slot_bytes": 64, "device_pages": 2, )"
-      R"("host_pages": 4}}')");
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("the simulated engine does not model a hybrid model yet"),
-            std::string::npos)
-      << r.output;
+// --model hybrid: the hybrid reference model (state checkpoints and an indexer's keys beside
+// the KV) on every tier, one rank and TP 2: every KV and sidecar page a request restores is
+// verified, the sidecar pages move between the tiers (their bytes per tier in the report), and
+// L3 serves hits. A bad sidecars value is refused naming the pool and the key.
+TEST(HicacheBench, TheHybridModelVerifiesEveryKvAndSidecarPageOnEveryTier) {
+  for (const int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    TempFile report("hicache-bench-hybrid-" + std::to_string(tp) + ".json");
+    const BenchRun r = run_bench("--model hybrid " + kTinyWorkload +
+                                 "--clients 8 --rounds 4 --compare --tp " + std::to_string(tp) +
+                                 " --report " + report.path.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    const json configs = read_json(report.path)["configurations"];
+    ASSERT_EQ(configs.size(), 3u);
+    for (const json& c : configs) {
+      check_adds_up(c, 32);
+      EXPECT_GT(c["sidecars"]["verified_pages"].get<double>(), 0) << c["name"];
+    }
+    EXPECT_GT(configs[1]["sidecars"]["l1_to_l2_bytes"].get<double>(), 0) << "host: state written";
+    EXPECT_GT(configs[2]["sidecars"]["l2_to_l3_bytes"].get<double>(), 0) << "file: state backed up";
+    EXPECT_GT(configs[2]["tokens"]["cached"].get<double>(), configs[0]["tokens"]["cached"].get<double>());
+  }
+  const BenchRun bad = run_bench(
+      R"(--tiers host --sidecars '{"state": {"policy": "trailing", "slot_bytes": 63, "device_pages": 2, )"
+      R"("host_pages": 4, "dtype": "fp32"}}')");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.output.find("sidecar pool 'state'"), std::string::npos) << bad.output;
 }
 
 TEST(HicacheBench, TenantsNeverHitEachOthersPages) {

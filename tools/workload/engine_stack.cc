@@ -6,14 +6,7 @@
 namespace hicache::workload {
 namespace {
 
-HiCacheParts parts_with(const HiCacheConfig& config, std::shared_ptr<StorageBackend> storage,
-                        const L3Throttle& throttle) {
-  if (!config.sidecars.empty()) {
-    // Before anything is built: the engine would insert no sidecar pages, and every match of a
-    // cache with sidecar pools would restore nothing.
-    throw InvalidArgument(
-        "sidecars: the simulated engine does not model a hybrid model yet (docs/hybrid.md)");
-  }
+HiCacheParts parts_with(std::shared_ptr<StorageBackend> storage, const L3Throttle& throttle) {
   HiCacheParts parts;
   parts.storage = std::move(storage);
   if (throttle.active()) {
@@ -27,7 +20,7 @@ HiCacheParts parts_with(const HiCacheConfig& config, std::shared_ptr<StorageBack
 }  // namespace
 
 EngineStack::EngineStack(const StackConfig& c, std::shared_ptr<StorageBackend> storage)
-    : hicache_(c.cache, parts_with(c.cache, std::move(storage), c.l3_throttle)) {
+    : hicache_(c.cache, parts_with(std::move(storage), c.l3_throttle)) {
   auto engine = c.engine;
   engine.use_storage = engine.use_storage && hicache_.storage_controller() != nullptr;
   engine_ = std::make_unique<SimulatedEngine>(hicache_.cache(), hicache_.controller(),

@@ -28,6 +28,35 @@ std::span<const ModelPreset> model_presets() {
               {"qk_rope_head_dim", 64},
               {"dtype", "bf16"}}},
             {"page_size", 64}}},
+      {"hybrid",
+       "a hybrid reference model (a small Qwen3-Next-like shape): mha, 4 full-attention layers "
+       "(4 kv heads x 64, bf16), page 16; sidecar pools 'state' (12 linear-attention layers x "
+       "16 KiB fp32: 192 KiB per checkpoint, trailing) and 'index' (an indexer's 128-byte key "
+       "per token, all_pages)",
+       json{{"model",
+             {{"attention", "mha"},
+              {"layers", 4},
+              {"kv_heads", 4},
+              {"head_dim", 64},
+              {"dtype", "bf16"}}},
+            {"page_size", 16},
+            {"sidecars",
+             {{"state",
+               {{"policy", "trailing"},
+                {"window_pages", 1},
+                {"layers", 12},
+                {"slots_per_page", 1},
+                {"slot_bytes", 16384},
+                {"dtype", "fp32"},
+                {"device_pages", 96},
+                {"host_pages", 384}}},
+              {"index",
+               {{"policy", "all_pages"},
+                {"slots_per_page", 16},
+                {"slot_bytes", 128},
+                {"dtype", "bf16"},
+                {"device_pages", 512},
+                {"host_pages", 2048}}}}}}},
   };
   return kPresets;
 }

@@ -211,6 +211,15 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
       {"verified_pages", counters["verified_pages"]},
       {"mismatched_pages", counters["mismatched_pages"]},
       {"first_mismatch", first_mismatch},
+      // Hybrid models: sidecar (state) bytes per tier, the sidecar pages verified (of
+      // verified_pages), requests finished without a cache entry (a pool had no room).
+      {"sidecars",
+       {{"l1_to_l2_bytes", counters["sidecar_l1_to_l2_bytes"]},
+        {"l2_to_l1_bytes", counters["sidecar_l2_to_l1_bytes"]},
+        {"l2_to_l3_bytes", counters["sidecar_l2_to_l3_bytes"]},
+        {"l3_to_l2_bytes", counters["sidecar_l3_to_l2_bytes"]},
+        {"verified_pages", counters["verified_sidecar_pages"]},
+        {"uncached_requests", counters["uncached_requests"]}}},
       // The scheduler's collective calls per step() (those that ran nothing included) and the
       // time they took, and step() itself (compute included).
       {"tp",
@@ -309,6 +318,18 @@ std::string format_table(const std::vector<json>& summaries) {
     });
   }
   add("storage errors", num("%.0f", [](const json& s) { return s["storage_errors"].get<double>(); }));
+  add("sidecar MiB L1>L2 / L2>L1 / L2>L3 / L3>L2", [](const json& s) {
+    if (!s.contains("sidecars")) return std::string("-");
+    const json& sc = s["sidecars"];
+    double total = 0;
+    std::string cell;
+    for (const char* k : {"l1_to_l2_bytes", "l2_to_l1_bytes", "l2_to_l3_bytes", "l3_to_l2_bytes"}) {
+      const double mib = sc[k].get<double>() / (1 << 20);
+      total += mib;
+      cell += str_cat(cell.empty() ? "" : " / ", fmt("%.1f", mib));
+    }
+    return total > 0 ? cell : std::string("-");
+  });
   add("pages verified", num("%.0f", [](const json& s) { return s["verified_pages"].get<double>(); }));
   add("wrong pages", num("%.0f", [](const json& s) { return s["mismatched_pages"].get<double>(); }));
   std::size_t w0 = 0;

@@ -260,6 +260,18 @@ InstanceResult Runner::result() const {
   c["decode_steps"] = static_cast<double>(e.decode_steps);
   c["verified_pages"] = static_cast<double>(e.verified_pages);
   c["mismatched_pages"] = static_cast<double>(e.mismatched_pages);
+  // Hybrid models: the sidecar pages verified, the requests not cached, the sidecar bytes
+  // between the tiers (the tiers' KV figures below leave them out but for l1/l2, which count
+  // them: the controller's bytes_written / bytes_loaded do).
+  c["verified_sidecar_pages"] = static_cast<double>(e.verified_sidecar_pages);
+  c["uncached_requests"] = static_cast<double>(e.uncached_requests);
+  const ControllerStats cs = stack_.controller().stats();
+  c["sidecar_l1_to_l2_bytes"] = static_cast<double>(cs.sidecar_bytes_written);
+  c["sidecar_l2_to_l1_bytes"] = static_cast<double>(cs.sidecar_bytes_loaded);
+  if (const StorageController* sc = stack_.hicache().storage_controller()) {
+    c["sidecar_l2_to_l3_bytes"] = static_cast<double>(sc->sidecar_written_bytes());
+    c["sidecar_l3_to_l2_bytes"] = static_cast<double>(sc->sidecar_read_bytes());
+  }
   c["rejected_requests"] = static_cast<double>(e.rejected);
   c["deferred_admissions"] = static_cast<double>(e.deferred);
   c["prefetches"] = static_cast<double>(e.prefetches);

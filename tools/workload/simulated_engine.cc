@@ -7,6 +7,7 @@
 
 #include "pools/kv_layout.h"
 #include "pools/kv_pattern.h"
+#include "pools/sidecar_pool.h"
 #include "transfer/copy_plan.h"
 #include "transfer/errors.h"
 
@@ -47,6 +48,15 @@ SimulatedEngine::SimulatedEngine(HiRadixCache& cache, HiCacheController& control
   if (config_.cost_per_token_layer < 0) {
     throw InvalidArgument(str_cat("simulated engine: cost_per_token_layer ",
                                   config_.cost_per_token_layer, " < 0"));
+  }
+  if (config_.checkpoint_every_pages < 1) {
+    throw InvalidArgument(str_cat("simulated engine: checkpoint_every_pages ",
+                                  config_.checkpoint_every_pages, " < 1"));
+  }
+  if (controller_.num_sidecars() > 0 && !device.device_memory_is_host_accessible()) {
+    throw InvalidArgument(
+        "simulated engine: a hybrid model (sidecar pools) on a device whose memory the CPU "
+        "cannot read: the engine writes and checks sidecar pages in place (host emulation only)");
   }
   if (config_.stage_page_data || !device.device_memory_is_host_accessible()) {
     // One page in the device pool's own layout, so that a page moves as the pool's runs.
@@ -161,6 +171,10 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   r.slots.insert(r.slots.end(), fresh->begin(), fresh->end());
   r.cached_tokens = m.device_slots.size() + static_cast<std::size_t>(loaded);
   r.prompt_tokens = prompt;
+  // A hybrid model's load back may cover pages on the device already (past the device part's
+  // restorable end): device hits, not host ones.
+  const std::int64_t resident = loaded > 0 ? m.resident_host_hit_tokens : 0;
+  loaded -= resident;
   const auto device_hit = static_cast<std::int64_t>(r.cached_tokens) - loaded;
   const std::int64_t from_storage = std::min(loaded, w.storage_tokens);
   const auto computed = static_cast<std::int64_t>(prompt - r.cached_tokens);
@@ -180,6 +194,11 @@ bool SimulatedEngine::admit(Waiting& w, std::vector<Running>& batch) {
   return true;
 }
 
+void SimulatedEngine::note_mismatch(const Running& r, const std::string& what) {
+  ++stats_.mismatched_pages;
+  if (first_mismatch_.empty()) first_mismatch_ = str_cat("request ", r.request.id, " ", what);
+}
+
 void SimulatedEngine::verify(const Running& r) {
   const std::size_t pages = r.cached_tokens / page_size_;
   for (std::size_t p = 0; p < pages; ++p) {
@@ -188,10 +207,84 @@ void SimulatedEngine::verify(const Running& r) {
                            data_seed(r.request, p))) {
       ++stats_.verified_pages;
     } else {
-      ++stats_.mismatched_pages;
-      if (first_mismatch_.empty()) first_mismatch_ = str_cat("request ", r.request.id, " page ", p);
+      note_mismatch(r, str_cat("page ", p));
     }
   }
+  if (controller_.num_sidecars() > 0) verify_sidecars(r);
+}
+
+std::uint64_t SimulatedEngine::sidecar_seed(const SimulatedRequest& request, std::size_t page,
+                                            std::size_t pool) const {
+  return data_seed(request, page) * 0x100000001B3ull + pool + 1;
+}
+
+void SimulatedEngine::verify_sidecars(const Running& r) {
+  const auto p = static_cast<std::int64_t>(r.cached_tokens) / page_size_;
+  if (p == 0) return;
+  for (std::size_t pool = 0; pool < controller_.num_sidecars(); ++pool) {
+    const SidecarPool& sp = controller_.sidecar(pool);
+    const std::int64_t from = sp.spec().policy == SidecarHitPolicy::kAllPages
+                                  ? 0
+                                  : std::max<std::int64_t>(0, p - sp.spec().window_pages);
+    const auto held = cache_.sidecar_device_slots(r.held, static_cast<std::int32_t>(pool));
+    for (std::int64_t page = from; page < p; ++page) {
+      const auto it = std::find_if(held.begin(), held.end(),
+                                   [&](const auto& h) { return h.page == page; });
+      if (it == held.end()) {
+        note_mismatch(r, str_cat("sidecar pool ", sp.spec().name, " page ", page,
+                                 " missing at a restorable prefix of ", p, " pages"));
+        continue;
+      }
+      const std::int64_t pool_page = it->device_slots[0] / sp.spec().slots_per_page;
+      if (verify_page(sp.device_pool().layout(), pool_page,
+                      sidecar_seed(r.request, static_cast<std::size_t>(page), pool))) {
+        ++stats_.verified_pages;
+        ++stats_.verified_sidecar_pages;
+      } else {
+        note_mismatch(r, str_cat("sidecar pool ", sp.spec().name, " page ", page));
+      }
+    }
+  }
+}
+
+std::vector<std::int64_t> SimulatedEngine::sidecar_pages(std::size_t pool, std::size_t from,
+                                                         std::size_t pages) const {
+  const SidecarSpec& spec = controller_.sidecar(pool).spec();
+  std::vector<std::int64_t> out;
+  if (spec.policy == SidecarHitPolicy::kAllPages) {
+    for (std::size_t q = from; q < pages; ++q) out.push_back(static_cast<std::int64_t>(q));
+    return out;
+  }
+  // A trailing pool: the window before each checkpoint (every checkpoint_every_pages pages and
+  // the last page), of the pages computed.
+  std::vector<bool> take(pages, false);
+  const auto every = static_cast<std::size_t>(config_.checkpoint_every_pages);
+  const auto window = static_cast<std::size_t>(spec.window_pages);
+  for (std::size_t q = 0; q < pages; ++q) {
+    if ((q + 1) % every != 0 && q + 1 != pages) continue;
+    for (std::size_t k = q + 1 > window ? q + 1 - window : 0; k <= q; ++k) take[k] = true;
+  }
+  for (std::size_t q = from; q < pages; ++q) {
+    if (take[q]) out.push_back(static_cast<std::int64_t>(q));
+  }
+  return out;
+}
+
+std::optional<std::vector<std::int64_t>> SimulatedEngine::alloc_sidecar(std::size_t pool,
+                                                                        std::int64_t n) {
+  TokenSlotAllocator& a = controller_.sidecar(pool).device_pool().allocator();
+  const std::int64_t slots = n * controller_.sidecar(pool).spec().slots_per_page;
+  if (slots == 0) return std::vector<std::int64_t>{};
+  auto got = a.alloc(slots);
+  // Device nodes go (their sidecar pages with them) while they free this pool's pages: a few
+  // in a row that free none end it.
+  for (int barren = 0; !got && barren < 4;) {
+    const std::int64_t before = a.free_tokens();
+    if (cache_.evict_device(page_size_) == 0) break;
+    got = a.alloc(slots);
+    barren = a.free_tokens() > before ? 0 : barren + 1;
+  }
+  return got;
 }
 
 // A prefilled request's tokens by where they came from (counted once its prefill ran: a request
@@ -380,14 +473,58 @@ void SimulatedEngine::decode_step() {
 void SimulatedEngine::finish(Running& r) {
   const auto now = std::chrono::steady_clock::now();
   const std::size_t cacheable = r.slots.size();
-  for (std::size_t p = r.cached_tokens / page_size_; p < cacheable / page_size_; ++p) {
+  const std::size_t cached_pages = r.cached_tokens / page_size_, pages = cacheable / page_size_;
+  for (std::size_t p = cached_pages; p < pages; ++p) {
     fill_device_page(r.slots[p * page_size_] / page_size_,
                      data_seed(r.request, p));
   }
-  const std::int64_t dup =
-      cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots, r.request.identity);
+  // Hybrid: each pool's pages of what was computed, written with their data.
+  std::vector<std::vector<std::int64_t>> side_pages, side_slots;
+  bool complete = true;
+  for (std::size_t pool = 0; pool < controller_.num_sidecars() && complete; ++pool) {
+    side_pages.push_back(sidecar_pages(pool, cached_pages, pages));
+    auto slots = alloc_sidecar(pool, static_cast<std::int64_t>(side_pages.back().size()));
+    if (!slots) {
+      complete = false;
+      side_pages.pop_back();
+      break;
+    }
+    const SidecarPool& sp = controller_.sidecar(pool);
+    const auto spp = static_cast<std::size_t>(sp.spec().slots_per_page);
+    for (std::size_t k = 0; k < side_pages.back().size(); ++k) {
+      fill_page(sp.device_pool().layout(), (*slots)[k * spp] / static_cast<std::int64_t>(spp),
+                sidecar_seed(r.request, static_cast<std::size_t>(side_pages.back()[k]), pool));
+    }
+    side_slots.push_back(std::move(*slots));
+  }
   const auto ours = static_cast<std::int64_t>(r.cached_tokens);
-  if (dup > ours) device_pool_.allocator().free(std::span(r.slots).subspan(ours, dup - ours));
+  if (!complete) {
+    // A pool has no room for the state to complete the entry: not cached (slots go back).
+    for (std::size_t pool = 0; pool < side_slots.size(); ++pool) {
+      controller_.sidecar(pool).device_pool().allocator().free(side_slots[pool]);
+    }
+    device_pool_.allocator().free(std::span(r.slots).subspan(r.cached_tokens));
+    ++stats_.uncached_requests;
+  } else {
+    std::vector<HiRadixCache::SidecarInsert> side;
+    for (std::size_t pool = 0; pool < side_pages.size(); ++pool) {
+      side.push_back({static_cast<std::int32_t>(pool), side_pages[pool], side_slots[pool]});
+    }
+    const std::int64_t dup = cache_.insert(std::span(r.request.tokens).first(cacheable), r.slots,
+                                           r.request.identity, side);
+    if (dup > ours) device_pool_.allocator().free(std::span(r.slots).subspan(ours, dup - ours));
+    // The tree keeps its own sidecar pages of the pages it held already: ours go back.
+    const std::int64_t dup_pages = dup / page_size_;
+    for (std::size_t pool = 0; pool < side_pages.size(); ++pool) {
+      const auto spp = static_cast<std::size_t>(controller_.sidecar(pool).spec().slots_per_page);
+      std::vector<std::int64_t> back;
+      for (std::size_t k = 0; k < side_pages[pool].size() && side_pages[pool][k] < dup_pages; ++k) {
+        back.insert(back.end(), side_slots[pool].begin() + static_cast<std::ptrdiff_t>(k * spp),
+                    side_slots[pool].begin() + static_cast<std::ptrdiff_t>((k + 1) * spp));
+      }
+      if (!back.empty()) controller_.sidecar(pool).device_pool().allocator().free(back);
+    }
+  }
   cache_.unlock(r.held);
   ++stats_.finished;
   if (config_.record_finished) {

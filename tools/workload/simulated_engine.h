@@ -24,6 +24,17 @@
 // requests). Requests report TTFT (arrival to the end of the prefill), end-to-end latency and
 // the mean inter-token latency through drain_finished().
 //
+// Hybrid models (a controller with sidecar pools, docs/hybrid.md): the engine is a hybrid
+// reference model. Every computed page writes each all_pages pool's page, and each trailing
+// pool's pages at its checkpoints (every checkpoint_every_pages pages and the sequence's last
+// page, with the window before each); each page's data derives from the whole prefix and the
+// pool, as a model's state after that page does. A request restores the state at its
+// restorable prefix (the match is cut there): every sidecar page that restore reads (an
+// all_pages pool's pages of the prefix, a trailing pool's window before its end) is checked
+// byte for byte, as the KV pages are. An insert takes the sidecar pages of the pages computed;
+// when a pool has no device room even after eviction, the request is not inserted (its slots
+// go back), as an engine drops a cache entry it cannot complete.
+//
 // Page data derives from the whole token prefix of the page (as a model's KV does), so any tier
 // can be checked: every page a request finds cached is verified before its prefill counts.
 // Where the CPU cannot read device memory (CUDA), pages are written and read through a pinned
@@ -92,6 +103,9 @@ struct SimulatedEngineConfig {
   // Mixed into every page's data seed: a TP rank's slice of the KV differs from another's (the
   // rank's number), so a page served from another rank's slice fails its check. 0: none.
   std::uint64_t data_salt = 0;
+  // Hybrid models: a trailing sidecar pool's checkpoints, every this many pages (and at the
+  // end of every sequence inserted). >= 1.
+  std::int32_t checkpoint_every_pages = 4;
 };
 
 struct SimulatedEngineStats {
@@ -104,7 +118,9 @@ struct SimulatedEngineStats {
   std::int64_t storage_hit_tokens = 0;  // of those, prefetched from L3 for the request
   std::int64_t computed_tokens = 0;
   std::int64_t prefetches = 0;
-  std::int64_t verified_pages = 0, mismatched_pages = 0;
+  std::int64_t verified_pages = 0, mismatched_pages = 0;  // sidecar pages included
+  std::int64_t verified_sidecar_pages = 0;  // of verified_pages, sidecar pools' (hybrid)
+  std::int64_t uncached_requests = 0;  // hybrid: finished without insert (a pool had no room)
   std::int64_t deferred = 0;  // admissions put back for lack of device memory
   std::int64_t rejected = 0;  // requests larger than the device pool can ever hold, or whose
                               // loads failed kMaxLoadFailures times
@@ -187,6 +203,19 @@ class SimulatedEngine {
   void account(const Running& r);
   void retry_after_failed_loads(std::vector<Running>& batch);
   void verify(const Running& r);
+  // Hybrid: checks the sidecar pages the restore of r's cached prefix reads.
+  void verify_sidecars(const Running& r);
+  // Hybrid: the pages of pool `pool` a sequence of `pages` pages whose first `from` pages were
+  // cached inserts.
+  std::vector<std::int64_t> sidecar_pages(std::size_t pool, std::size_t from,
+                                          std::size_t pages) const;
+  // The seed of pool `pool`'s page `page` of the request.
+  std::uint64_t sidecar_seed(const SimulatedRequest& request, std::size_t page,
+                             std::size_t pool) const;
+  // Device slots of `n` pages of sidecar pool `pool`, evicting while short; nothing when they
+  // do not fit.
+  std::optional<std::vector<std::int64_t>> alloc_sidecar(std::size_t pool, std::int64_t n);
+  void note_mismatch(const Running& r, const std::string& what);
   // Writes page `page` of the device pool with the data of `seed` / checks it (directly, or
   // through the staging page).
   void fill_device_page(std::int64_t page, std::uint64_t seed);
