@@ -133,8 +133,18 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     host_pool_ = std::make_unique<HostKVPool>(*device_, g, config_.host_layout, host_tokens);
   }
   std::vector<SidecarPool*> sidecars;
+  for (const auto& [name, buffer] : parts.sidecar_device) {
+    if (std::none_of(config_.sidecars.begin(), config_.sidecars.end(),
+                     [&](const SidecarSpec& s) { return s.name == name; })) {
+      throw InvalidArgument(str_cat("HiCache: device memory for sidecar pool '", name,
+                                    "', which the config does not declare"));
+    }
+  }
   for (const SidecarSpec& spec : config_.sidecars) {
-    sidecar_pools_.push_back(std::make_unique<SidecarPool>(*device_, spec));
+    const auto engine = parts.sidecar_device.find(spec.name);
+    sidecar_pools_.push_back(engine == parts.sidecar_device.end()
+                                 ? std::make_unique<SidecarPool>(*device_, spec)
+                                 : std::make_unique<SidecarPool>(*device_, spec, engine->second));
     sidecars.push_back(sidecar_pools_.back().get());
   }
   controller_ = std::make_unique<HiCacheController>(*device_, *device_pool_, *host_pool_,

@@ -25,6 +25,7 @@
 
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +84,10 @@ struct HiCacheParts {
   // The engine's slot allocator for the device pool (must outlive the HiCache); null: the
   // pool's own.
   TokenSlotAllocator* device_allocator = nullptr;
+  // The engine's device memory of sidecar pools (config.sidecars), by pool name, wrapped in
+  // place as the KV's is (SidecarPool's engine-memory constructor); a pool not named here
+  // allocates its own. A name that is not a pool of the config is refused.
+  std::map<std::string, ExternalKVBuffer> sidecar_device;
 };
 
 class HiCache {

@@ -104,4 +104,31 @@ SidecarPool::SidecarPool(Device& device, const SidecarSpec& spec, const HostMemo
       host_pool_(device, spec_.geometry(), HostLayout::kPageFirstDirect,
                  spec_.host_pages * spec_.slots_per_page, memory) {}
 
+namespace {
+
+// The engine's buffer for `spec`'s device tier, checked before the pool wraps it.
+const ExternalKVBuffer& checked_device(const SidecarSpec& spec, const ExternalKVBuffer& b) {
+  const std::int64_t slots = spec.device_pages * spec.slots_per_page;
+  const auto want = static_cast<std::size_t>(kv_buffer_bytes(spec.geometry(), slots));
+  if (b.data == nullptr || b.bytes != want) {
+    throw InvalidArgument(str_cat("sidecar pool '", spec.name, "': the engine's device buffer is ",
+                                  b.data == nullptr ? std::string("null")
+                                                    : str_cat(b.bytes, " bytes"),
+                                  "; it must be ", want, " bytes (", spec.device_pages,
+                                  " pages x ", spec.slots_per_page, " slots x ", spec.layers,
+                                  " layers x ", spec.slot_bytes, " bytes)"));
+  }
+  return b;
+}
+
+}  // namespace
+
+SidecarPool::SidecarPool(Device& device, const SidecarSpec& spec,
+                         const ExternalKVBuffer& device_memory, const HostMemoryOptions& memory)
+    : spec_(checked(spec)),
+      device_pool_(device, spec_.geometry(), spec_.device_pages * spec_.slots_per_page,
+                   checked_device(spec_, device_memory)),
+      host_pool_(device, spec_.geometry(), HostLayout::kPageFirstDirect,
+                 spec_.host_pages * spec_.slots_per_page, memory) {}
+
 }  // namespace hicache

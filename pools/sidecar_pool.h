@@ -66,6 +66,14 @@ class SidecarPool {
   // Validates the spec and allocates both tiers (host memory pre-faulted). Throws
   // InvalidArgument for a bad spec, DeviceError when the memory is refused.
   SidecarPool(Device& device, const SidecarSpec& spec, const HostMemoryOptions& memory = {});
+  // The same, with the engine's device memory for the device tier, wrapped in place (never
+  // freed; the engine keeps it alive and unmoved while the pool lives), as DeviceKVPool wraps
+  // the engine's KV: one buffer of device_pages x slots_per_page slots of the latent-shaped
+  // geometry (layers x slot_bytes), exactly kv_buffer_bytes of it, in `device.order` (SGLang's:
+  // (layers, slots, 1, slot elements); hicache's: (slots, layers, slot elements)). Throws
+  // InvalidArgument naming the pool and a null or wrong-sized buffer.
+  SidecarPool(Device& device, const SidecarSpec& spec, const ExternalKVBuffer& device_memory,
+              const HostMemoryOptions& memory = {});
 
   const SidecarSpec& spec() const { return spec_; }
   DeviceKVPool& device_pool() { return device_pool_; }

@@ -37,15 +37,10 @@ std::optional<PageDigest> prior_of(const std::optional<std::string>& hex) {
 
 PyHiCache::PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store,
                      py::object device_kv, py::object host_kv, py::object device_k,
-                     py::object device_v, const std::string& dim_order, bool engine_allocator)
+                     py::object device_v, const std::string& dim_order, bool engine_allocator,
+                     py::object sidecars)
     : store_(std::move(store)) {
   const HiCacheConfig config = HiCacheConfig::from_json_text(config_json);
-  if (!config.sidecars.empty()) {
-    // The bindings' insert takes no sidecar pages yet: every match would restore nothing.
-    throw InvalidArgument(
-        "HiCache: 'sidecars' is not available from Python yet (docs/hybrid.md); SGLang's hybrid "
-        "pools go through hicache.sglang.HiCacheStore's storage v2");
-  }
   HiCacheParts parts;
   if (engine_allocator) {
     engine_slots_ = std::make_unique<EngineSlots>(config.device_tokens, config.geometry.page_size);
@@ -78,6 +73,14 @@ PyHiCache::PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> st
       ++i;
     }
     keep_.push_back(*list);
+  }
+  if (!sidecars.is_none()) {
+    for (auto [name, t] : py::reinterpret_borrow<py::dict>(sidecars)) {
+      const std::string pool = py::str(name);
+      const auto [p, n] = tensor_memory(t, str_cat("sidecars['", pool, "']").c_str());
+      parts.sidecar_device[pool] = ExternalKVBuffer{p, n, order};
+      keep_.push_back(py::reinterpret_borrow<py::object>(t));
+    }
   }
   py::gil_scoped_release nogil;  // the TP rendezvous and pool pre-faulting wait
   cache_ = std::make_unique<HiCache>(config, std::move(parts));

@@ -94,9 +94,11 @@ class PyHiCache {
  public:
   // Builds the cache (without the GIL: the TP rendezvous and pool pre-faulting wait). With
   // `engine_allocator`, the device slots are the engine's (EngineSlots).
+  // `sidecars`: None, or {pool name: the engine's device tensor of that sidecar pool}
+  // (HiCacheParts::sidecar_device).
   PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> store, py::object device_kv,
             py::object host_kv, py::object device_k, py::object device_v,
-            const std::string& dim_order, bool engine_allocator);
+            const std::string& dim_order, bool engine_allocator, py::object sidecars);
   ~PyHiCache() { close(); }
 
   // The cache for one call: holds a shared lock on the cache's life, so that close() waits for

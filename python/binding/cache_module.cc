@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -14,6 +15,30 @@
 #include "transfer/errors.h"
 
 namespace hicache::binding {
+
+namespace {
+
+// A Python call's sidecar pages, {pool name: (host_slots, device_slots)}, as the controller
+// takes them (SidecarIo spans into `slots`). InvalidArgument names a pool the cache lacks.
+struct SidecarArgs {
+  std::vector<std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> slots;
+  std::vector<SidecarIo> io;
+
+  SidecarArgs(HiCache& hc, const std::map<std::string, std::pair<std::vector<std::int64_t>,
+                                                                 std::vector<std::int64_t>>>& given) {
+    slots.reserve(given.size());
+    for (const auto& [name, pair] : given) {
+      const std::int32_t pool = hc.sidecar_index(name);
+      slots.push_back(pair);
+      io.push_back({pool, slots.back().first, slots.back().second});
+    }
+  }
+};
+
+using SidecarPairs =
+    std::map<std::string, std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>>;
+
+}  // namespace
 
 void register_cache(py::module_& m) {
   m.def("validate_config",
@@ -45,11 +70,93 @@ void register_cache(py::module_& m) {
 
   py::class_<PyHiCache>(m, "HiCache")
       .def(py::init<const std::string&, std::shared_ptr<PyStore>, py::object, py::object,
-                    py::object, py::object, const std::string&, bool>(),
+                    py::object, py::object, const std::string&, bool, py::object>(),
            py::arg("config_json"), py::arg("store"), py::arg("device_kv") = py::none(),
            py::arg("host_kv") = py::none(), py::arg("device_k") = py::none(),
            py::arg("device_v") = py::none(), py::arg("dim_order") = "sglang",
-           py::arg("engine_allocator") = false)
+           py::arg("engine_allocator") = false, py::arg("sidecars") = py::none())
+      // --- sidecar pools (a hybrid model's state: docs/hybrid.md) ----------------------------
+      .def_property_readonly("sidecar_names",
+                             [](PyHiCache& c) {
+                               auto u = c.use();
+                               std::vector<std::string> names;
+                               for (std::size_t i = 0; i < u.hc.controller().num_sidecars(); ++i) {
+                                 names.push_back(u.hc.controller().sidecar(i).spec().name);
+                               }
+                               return names;
+                             })
+      .def(
+          "sidecar_alloc_device",
+          [](PyHiCache& c, const std::string& name, std::int64_t pages) {
+            SidecarPool& p = c.use().hc.sidecar_pool(name);
+            return p.device_pool().allocator().alloc(pages * p.spec().slots_per_page);
+          },
+          py::arg("name"), py::arg("pages"))
+      .def(
+          "sidecar_free_device",
+          [](PyHiCache& c, const std::string& name, const std::vector<std::int64_t>& slots) {
+            c.use().hc.sidecar_pool(name).device_pool().allocator().free(slots);
+          },
+          py::arg("name"), py::arg("slots"))
+      .def(
+          "sidecar_free_host",
+          [](PyHiCache& c, const std::string& name, const std::vector<std::int64_t>& slots) {
+            c.use().hc.sidecar_pool(name).host_pool().free(slots);
+          },
+          py::arg("name"), py::arg("slots"))
+      .def(
+          "write_with_sidecars",
+          [](PyHiCache& c, const std::vector<std::int64_t>& device_slots, NodeId node,
+             const std::map<std::string, std::vector<std::int64_t>>& sidecars)
+              -> std::optional<std::pair<std::vector<std::int64_t>,
+                                         std::map<std::string, std::vector<std::int64_t>>>> {
+            auto u = c.use();
+            HiCacheController& ctl = u.hc.controller();
+            for (const auto& [name, slots] : sidecars) (void)u.hc.sidecar_index(name);  // named
+            auto kv = ctl.reserve_write(static_cast<std::int64_t>(device_slots.size()));
+            if (!kv) return std::nullopt;
+            // Each pool's host pages (as many as its device slots); none: all go back.
+            SidecarPairs pairs;
+            for (const auto& [name, slots] : sidecars) {
+              auto host = u.hc.sidecar_pool(name).host_pool().alloc(
+                  static_cast<std::int64_t>(slots.size()));
+              if (!host) {
+                for (const auto& [done, pair] : pairs) {
+                  u.hc.sidecar_pool(done).host_pool().free(pair.first);
+                }
+                ctl.release_write(*kv);
+                return std::nullopt;
+              }
+              pairs[name] = {std::move(*host), slots};
+            }
+            SidecarArgs args(u.hc, pairs);
+            if (!ctl.write_reserved(device_slots, *kv, 0, node, nullptr, args.io)) {
+              return std::nullopt;  // stopped: every reservation consumed
+            }
+            std::map<std::string, std::vector<std::int64_t>> hosts;
+            for (auto& [name, pair] : pairs) hosts[name] = std::move(pair.first);
+            return std::make_pair(std::move(*kv), std::move(hosts));
+          },
+          py::arg("device_slots"), py::arg("node_id"), py::arg("sidecars"))
+      .def(
+          "load_into_with_sidecars",
+          [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
+             const std::vector<std::int64_t>& device_slots, NodeId node,
+             const SidecarPairs& sidecars) {
+            auto u = c.use();
+            SidecarArgs args(u.hc, sidecars);
+            return u.hc.controller().load_into(host_slots, device_slots, 0, node, args.io);
+          },
+          py::arg("host_slots"), py::arg("device_slots"), py::arg("node_id"), py::arg("sidecars"))
+      .def(
+          "evict_device_with_sidecars",
+          [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
+             const std::vector<std::int64_t>& host_slots, const SidecarPairs& sidecars) {
+            auto u = c.use();
+            SidecarArgs args(u.hc, sidecars);
+            return u.hc.controller().evict_device(device_slots, host_slots, args.io);
+          },
+          py::arg("device_slots"), py::arg("host_slots"), py::arg("sidecars"))
       .def(
           "alloc_device",
           [](PyHiCache& c, std::int64_t tokens) {

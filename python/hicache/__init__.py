@@ -110,10 +110,17 @@ class HiCache:
     `device_v` lists of per-layer tensors (S, H, D), SGLang's k_buffer / v_buffer, allocated
     together or one by one; `host_kv` one tensor in the config's host_layout (SGLang's kv_buffer shapes).
     `dim_order` "hicache" reads them in hicache's own orders instead.
+
+    A hybrid model's sidecar pools (the config's `sidecars`: a state, a sliding window, an
+    indexer's keys; docs/hybrid.md) allocate their own memory, or wrap the engine's device
+    tensors given as `sidecars={name: tensor}` (one tensor per pool of device_pages x
+    slots_per_page slots of layers x slot_bytes, SGLang's order (layers, slots, 1, elements)).
+    Their pages move with the KV's: `write`, `load_into` and `evict_device` take
+    `sidecars={name: ...}`.
     """
 
     def __init__(self, config, *, device_kv=None, host_kv=None, device_k=None, device_v=None,
-                 dim_order="sglang"):
+                 dim_order="sglang", sidecars=None):
         text = _json_text(config, "HiCache")
         _hicache.validate_config(text)  # a bad config is refused before a store is opened
         parsed = _json.loads(text)
@@ -122,7 +129,8 @@ class HiCache:
         if isinstance(storage, dict):
             native_store = _hicache.Store(_json.dumps(storage))
         self._c = _hicache.HiCache(text, native_store, device_kv=device_kv, host_kv=host_kv,
-                                   device_k=device_k, device_v=device_v, dim_order=dim_order)
+                                   device_k=device_k, device_v=device_v, dim_order=dim_order,
+                                   sidecars=dict(sidecars) if sidecars is not None else None)
         self._store = Store(native_store) if native_store is not None else None
 
     # --- the controller, for an engine that drives it (slots are token slot lists) ---------
@@ -134,19 +142,52 @@ class HiCache:
     def free_device(self, slots):
         self._c.free_device(list(slots))
 
-    def write(self, device_slots, node_id):
+    def write(self, device_slots, node_id, sidecars=None):
         """Backs up device slots to new host slots (returned; None when the host pool or the
-        queue is full); an ack (node_id, ok) follows."""
-        return self._c.write(list(device_slots), node_id)
+        queue is full); an ack (node_id, ok) follows. With `sidecars` ({pool name: device
+        slots}), those sidecar pages are copied in the same op to new host pages of their pools:
+        returns (host_slots, {pool name: host slots}), or None (nothing reserved)."""
+        if sidecars is None:
+            return self._c.write(list(device_slots), node_id)
+        return self._c.write_with_sidecars(list(device_slots), node_id,
+                                           {k: list(v) for k, v in sidecars.items()})
 
-    def load_into(self, host_slots, device_slots, node_id):
+    def load_into(self, host_slots, device_slots, node_id, sidecars=None):
         """Loads host pages (backup state) into device slots the engine allocated; False when
-        the load queue is full. Runs at the next start_loading()."""
-        return self._c.load_into(list(host_slots), list(device_slots), node_id)
+        the load queue is full. Runs at the next start_loading(). `sidecars`: {pool name:
+        (host slots, device slots)} loaded in the same op, landed before layer 0 is done."""
+        if sidecars is None:
+            return self._c.load_into(list(host_slots), list(device_slots), node_id)
+        return self._c.load_into_with_sidecars(
+            list(host_slots), list(device_slots), node_id,
+            {k: (list(h), list(d)) for k, (h, d) in sidecars.items()})
 
-    def evict_device(self, device_slots, host_slots):
-        """Frees device slots whose host copy is synced; the host copy stays (backup)."""
-        return self._c.evict_device(list(device_slots), list(host_slots))
+    def evict_device(self, device_slots, host_slots, sidecars=None):
+        """Frees device slots whose host copy is synced; the host copy stays (backup).
+        `sidecars`: {pool name: (host slots, device slots)} evicted with them."""
+        if sidecars is None:
+            return self._c.evict_device(list(device_slots), list(host_slots))
+        return self._c.evict_device_with_sidecars(
+            list(device_slots), list(host_slots),
+            {k: (list(h), list(d)) for k, (h, d) in sidecars.items()})
+
+    # --- sidecar pools (a hybrid model's state; docs/hybrid.md) --------------------------------
+
+    @property
+    def sidecar_names(self):
+        """The config's sidecar pools, in the order of their names."""
+        return list(self._c.sidecar_names)
+
+    def sidecar_alloc_device(self, name, pages):
+        """Device slots of `pages` pages of pool `name` (slots_per_page each), or None."""
+        return self._c.sidecar_alloc_device(name, pages)
+
+    def sidecar_free_device(self, name, slots):
+        self._c.sidecar_free_device(name, list(slots))
+
+    def sidecar_free_host(self, name, slots):
+        """Frees host pages of pool `name` (reserved or backup)."""
+        self._c.sidecar_free_host(name, list(slots))
 
     def start_loading(self):
         """Starts the queued loads as one batch; its layer counter (release it after the

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
@@ -125,6 +127,34 @@ TEST(SidecarPool, TiersAreSizedByTheSpecAndPagesRoundTrip) {
   EXPECT_TRUE(std::equal(view.begin(), view.end(), in.begin()));
   pool.host_pool().free(*slots);
   EXPECT_EQ(pool.host_pool().free_tokens(), 10);
+}
+
+// The engine's device memory (SGLang's order: layers, slots, 1, elements) is the device tier:
+// a page written through the pool's layout is in the engine's buffer where the engine reads it;
+// a buffer of another size is refused naming the pool and both sizes.
+TEST(SidecarPool, TheEnginesDeviceMemoryIsTheDeviceTier) {
+  HostDevice device;
+  const SidecarSpec s = mamba();  // 3 layers x 8192 bytes, 4 pages of 1 slot
+  const std::int64_t elems = s.slot_bytes / 2;
+  std::vector<std::uint16_t> engine(static_cast<std::size_t>(s.layers * s.device_pages * elems));
+  SidecarPool pool(device, s,
+                   ExternalKVBuffer{engine.data(), engine.size() * sizeof(std::uint16_t),
+                                    DimOrder::kSglang});
+  EXPECT_EQ(pool.device_pool().num_pages(), 4);
+  const LayoutDesc& d = pool.device_pool().layout();
+  // Slot 2, layer 1: the engine's [1][2][0][*].
+  const std::uint16_t mark = 0xBEEF;
+  std::memcpy(d.base + unit_offset(d, 1, 0, 2), &mark, sizeof(mark));
+  EXPECT_EQ(engine[static_cast<std::size_t>((1 * s.device_pages + 2) * elems)], 0xBEEF);
+  try {
+    SidecarPool short_pool(device, s, ExternalKVBuffer{engine.data(), 100, DimOrder::kSglang});
+    FAIL() << "wrapped a short buffer";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("sidecar pool 'mamba': the engine's device buffer is "
+                                         "100 bytes; it must be 98304 bytes"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(SidecarPool, ABadSpecAllocatesNothingAndIsNamed) {

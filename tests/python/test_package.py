@@ -51,13 +51,66 @@ def test_l3_is_detached_attached_and_cleared_at_run_time(tmp_path):
         assert c.store is own
 
 
-def test_sidecars_are_refused_until_the_bindings_pass_sidecar_pages():
-    config = {"device": "host", "page_size": 4, "device_tokens": 64,
-              "model": {"layers": 1, "kv_heads": 1, "head_dim": 8},
-              "sidecars": {"state": {"policy": "trailing", "slot_bytes": 64,
-                                     "device_pages": 2, "host_pages": 4}}}
-    with pytest.raises(ValueError, match="'sidecars' is not available from Python yet"):
-        hicache.HiCache(config)
+HYBRID = {"device": "host", "page_size": 4, "device_tokens": 64,
+          "model": {"layers": 2, "kv_heads": 1, "head_dim": 8},
+          "sidecars": {"state": {"policy": "trailing", "layers": 3, "slot_bytes": 64,
+                                 "dtype": "fp32", "device_pages": 4, "host_pages": 8},
+                       "index": {"policy": "all_pages", "slots_per_page": 4, "slot_bytes": 16,
+                                 "device_pages": 16, "host_pages": 32}}}
+
+
+def test_sidecar_pools_wrap_the_engines_tensors_and_move_with_the_kv():
+    """A hybrid model's state and indexer keys as the engine's torch tensors (SGLang's order:
+    layers, slots, 1, elements): written to the host with the KV in one op, evicted with it,
+    loaded back into other slots, byte for byte in the engine's own tensors."""
+    state = torch.zeros((3, 4, 1, 16), dtype=torch.float32)      # 4 checkpoints of 3 layers
+    index = torch.zeros((1, 16 * 4, 1, 8), dtype=torch.bfloat16)  # 16 pages of 4 slots
+    state.normal_()
+    index.view(torch.int16).random_(-30000, 30000)
+    with hicache.HiCache(HYBRID, sidecars={"state": state, "index": index}) as c:
+        assert c.sidecar_names == ["index", "state"]
+        kv = c.alloc_device(2 * 4)
+        st = c.sidecar_alloc_device("state", 1)        # the checkpoint after page 1
+        ix = c.sidecar_alloc_device("index", 2)        # both pages' keys
+        written_state, written_index = state.clone(), index.clone()
+        host, side_host = c.write(kv, 1, sidecars={"state": st, "index": ix})
+        assert c.wait_acks("write", 1) == [(1, True)]
+        assert sorted(side_host) == ["index", "state"] and len(side_host["index"]) == 8
+        c.evict_device(kv, host, sidecars={"state": (side_host["state"], st),
+                                           "index": (side_host["index"], ix)})
+        state.zero_()
+        index.zero_()
+        kv2, st2, ix2 = c.alloc_device(8), c.sidecar_alloc_device("state", 1), \
+            c.sidecar_alloc_device("index", 2)
+        assert c.load_into(host, kv2, 2, sidecars={"state": (side_host["state"], st2),
+                                                   "index": (side_host["index"], ix2)})
+        counter = c.start_loading()
+        assert c.wait_for_layer(0)  # the sidecar pages land before layer 0 is done
+        assert torch.equal(state[:, st2[0]], written_state[:, st[0]])
+        for a, b in zip(ix2, ix):
+            assert torch.equal(index[:, a].view(torch.int16), written_index[:, b].view(torch.int16))
+        assert c.wait_for_layer(1)
+        c.release_loading(counter)
+        assert c.wait_acks("load", 1) == [(2, True)]
+        # The sidecar bytes apart from the KV's: 1 state page (3 x 64 B) + 2 index pages (64 B).
+        lines = [line for line in c.metrics_text().splitlines()
+                 if line.startswith("hicache_sidecar_bytes_total{")]
+        written = [float(line.split()[-1]) for line in lines if 'direction="l1_to_l2"' in line]
+        assert written == [3 * 64 + 2 * 64], lines
+
+
+def test_bad_sidecar_arguments_are_value_errors_naming_them():
+    with pytest.raises(ValueError, match="sidecar pool 'state': the engine's device buffer is "
+                                         "256 bytes; it must be 768 bytes"):
+        hicache.HiCache(HYBRID, sidecars={"state": torch.zeros(64, dtype=torch.float32)})
+    with pytest.raises(ValueError, match="device memory for sidecar pool 'mamba', which the "
+                                         "config does not declare"):
+        hicache.HiCache(HYBRID, sidecars={"mamba": torch.zeros(4)})
+    with hicache.HiCache(HYBRID) as c:  # the pools allocate their own memory
+        kv = c.alloc_device(4)
+        with pytest.raises(ValueError, match="no sidecar pool 'mamba'"):
+            c.write(kv, 1, sidecars={"mamba": [0]})
+        assert c._c.host_free_tokens == c.host_tokens, "nothing reserved by a refused write"
 
 
 def test_a_bad_config_is_a_value_error_naming_the_key_and_value():
