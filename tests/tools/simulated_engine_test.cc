@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "pools/kv_layout.h"
+#include "tools/workload/engine_stack.h"
 #include "tools/workload/report.h"
 #include "storage/file_storage.h"
 #include "tests/controller/faulty_device.h"
@@ -250,6 +251,59 @@ TEST(SimulatedEngine, AWarmRestartFindsItsPagesInStorage) {
   EXPECT_EQ(st.mismatched_pages, 0) << again.engine.first_mismatch();
   EXPECT_LT(st.computed_tokens, first_computed / 4) << "the restarted engine recomputed most";
   EXPECT_GT(again.cache.stats().prefetched_tokens, 0);
+}
+
+// SGLang #39436's shape on the hybrid reference model (a recurrent state of 6 layers
+// checkpointed every 4 pages and at each sequence's end, beside the KV): 8 conversations of 12
+// pages (24 checkpoints; the device holds 32, so a batch of all 8 replays fits), their device
+// copies evicted, replayed: 8 of 8 restore their whole prompt from the host,
+// state included (SGLang's host state pool was too small and got 0 of 8), compute nothing, and
+// every KV and state page they read is the one computed from scratch. By the engine's cost
+// model recomputing the 8 prompts takes 8 x 48 tokens x 3 layers x 100 us = 115 ms; the
+// replay's loads took what the controller measured (printed: about 2 ms on the 2-core machine).
+TEST(SimulatedEngine, EightHybridConversationsReplayedFromTheHostAllHit) {
+  const HiCacheConfig cache = HiCacheConfig::from_json_text(R"({
+      "device": "host", "page_size": 4, "device_tokens": 512, "host_ratio": 2,
+      "write_policy": "write_through", "model": {"layers": 3, "kv_heads": 1, "head_dim": 8},
+      "sidecars": {"state": {"policy": "trailing", "layers": 6, "slot_bytes": 256,
+                             "dtype": "fp32", "device_pages": 32, "host_pages": 64}}})");
+  constexpr double kCost = 1e-4;  // seconds per token per layer
+  workload::EngineStack stack({.cache = cache,
+                               .engine = {.cost_per_token_layer = kCost, .use_storage = false}});
+  SimulatedEngine& e = stack.engine();
+  auto conversation = [](int c) {
+    SimulatedRequest r{.id = str_cat("c", c)};
+    for (int i = 0; i < 12 * kPage; ++i) r.tokens.push_back(c * 1000 + i);
+    return r;
+  };
+  for (int c = 0; c < 8; ++c) e.submit(conversation(c));
+  e.run_until_idle();
+  e.flush();
+  (void)e.drain_finished();
+  HiRadixCache& tree = stack.cache();
+  tree.evict_device(1 << 20);  // every device copy (the state pool's room took some already)
+  ASSERT_EQ(tree.stats().device_tokens, 0);
+  ASSERT_EQ(tree.stats().host_tokens, 8 * 12 * kPage) << "every conversation on the host";
+  const double load_seconds = stack.controller().stats().load_seconds;
+  const std::int64_t verified_states = e.stats().verified_sidecar_pages;
+  for (int c = 0; c < 8; ++c) {
+    SimulatedRequest r = conversation(c);
+    r.id += "-replay";
+    e.submit(std::move(r));
+  }
+  e.run_until_idle();
+  const auto replays = e.drain_finished();
+  ASSERT_EQ(replays.size(), 8u);
+  for (const FinishedRequest& f : replays) {
+    EXPECT_EQ(f.host_hit_tokens, 12 * kPage) << f.id << ": not a whole host hit";
+    EXPECT_EQ(f.computed_tokens, 0) << f.id;
+  }
+  EXPECT_EQ(e.stats().verified_sidecar_pages - verified_states, 8) << "one state per replay";
+  EXPECT_EQ(e.stats().mismatched_pages, 0) << e.first_mismatch();
+  const double replay_loads = stack.controller().stats().load_seconds - load_seconds;
+  std::printf("#39436 shape: 8/8 host hits; recompute by the cost model %.1f ms, replay loads "
+              "%.3f ms\n",
+              8 * 12 * kPage * 3 * kCost * 1e3, replay_loads * 1e3);
 }
 
 TEST(SimulatedEngine, ComputeFollowsTheCostModel) {

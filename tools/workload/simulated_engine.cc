@@ -277,10 +277,28 @@ std::optional<std::vector<std::int64_t>> SimulatedEngine::alloc_sidecar(std::siz
   if (slots == 0) return std::vector<std::int64_t>{};
   auto got = a.alloc(slots);
   // Device nodes go (their sidecar pages with them) while they free this pool's pages: a few
-  // in a row that free none end it.
-  for (int barren = 0; !got && barren < 4;) {
+  // in a row that free none end it. With nothing to evict while writes or backups are in
+  // flight (their nodes are not candidates until acked), the acks are applied and waited for,
+  // as the KV's failed loads are (retry_after_failed_loads): those counts change only at agreed
+  // acks, so TP ranks make the same check_events calls.
+  for (int barren = 0, quiet = 0; !got && barren < 4 && quiet < kQuietWaits;) {
     const std::int64_t before = a.free_tokens();
-    if (cache_.evict_device(page_size_) == 0) break;
+    if (cache_.evict_device(page_size_) == 0) {
+      // Writes and backups lock their nodes until acked.
+      const auto busy = [&] {
+        const auto st = cache_.stats();
+        return st.writes_in_flight > 0;
+      };
+      if (!busy()) break;
+      const std::uint64_t seen = cache_.event_seq();
+      cache_.check_events();
+      if (busy()) {
+        quiet = cache_.wait_for_events(seen, std::chrono::steady_clock::now() + kQuietWait)
+                    ? 0
+                    : quiet + 1;
+      }
+      continue;
+    }
     got = a.alloc(slots);
     barren = a.free_tokens() > before ? 0 : barren + 1;
   }

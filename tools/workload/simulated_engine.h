@@ -32,8 +32,9 @@
 // restorable prefix (the match is cut there): every sidecar page that restore reads (an
 // all_pages pool's pages of the prefix, a trailing pool's window before its end) is checked
 // byte for byte, as the KV pages are. An insert takes the sidecar pages of the pages computed;
-// when a pool has no device room even after eviction, the request is not inserted (its slots
-// go back), as an engine drops a cache entry it cannot complete.
+// a pool short of device room evicts device nodes and, with none left while writes are in
+// flight, applies and waits for their acks; when it still has no room, the request is not
+// inserted (its slots go back), as an engine drops a cache entry it cannot complete.
 //
 // Page data derives from the whole token prefix of the page (as a model's KV does), so any tier
 // can be checked: every page a request finds cached is verified before its prefill counts.
