@@ -597,7 +597,8 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     if (!prefetch_collective_.min_allreduce(agreed_hit, "prefetch.hit").ok) ++failed_ops_;
   } else {
     // The longest prefix every pool of every rank restores: the ranks intersect their sets of
-    // restorable lengths (a trailing pool's have gaps), in one collective.
+    // restorable lengths (a trailing pool's have gaps), in one call (several past
+    // kCollectiveMaxValues pages: RestorablePrefix::agree).
     RestorablePrefix restorable;
     restorable.reset(std::min<std::int64_t>(hit_pages, static_cast<std::int64_t>(op.keys_.size())),
                      static_cast<std::int64_t>(op.tokens_.size()) / page_size_);
