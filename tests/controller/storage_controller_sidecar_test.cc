@@ -425,6 +425,71 @@ TEST(StorageControllerSidecars, TpRanksAgreeOnTheLargestLengthInTheIntersection)
   }
 }
 
+// TP: a rank whose own pool could not reserve a prefetch's sidecar pages passes none; it still
+// makes every collective call, with no hit, so the ranks agree on nothing and both revoke the
+// prefetch (no divergence), and every reservation goes back.
+TEST(StorageControllerSidecars, ARankWithoutItsReservationRevokesThePrefetchOnEveryRank) {
+  std::shared_ptr<InProcessGroup> pg, bg, mg;
+  auto prefetch_group = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &pg);
+  auto backup_group = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &bg);
+  auto main_group = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &mg);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int i = 0; i < 2; ++i) {
+    KeyNamespace keys = ns();
+    keys.tp_rank = i;
+    keys.tp_size = 2;
+    ranks.push_back(std::make_unique<Rank>(str_cat("short", i), *prefetch_group[i],
+                                           *backup_group[i], *main_group[i], keys));
+  }
+  const auto tokens = tokens_for(4, 8);
+  bool revoked[2] = {false, false};
+  std::int64_t leftover[2] = {-1, -1};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      Rank& r = *ranks[static_cast<std::size_t>(i)];
+      // What L3 holds is the same on both ranks: only the reservation differs.
+      Slots kv = r.host.alloc(4 * kPage).value();
+      for (int p = 0; p < 4; ++p) fill_page(r.host.layout(), kv[p * kPage] / kPage, kv_seed(p));
+      SidecarPagesIo st{.pool = kState, .pages = {3}, .host_slots = r.state.host_pool().alloc(1).value()};
+      SidecarPagesIo ix{.pool = kIndex, .pages = {0, 1, 2, 3},
+                        .host_slots = r.index.host_pool().alloc(4 * kPage).value()};
+      KeyNamespace keys = ns();
+      keys.tp_rank = i;
+      keys.tp_size = 2;
+      PageKeyer keyer(keys);
+      std::vector<std::string> kv_keys;
+      keyer.keys(tokens, nullptr, kv_keys);
+      const SidecarPagesIo side[] = {st, ix};
+      r.c->write_storage(kv, kv_keys, side);
+      std::vector<BackupAck> acks;
+      while (acks.empty()) {
+        if (r.c->drain_backup_acks(acks) == 0) std::this_thread::yield();
+      }
+      r.host.free(kv);
+      r.state.host_pool().free(st.host_slots);
+      r.index.host_pool().free(ix.host_slots);
+      const std::int64_t before = r.free_all();
+      Slots into = r.host.alloc(4 * kPage).value();
+      std::vector<SidecarPagesIo> reserve = {
+          {.pool = kState, .pages = {}, .host_slots = i == 1 ? Slots{} : r.state.host_pool().alloc(1).value()},
+          {.pool = kIndex, .pages = {}, .host_slots = r.index.host_pool().alloc(4 * kPage).value()}};
+      auto op = r.c->prefetch_into("short", tokens, std::nullopt, into, reserve);
+      ASSERT_TRUE(op);
+      while (!r.c->can_terminate(*op)) std::this_thread::yield();
+      const PrefetchResult res = r.c->terminate_prefetch(*op);
+      revoked[i] = res.revoked;
+      leftover[i] = before - r.free_all();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(revoked[i]) << "rank " << i;
+    EXPECT_EQ(leftover[i], 0) << "rank " << i << ": a reserved slot not freed";
+  }
+  EXPECT_EQ(pg->divergence() + bg->divergence() + mg->divergence(), "");
+}
+
 // Bad sidecar arguments are refused at the call, naming what is wrong, and change nothing.
 TEST(StorageControllerSidecars, BadSidecarArgumentsAreRefusedAndChangeNothing) {
   LocalCollective local;
