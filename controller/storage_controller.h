@@ -311,6 +311,10 @@ class StorageController {
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
   // agrees across ranks before acting on it).
   bool can_terminate(const PrefetchOperation& op) const;
+  // Changes the prefetch policy from now on (ops in flight included): the main loop's thread
+  // only (the one that asks can_terminate), every TP rank at the same step. For a check that
+  // must not depend on timing (hicache-stress's end-of-run L3 probe takes wait_complete).
+  void set_prefetch_policy(PrefetchPolicy policy) { config_.policy = policy; }
   // When time alone will make can_terminate(op) true (the timeout policy, while op still
   // loads); nothing when only a stage change can.
   std::optional<std::chrono::steady_clock::time_point> terminate_deadline(

@@ -859,6 +859,12 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   bool l3_alive = false;
   int probe_attempts = 0;
   std::size_t probe_stored = 0;
+  // The probe's prefetch waits for its pages: the run's timeout policy (tens of ms) would make
+  // this check depend on how fast a starved machine reads them (a 4.3 MiB-page preset under the
+  // sanitizers missed its deadline on every attempt). Every rank at the same step.
+  if (StorageController* sc = stack.storage_controller()) {
+    sc->set_prefetch_policy(PrefetchPolicy::kWaitComplete);
+  }
   for (; probe_attempts < 10 && !l3_alive; ++probe_attempts) {
     if (probe_attempts > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
     probe.id = str_cat("probe-", probe_attempts);

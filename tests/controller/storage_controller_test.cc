@@ -816,6 +816,10 @@ TEST(StorageController, PoliciesDecideWhenTerminateMayRun) {
     op2 = patient.prefetch("q2", tokens);
     EXPECT_FALSE(slow.can_terminate(*op)) << "not finished, timeout a minute away";
     EXPECT_FALSE(patient.can_terminate(*op2)) << "not finished";
+    patient.set_prefetch_policy(PrefetchPolicy::kBestEffort);  // from now on, ops in flight too
+    EXPECT_TRUE(patient.can_terminate(*op2));
+    patient.set_prefetch_policy(PrefetchPolicy::kWaitComplete);
+    EXPECT_FALSE(patient.can_terminate(*op2));
   }
   r.host.free(wait_and_terminate(patient, *op2).host_slots);
   r.host.free(wait_and_terminate(slow, *op).host_slots);
