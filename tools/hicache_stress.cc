@@ -861,7 +861,7 @@ int run_rank(const Settings& s, Store& store, const Rank& me) {
   std::size_t probe_stored = 0;
   // The probe's prefetch waits for its pages: the run's timeout policy (tens of ms) would make
   // this check depend on how fast a starved machine reads them (a 4.3 MiB-page preset under the
-  // sanitizers missed its deadline on every attempt). Every rank at the same step.
+  // sanitizers could miss it on every attempt). Every rank at the same step.
   if (StorageController* sc = stack.storage_controller()) {
     sc->set_prefetch_policy(PrefetchPolicy::kWaitComplete);
   }
