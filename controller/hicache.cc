@@ -133,7 +133,8 @@ HiCache::HiCache(const HiCacheConfig& config, HiCacheParts parts)
     host_pool_ = std::make_unique<HostKVPool>(*device_, g, config_.host_layout, host_tokens);
   }
   std::vector<SidecarPool*> sidecars;
-  for (const auto& [name, buffer] : parts.sidecar_device) {
+  for (const auto& entry : parts.sidecar_device) {
+    const std::string& name = entry.first;  // a structured binding: clang 15 cannot capture it
     if (std::none_of(config_.sidecars.begin(), config_.sidecars.end(),
                      [&](const SidecarSpec& s) { return s.name == name; })) {
       throw InvalidArgument(str_cat("HiCache: device memory for sidecar pool '", name,
