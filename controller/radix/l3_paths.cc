@@ -240,15 +240,21 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   return true;
 }
 
+void L3Paths::release_uncounted(std::span<const std::int64_t> counted,
+                                std::span<const SidecarPagesIo> kept) {
+  for (std::size_t i = 0; i < counted.size(); ++i) {
+    std::int64_t slots = 0;
+    for (const SidecarPagesIo& io : kept) {
+      if (static_cast<std::size_t>(io.pool) == i) slots += static_cast<std::int64_t>(io.host_slots.size());
+    }
+    cache_.sidecar_hosts_released(static_cast<std::int32_t>(i), counted[i] - slots);
+  }
+}
+
 void L3Paths::release_sidecars(std::span<const SidecarPagesIo> held,
                                std::span<const std::int64_t> counted) {
-  for (std::size_t i = 0; i < counted.size(); ++i) {
-    std::int64_t still = 0;  // of the pool's count, what `held` holds
-    for (const SidecarPagesIo& io : held) {
-      if (static_cast<std::size_t>(io.pool) == i) still += static_cast<std::int64_t>(io.host_slots.size());
-    }
-    cache_.sidecar_hosts_released(static_cast<std::int32_t>(i), counted[i] - still);
-  }
+  // Of each pool's count, what `held` holds is released by the free below.
+  release_uncounted(counted, held);
   cache_.free_sidecar_hosts(held);
 }
 
@@ -294,13 +300,7 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
   reserved_tokens_ -= p.reserved;
   // The sidecar slots it counted and did not keep are gone (terminate freed them, or this rank
   // never had them); those it kept count until a node takes or frees them.
-  for (std::size_t i = 0; i < p.sidecar_counted.size(); ++i) {
-    std::int64_t kept = 0;
-    for (const SidecarPagesIo& io : r.sidecars) {
-      if (static_cast<std::size_t>(io.pool) == i) kept += static_cast<std::int64_t>(io.host_slots.size());
-    }
-    cache_.sidecar_hosts_released(static_cast<std::int32_t>(i), p.sidecar_counted[i] - kept);
-  }
+  release_uncounted(p.sidecar_counted, r.sidecars);
   if (landed && !aborted && !r.revoked) {
     events_.prefetch_confirm_steps.observe(static_cast<double>(std::max<std::int64_t>(0, p.steps_since_landed)));
   }

@@ -159,6 +159,9 @@ class L3Paths {
   // A prefetch's sidecar reservation that no op took: `held` freed, the rest of `counted`
   // (pools this rank could not reserve) no longer counted.
   void release_sidecars(std::span<const SidecarPagesIo> held, std::span<const std::int64_t> counted);
+  // Each pool's count a prefetch took (`counted`) less the slots `kept` still holds: released.
+  void release_uncounted(std::span<const std::int64_t> counted,
+                         std::span<const SidecarPagesIo> kept);
 
   Cache& cache_;
   Tree& tree_;

@@ -417,18 +417,22 @@ std::int64_t TierPolicy::sidecar_host_room(std::int32_t pool) const {
   return host.capacity_tokens() - sidecar_host_held_[static_cast<std::size_t>(pool)];
 }
 
+bool TierPolicy::make_sidecar_host_room(std::int32_t pool, std::int64_t slots) {
+  // Host-only leaves go, coldest first, while they free this pool's pages: a few that free
+  // none (they hold no page of it) end the attempt, so one insert cannot empty the host.
+  for (int barren = 0; sidecar_host_room(pool) < slots && barren < kBarrenEvictions;) {
+    const std::int64_t before = sidecar_host_room(pool);
+    if (evict_host(tree_.page_size()) == 0) break;
+    barren = sidecar_host_room(pool) > before ? 0 : barren + 1;
+  }
+  return sidecar_host_room(pool) >= slots;
+}
+
 bool TierPolicy::make_sidecar_host_room(Node* node) {
   for (const Node::SidecarPages& sp : node->sidecars) {
     const auto need = static_cast<std::int64_t>(sp.pages.size()) *
                       controller_.sidecar(static_cast<std::size_t>(sp.pool)).spec().slots_per_page;
-    // Host-only leaves go, coldest first, while they free this pool's pages: a few that free
-    // none (they hold no page of it) end the attempt, so one insert cannot empty the host.
-    for (int barren = 0; sidecar_host_room(sp.pool) < need && barren < kBarrenEvictions;) {
-      const std::int64_t before = sidecar_host_room(sp.pool);
-      if (evict_host(tree_.page_size()) == 0) break;
-      barren = sidecar_host_room(sp.pool) > before ? 0 : barren + 1;
-    }
-    if (sidecar_host_room(sp.pool) < need) return false;
+    if (!make_sidecar_host_room(sp.pool, need)) return false;
   }
   return true;
 }
@@ -441,12 +445,7 @@ bool TierPolicy::reserve_prefetch_sidecars(std::span<const std::int64_t> pages,
   for (std::size_t i = 0; i < pages.size(); ++i) {
     const auto pool = static_cast<std::int32_t>(i);
     const std::int64_t need = pages[i] * controller_.sidecar(i).spec().slots_per_page;
-    for (int barren = 0; sidecar_host_room(pool) < need && barren < kBarrenEvictions;) {
-      const std::int64_t before = sidecar_host_room(pool);
-      if (evict_host(tree_.page_size()) == 0) break;
-      barren = sidecar_host_room(pool) > before ? 0 : barren + 1;
-    }
-    if (sidecar_host_room(pool) < need) {
+    if (!make_sidecar_host_room(pool, need)) {
       for (std::size_t j = 0; j < out.size(); ++j) {
         if (!out[j].host_slots.empty()) controller_.sidecar(j).host_pool().free(out[j].host_slots);
         sidecar_hosts_released(out[j].pool, counted[j]);

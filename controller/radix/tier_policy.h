@@ -190,6 +190,8 @@ class alignas(64) TierPolicy {
   // Makes room on the host for every sidecar page of the device-only `node`, evicting host-only
   // leaves while a pool is short (by sidecar_host_room); false when they do not fit.
   bool make_sidecar_host_room(Node* node);
+  // The same for `slots` host slots of sidecar pool `pool`; true when they fit.
+  bool make_sidecar_host_room(std::int32_t pool, std::int64_t slots);
   // Reserves host pages for every sidecar page of `node` (SidecarPages::host) in this rank's
   // pools; false (nothing reserved) when a pool is short.
   bool reserve_sidecar_hosts(Node* node);
