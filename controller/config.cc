@@ -258,9 +258,11 @@ const std::vector<Key>& keys() {
       {{"load_back_min_tokens", "load-back-min-tokens", T::kInteger, "0", ">= 0",
         "host hits shorter than this are recomputed instead of loaded (0: one page)", "", ""},
        0, kMaxCount, false, [](Draft& d, const json& v) { d.c.radix.load_back_min_tokens = as_int(v); }},
-      {{"recompute_seconds_per_token", "recompute-seconds-per-token", T::kNumber, "0", ">= 0",
-        "cost-aware tiers: the engine's prefill cost per token; a host or L3 hit slower to "
-        "move than to recompute is recomputed (0: off)",
+      {{"recompute_seconds_per_token", "recompute-seconds-per-token", T::kNumber, "", ">= 0",
+        "cost-aware tiers: a host or L3 hit slower to move than to recompute is recomputed, a "
+        "prefetch still loading when recomputing would have been done is cut; the engine's "
+        "prefill cost per token, measured from its reports when absent, the prior of those "
+        "reports when > 0, and 0 (explicitly): off",
         "", ""},
        0, kInf, false,
        [](Draft& d, const json& v) { d.c.radix.recompute_seconds_per_token = v.get<double>(); }},

@@ -167,9 +167,10 @@ void RadixCacheConfig::validate() const {
     throw InvalidArgument(
         str_cat("radix cache: load_back_min_tokens ", load_back_min_tokens, " < 0"));
   }
-  if (!(recompute_seconds_per_token >= 0 && std::isfinite(recompute_seconds_per_token))) {
+  if (recompute_seconds_per_token &&
+      !(*recompute_seconds_per_token >= 0 && std::isfinite(*recompute_seconds_per_token))) {
     throw InvalidArgument(str_cat("radix cache: recompute_seconds_per_token ",
-                                  recompute_seconds_per_token, " is not a finite number >= 0"));
+                                  *recompute_seconds_per_token, " is not a finite number >= 0"));
   }
   if (edge_hash_bits < 1 || edge_hash_bits > 64) {
     throw InvalidArgument(
@@ -479,13 +480,32 @@ bool HiRadixCache::all_ranks(bool local, const char* tag) {
   return all;
 }
 
+void HiRadixCache::sample_links() {
+  using Link = radix::CostRule::Link;
+  const ControllerStats cs = controller_.stats();
+  cost_->sample(Link::kHostLoad, static_cast<double>(cs.load_batches_done),
+                static_cast<double>(cs.bytes_loaded), cs.load_seconds);
+  cost_->sample(Link::kHostWrite, static_cast<double>(cs.write_batches_done),
+                static_cast<double>(cs.bytes_written), cs.write_seconds);
+  if (const StorageController* st = l3_->storage()) {
+    // The calls first: a call is counted after its bytes and time (a call seen has them).
+    const auto reads = static_cast<double>(st->read_calls());
+    cost_->sample(Link::kL3Read, reads, static_cast<double>(st->read_bytes()), st->read_seconds());
+    const auto writes = static_cast<double>(st->write_calls());
+    cost_->sample(Link::kL3Write, writes, static_cast<double>(st->written_bytes()),
+                  st->write_seconds());
+  }
+}
+
 void HiRadixCache::apply_events() {
+  sample_links();
   acks_.clear();
   controller_.drain_write_acks(acks_);
   for (const Ack& a : acks_) arrived_->writes[a.node] = radix::ArrivedAcks::outcome(a.ok);
   acks_.clear();
   controller_.drain_load_acks(acks_);
   for (const Ack& a : acks_) arrived_->loads[a.node] = radix::ArrivedAcks::outcome(a.ok);
+  l3_->cut_late_prefetches();
   l3_->drain_acks();
   if (agreement_->agreeing()) {
     agree_and_apply();
@@ -513,8 +533,7 @@ void HiRadixCache::agree_and_apply() {
     return;
   }
   const radix::Agreement::Step* step =
-      agreement_->reduce(*pending_, *arrived_, l3_->storage(), page_size_, tiers_->local_load_bps(),
-                         l3_->local_prefetch_bps());
+      agreement_->reduce(*pending_, *arrived_, l3_->storage(), page_size_, cost_->local());
   if (step == nullptr) {
     ++events_.tp_failures;
     apply_events();  // the collective is failed for good: the local path from now on
@@ -556,6 +575,8 @@ std::size_t HiRadixCache::prefetches_in_flight() const { return pending_->prefet
 
 void HiRadixCache::detach_storage() {
   l3_->detach();
+  cost_->reset(radix::CostRule::Link::kL3Read);  // the next store's links are its own
+  cost_->reset(radix::CostRule::Link::kL3Write);
   if (!tier_events_) return;
   tier_events_->detach_l3();
   tier_events_->publish();
@@ -577,6 +598,8 @@ void HiRadixCache::attach_storage(StorageController& storage, const KeyNamespace
                                   " differs from the pools' ", page_size_));
   }
   l3_->attach(storage, std::move(keyer), controller_.events());
+  cost_->reset(radix::CostRule::Link::kL3Read);  // a store's links are measured anew
+  cost_->reset(radix::CostRule::Link::kL3Write);
   if (tier_events_) tier_events_->attach_l3(l3_->key_prefix(), l3_medium(storage.storage()));
 }
 

@@ -111,13 +111,15 @@ struct RadixCacheConfig {
   bool weigh_footprint = true;
   std::int32_t write_through_threshold = 2;               // hits before a selective write
   std::int64_t load_back_min_tokens = 0;  // smaller host hits are recomputed (0: one page)
-  // Cost-aware tiers: the engine's cost of recomputing one token (prefill, all layers), in
-  // seconds. When > 0, load_back refuses a host hit whose predicted copy time (its bytes over
-  // the host -> device bandwidth the controller measured so far) exceeds recomputing it, and
-  // prefetch_from_storage declines when reading the tokens from L3 (at the read bandwidth the
-  // storage controller measured so far) would; until a first transfer was measured it moves
-  // the bytes. 0: off.
-  double recompute_seconds_per_token = 0;
+  // Cost-aware tiers (radix/cost_model.h): a host hit is loaded back, and an L3 hit prefetched,
+  // only where moving it is predicted to take no longer than recomputing it; a prefetch still
+  // loading once recomputing its tokens would have been done is cut at the pages that arrived.
+  // The links' bytes per second and latency are fit online from the controllers' transfers, and
+  // the engine's cost of recomputing one token (prefill, all layers, seconds) from its
+  // record_prefill reports. Nothing (the default): on, the cost measured from the reports alone
+  // (until the first, and until a link's first transfer, everything moves). > 0: on, this value
+  // the prior the reports refine. 0, set explicitly: off (every hit moves).
+  std::optional<double> recompute_seconds_per_token;
   // Demotion between watermarks (fractions of the device pool): when check_events() finds less
   // than `low` of the device free, it starts freeing LRU/LFU nodes until `high` would be free,
   // without blocking: synced copies go at once, write-back nodes are written and go on the
@@ -157,8 +159,10 @@ struct RadixCacheStats {
   std::int64_t backup_kept_tokens = 0;
   std::int64_t prefetched_tokens = 0, revoked_prefetches = 0;
   std::int64_t tp_failures = 0;  // TP agreement calls that failed (each rank then goes alone)
-  // Cost-aware load back: refusals, and the inputs of the last decision.
+  // Cost-aware load back: refusals, prefetches cut past their deadline, and the inputs of the
+  // last decision.
   std::int64_t load_backs_refused_by_cost = 0, prefetches_refused_by_cost = 0;
+  std::int64_t prefetches_cut = 0;
   double measured_prefetch_gbps = 0, last_prefetch_estimate_s = 0;
   std::int64_t demotions = 0;  // check_events() calls that started a demotion
   std::int64_t resets = 0;
@@ -200,12 +204,14 @@ class HiRadixCache {
   // The engine reports one prefill (SGLang's scheduler does so per prefill batch): of its
   // prompt tokens, how many were on the device, loaded back from the host, brought from L3 by
   // a prefetch (then loaded back), and computed. Counted in hicache_prefill_tokens_total by
-  // source and hicache_prefill_hit_ratio. InvalidArgument naming a negative count (nothing
-  // counted).
+  // source and hicache_prefill_hit_ratio. `compute_seconds`: the forward pass's time computing
+  // the computed tokens (waits for loads excluded), which the cost rule weighs as the cost of
+  // recomputing a token (RadixCacheConfig::recompute_seconds_per_token; with no computed
+  // tokens it says nothing of that cost and is not used). InvalidArgument naming a negative
+  // count or a negative or non-finite time (nothing counted).
   void record_prefill(std::int64_t device_tokens, std::int64_t host_tokens,
-                      std::int64_t storage_tokens, std::int64_t computed_tokens) {
-    events_.record_prefill(device_tokens, host_tokens, storage_tokens, computed_tokens);
-  }
+                      std::int64_t storage_tokens, std::int64_t computed_tokens,
+                      std::optional<double> compute_seconds = std::nullopt);
 
   // Cache identity (`identity` below): what besides the tokens decides a page's KV, such as a
   // LoRA adapter, a cache salt or a tenant (SGLang's extra_key, vLLM's cache_salt). Sequences
@@ -293,7 +299,7 @@ class HiRadixCache {
   // check_events(), and when the step then finds nothing it can do, wait_for_events() with it.
   std::uint64_t event_seq() const;
   // Sleeps until an event after `seen`, or `deadline`, or the timeout of a pending prefetch
-  // (the timeout policy), whichever comes first; no polling. False only when `deadline` passed
+  // (the timeout policy) or its cost deadline (the cut), whichever comes first; no polling. False only when `deadline` passed
   // with nothing happening. With TP ranks it only yields (and says true): the ranks keep
   // stepping, since each check_events() is a collective all of them must join.
   bool wait_for_events(std::uint64_t seen,
@@ -402,6 +408,8 @@ class HiRadixCache {
   Node* node_at_page(Node* end, std::int64_t pages);
 
   void agree_and_apply();
+  // Once per step: each link's counters into the cost rule's estimates.
+  void sample_links();
   void apply_events();
   // `local` with no TP collective (or one failed for good), else true only when it is true on
   // every rank (one min-reduction under `tag`).

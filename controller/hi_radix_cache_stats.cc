@@ -2,6 +2,7 @@
 // describe() and check_invariants() for tests, and the block hashes the tree holds. They read
 // the rooms and change nothing.
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 #include "controller/hi_radix_cache.h"  // IWYU pragma: associated
@@ -61,6 +62,7 @@ std::string HiRadixCache::describe() const {
 void HiRadixCache::register_metrics(MetricsRegistry& registry, MetricLabels labels) {
   metrics_.attach(registry, std::move(labels));
   events_.register_in(metrics_);
+  cost_->register_in(metrics_);
   constexpr const char* kUsed = "hicache_pool_used_tokens";
   constexpr const char* kUsedHelp = "Token slots in use per tier (device: as of the last step)";
   constexpr const char* kCapacity = "hicache_pool_capacity_tokens";
@@ -93,6 +95,17 @@ std::int64_t HiRadixCache::evictable_device_tokens() const {
   return index_->totals().evictable_device_tokens;
 }
 
+void HiRadixCache::record_prefill(std::int64_t device_tokens, std::int64_t host_tokens,
+                                  std::int64_t storage_tokens, std::int64_t computed_tokens,
+                                  std::optional<double> compute_seconds) {
+  if (compute_seconds && !(*compute_seconds >= 0 && std::isfinite(*compute_seconds))) {
+    throw InvalidArgument(
+        str_cat("record_prefill: compute_seconds ", *compute_seconds, " is not a finite number >= 0"));
+  }
+  events_.record_prefill(device_tokens, host_tokens, storage_tokens, computed_tokens);
+  if (compute_seconds) cost_->report_prefill(computed_tokens, *compute_seconds);
+}
+
 RadixCacheStats HiRadixCache::stats() const {
   RadixCacheStats s;
   const radix::CostRule::Inputs& cost = cost_->inputs();
@@ -101,6 +114,7 @@ RadixCacheStats HiRadixCache::stats() const {
   s.measured_prefetch_gbps = cost.measured_prefetch_gbps;
   s.last_prefetch_estimate_s = cost.last_prefetch_estimate_s;
   s.last_recompute_estimate_s = cost.last_recompute_estimate_s;
+  s.prefetches_cut = static_cast<std::int64_t>(events_.prefetches_cut.value());
   const auto v = [](const Counter& c) { return static_cast<std::int64_t>(c.value()); };
   s.demotions = v(events_.demotions);
   s.evicted_device_tokens = v(events_.evicted_device_tokens);

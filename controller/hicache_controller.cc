@@ -461,6 +461,7 @@ void HiCacheController::enqueue_copy(Stream& stream, Scratch& s, bool to_host, s
 
 void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
   bool ok = true;
+  const auto started = std::chrono::steady_clock::now();
   try {
     prepare_pages(op, s);
     enqueue_copy(*write_stream_, s, /*to_host=*/true, 0, device_pool_.geometry().num_layers);
@@ -474,6 +475,11 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
                       sidecar_bytes;
     sidecar_bytes_written_ += sidecar_bytes;
     writes_done_ += static_cast<std::uint64_t>(ops);
+    write_ns_ += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             started)
+            .count());
+    ++write_batches_done_;
   } catch (const std::exception&) {
     ok = false;
     write_failures_ += static_cast<std::uint64_t>(ops);
@@ -666,7 +672,9 @@ ControllerStats HiCacheController::stats() const {
                          load_batches_done_.value(), load_failures_.value(),
                          bytes_written_.value(),     bytes_loaded_.value(),
                          static_cast<double>(load_ns_.value()) * 1e-9,
-                         sidecar_bytes_written_.value(), sidecar_bytes_loaded_.value()};
+                         sidecar_bytes_written_.value(), sidecar_bytes_loaded_.value(),
+                         write_batches_done_.value(),
+                         static_cast<double>(write_ns_.value()) * 1e-9};
 }
 
 void HiCacheController::unregister_metrics() {

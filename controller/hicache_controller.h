@@ -86,6 +86,10 @@ struct ControllerStats {
   double load_seconds = 0;
   // Of bytes_written / bytes_loaded, the sidecar pools' (the rest is KV: whole tokens).
   std::uint64_t sidecar_bytes_written = 0, sidecar_bytes_loaded = 0;
+  // The successful device -> host copies (one per write op the thread ran, merged writes
+  // counted once) and their wall time, from the copy's start to its synchronisation.
+  std::uint64_t write_batches_done = 0;
+  double write_seconds = 0;
 };
 
 class HiCacheController {
@@ -259,7 +263,7 @@ class HiCacheController {
   std::unique_ptr<AckQueues> acks_;
   Counter sidecar_bytes_written_, sidecar_bytes_loaded_;
   Counter writes_done_, write_failures_, load_batches_done_, load_failures_, bytes_written_,
-      bytes_loaded_, load_ns_;
+      bytes_loaded_, load_ns_, write_batches_done_, write_ns_;
   Histogram write_latency_, load_latency_;
   std::atomic<bool> timed_{false};  // registered: ops are timed for the latency histograms
   MetricsScope metrics_;  // after what it registers: it goes first

@@ -406,6 +406,10 @@ std::int64_t StorageController::write_batch(const BackupOp& op, std::size_t begi
   std::int64_t ok = 0;
   while (ok < static_cast<std::int64_t>(n) && results[ok].is_ok()) ++ok;
   written_bytes_ += ok * static_cast<std::int64_t>(page_bytes);
+  if (ok > 0) {
+    write_ns_ += static_cast<std::int64_t>(ns);
+    ++write_calls_;
+  }
   backup_batch_pages_.observe(static_cast<double>(n));
   if (ok > 0 && ns > 0) {  // bytes per nanosecond: GB/s
     backup_gbps_.observe(static_cast<double>(ok) * static_cast<double>(page_bytes) /
@@ -646,14 +650,20 @@ void StorageController::finish(PrefetchOperation& op) {
 void StorageController::prefetch_io_loop() {
   while (auto task = prefetch_io_queue_.get()) {
     PrefetchOperation& op = *task->op;
+    bool skipped = false;
     {
       MutexLock lock(op.mu_);
-      if (op.terminate_) {  // terminated before it started: read nothing, touch nothing
+      if (op.terminate_) {  // terminated (or cut) before it started: read nothing, touch nothing
         if (op.stage_ == PrefetchStage::kLoading) op.stage_ = PrefetchStage::kFinished;
-        op.cv_.notify_all();
-        continue;  // terminate_prefetch, on the main loop, waits for this itself
+        skipped = true;
+      } else {
+        op.worker_started_ = true;
       }
-      op.worker_started_ = true;
+    }
+    if (skipped) {
+      op.cv_.notify_all();  // terminate_prefetch, on the main loop, waits for this itself
+      notify_events();      // and a cut op's main loop waits for it to finish
+      continue;
     }
     try {
       read_pages(op);
@@ -705,6 +715,7 @@ void StorageController::read_pages(PrefetchOperation& op) {
       if (ok > 0) {
         read_ns_ += static_cast<std::int64_t>(ns);
         read_bytes_ += static_cast<std::int64_t>(ok * page_bytes);
+        ++read_calls_;
         if (ns > 0) {  // bytes per nanosecond: GB/s
           prefetch_gbps_.observe(static_cast<double>(ok * page_bytes) / static_cast<double>(ns));
         }

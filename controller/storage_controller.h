@@ -315,6 +315,10 @@ class StorageController {
   // only (the one that asks can_terminate), every TP rank at the same step. For a check that
   // must not depend on timing (hicache-stress's end-of-run L3 probe takes wait_complete).
   void set_prefetch_policy(PrefetchPolicy policy) { config_.policy = policy; }
+  // Tells `op`'s I/O to stop after the batch in flight (the cost rule's cut: a prefetch that no
+  // longer pays); the op then finishes with the pages that landed, which terminate_prefetch
+  // agrees on and keeps as for any op. Never blocks; nothing once the op stopped reading.
+  void cut_prefetch(PrefetchOperation& op) const { op.terminate_ = true; }
   // When time alone will make can_terminate(op) true (the timeout policy, while op still
   // loads); nothing when only a stage change can.
   std::optional<std::chrono::steady_clock::time_point> terminate_deadline(
@@ -339,6 +343,11 @@ class StorageController {
   // brought them (the L3 -> host bandwidth the radix cache weighs against recomputing).
   std::int64_t read_bytes() const { return static_cast<std::int64_t>(read_bytes_.value()); }
   double read_seconds() const { return static_cast<double>(read_ns_.value()) * 1e-9; }
+  // The batch_get calls that brought read_bytes(). Readable from any thread, as the others.
+  std::int64_t read_calls() const { return static_cast<std::int64_t>(read_calls_.value()); }
+  // Backups so far: the batch_set calls that stored written_bytes() and their time.
+  std::int64_t write_calls() const { return static_cast<std::int64_t>(write_calls_.value()); }
+  double write_seconds() const { return static_cast<double>(write_ns_.value()) * 1e-9; }
   // hicache_prefetch_confirm_seconds: from the last page of a prefetch that read its whole hit
   // to the terminate_prefetch that took its pages.
   const Histogram& prefetch_confirm_latency() const { return prefetch_confirm_latency_; }
@@ -463,7 +472,8 @@ class StorageController {
   OpQueue<BackupOp> backup_queue_;
   moodycamel::ConcurrentQueue<BackupAck> backup_acks_;
   std::atomic<std::int64_t> next_id_{1};
-  Counter failed_ops_, read_bytes_, read_ns_, written_bytes_;
+  Counter failed_ops_, read_bytes_, read_ns_, read_calls_, written_bytes_, write_ns_,
+      write_calls_;
   Counter sidecar_written_bytes_, sidecar_read_bytes_;
   Counter backups_ok_, backups_failed_, prefetches_, revoked_, terminated_, prefetched_pages_;
   Histogram backup_latency_, prefetch_latency_;

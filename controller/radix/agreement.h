@@ -1,18 +1,20 @@
 // How HiRadixCache's TP ranks agree, and what they agree on: the ops in flight (PendingOps),
-// the acks that arrived on this rank (ArrivedAcks), the step's one collective (Agreement), and
-// the cost rule that weighs moving KV against recomputing it (CostRule).
+// the acks that arrived on this rank (ArrivedAcks) and the step's one collective (Agreement),
+// which also carries the estimates the cost rule weighs (cost_model.h).
 //
 // The rule (docs/architecture.md, "Tensor parallelism"): every change to the tree comes from
 // values all ranks agreed on, so the trees stay identical. The ranks run the same ops in the
 // same order, so their pending ops carry the same ids; once per step, for the oldest
-// kAgreeSlots ops of each kind, every rank says what arrived (0: not yet), and only what arrived
-// everywhere is applied, with the worst rank's outcome. The same min-reduction carries, per
-// prefetch, whether this rank's policy lets it terminate and the pages it completed, and the
-// bandwidths the cost rule weighs. Nothing pending: no reduction (every rank skips it alike).
+// ops of each kind (at most kAgreeSlots, and together within the collective's max_values()),
+// every rank says what arrived (0: not yet), and only what arrived everywhere is applied, with
+// the worst rank's outcome. The same min-reduction carries, per prefetch, whether this rank
+// lets it terminate and the pages it completed, and the cost rule's estimates
+// (CostRule::Values). Nothing pending: no reduction (every rank skips it alike).
 //
 // Not thread-safe: the engine's main loop owns them.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -22,6 +24,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "controller/radix/cost_model.h"
 #include "controller/radix/node.h"
 #include "controller/storage_controller.h"
 #include "storage/collective.h"
@@ -53,6 +56,16 @@ struct PendingOps {
     std::int64_t agreed_pages = 0;
     // Steps (check_events calls) begun since its I/O was seen done on this rank; -1 before.
     std::int64_t steps_since_landed = -1;
+    // The cost rule's deadline: past it, waiting for the rest costs more than recomputing it
+    // would have (nothing when the rule is off or not measured). `cut`: this rank told its I/O
+    // to stop after the batch in flight (StorageController::cut_prefetch).
+    std::optional<std::chrono::steady_clock::time_point> cut_at;
+    bool cut = false;
+    // This rank's view: the prefetch may terminate now (its policy allows it, or it was cut and
+    // its I/O stopped).
+    bool may_terminate(const StorageController& storage) const {
+      return storage.can_terminate(*op) || (cut && op->stage() == PrefetchStage::kFinished);
+    }
   };
   std::unordered_map<std::string, Prefetch> prefetches;
   // Prefetches that ended (check_events may end one before the scheduler asks): the tokens each
@@ -75,39 +88,6 @@ struct ArrivedAcks {
   static std::int64_t outcome(bool ok) { return ok ? kOk : kFailed; }
   std::unordered_map<NodeId, std::int64_t> writes, loads, backups;
   std::unordered_set<std::string> revoked;  // prefetch request ids
-};
-
-// The cost rule (RadixCacheConfig::recompute_seconds_per_token): move KV only when moving it
-// takes no longer than recomputing it, at a bandwidth measured so far.
-class CostRule {
- public:
-  static constexpr std::int64_t kUnmeasured = std::numeric_limits<std::int64_t>::max();
-  enum class Move { kLoad, kPrefetch };  // host -> device, L3 -> host
-  // The inputs of the last decision of each kind (RadixCacheStats reports them).
-  struct Inputs {
-    double measured_load_gbps = 0, last_load_estimate_s = 0;
-    double measured_prefetch_gbps = 0, last_prefetch_estimate_s = 0;
-    double last_recompute_estimate_s = 0;
-  };
-
-  // `token_bytes`: the KV of one token over all layers. Off when recompute_seconds_per_token
-  // is 0.
-  CostRule(double recompute_seconds_per_token, std::int64_t token_bytes)
-      : recompute_seconds_per_token_(recompute_seconds_per_token), token_bytes_(token_bytes) {}
-  bool on() const { return recompute_seconds_per_token_ > 0; }
-  // True when moving `tokens` at `bytes_per_second` takes no longer than recomputing them, and
-  // when the bandwidth is kUnmeasured (nothing recorded then); records the decision's inputs.
-  // `extra_bytes`: bytes that move with the tokens' KV (a hybrid model's sidecar pages).
-  bool moving_pays(Move move, std::int64_t tokens, std::int64_t bytes_per_second,
-                   std::int64_t extra_bytes = 0);
-  const Inputs& inputs() const { return inputs_; }
-  // bytes / seconds as whole bytes per second (at least 1), or kUnmeasured before a transfer.
-  static std::int64_t rate(double bytes, double seconds);
-
- private:
-  double recompute_seconds_per_token_;
-  std::int64_t token_bytes_;
-  Inputs inputs_;
 };
 
 class Agreement {
@@ -142,25 +122,25 @@ class Agreement {
   };
   // The step's one collective. REQUIRES: agreeing() and !pending.idle(). Returns what every
   // rank agreed (valid until the next call) and takes those acks out of `arrived`; records the
-  // agreed bandwidths. Null when the collective failed (for good: agreeing() is false from now
-  // on); then nothing changed.
+  // agreed cost estimates. Null when the collective failed (for good: agreeing() is false from
+  // now on); then nothing changed. The oldest ops of each kind go in, one of each kind in turn
+  // while the call has room (a prefetch takes 3 values, an ack 1; the estimates kValues): the
+  // same ops on every rank, since their pending sets are the same.
   const Step* reduce(const PendingOps& pending, ArrivedAcks& arrived,
                      const StorageController* storage, std::int32_t page_size,
-                     std::int64_t local_load_bps, std::int64_t local_prefetch_bps);
+                     const CostRule::Values& local_costs);
 
-  // The bandwidth to weigh: this rank's own, or under TP the slowest rank's as of the last
-  // reduction (kUnmeasured until one).
-  std::int64_t load_bps(std::int64_t local) const { return agreeing() ? agreed_load_bps_ : local; }
-  std::int64_t prefetch_bps(std::int64_t local) const {
-    return agreeing() ? agreed_prefetch_bps_ : local;
+  // The estimates to weigh: this rank's own, or under TP the cautious view of every rank's as
+  // of the last reduction (nothing measured until one).
+  CostRule::Values costs(const CostRule::Values& local) const {
+    return agreeing() ? agreed_costs_ : local;
   }
 
  private:
   Collective* tp_;
   std::vector<std::int64_t> buffer_;  // reused
   Step step_;                         // reused
-  std::int64_t agreed_load_bps_ = CostRule::kUnmeasured;
-  std::int64_t agreed_prefetch_bps_ = CostRule::kUnmeasured;
+  CostRule::Values agreed_costs_ = CostRule::kNothingMeasured;
 };
 
 }  // namespace hicache::radix

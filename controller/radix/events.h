@@ -32,6 +32,9 @@ struct CacheEvents {
   // threshold, queue or budget full, slower than recomputing, no host room).
   Counter prefetch_attempts, prefetches_issued, prefetches_too_short, prefetches_rate_limited,
       prefetches_host_full;
+  // Queued prefetches the cost rule cut: still loading once recomputing their tokens would have
+  // been done (they keep the pages that arrived).
+  Counter prefetches_cut;
   // Tokens of a queued prefetch's agreed L3 hit that the tree did not get, by reason: not
   // read in time or read failed, the request aborted, cached meanwhile by another request.
   Counter unfulfilled_transfer_tokens, unfulfilled_dropped_tokens, unfulfilled_shrunk_tokens;

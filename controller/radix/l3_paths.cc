@@ -158,11 +158,6 @@ void L3Paths::touch_path(Node* node) {
   if (!keys.empty()) storage_->touch(std::move(keys));
 }
 
-std::int64_t L3Paths::local_prefetch_bps() const {
-  if (storage_ == nullptr) return CostRule::kUnmeasured;
-  return CostRule::rate(static_cast<double>(storage_->read_bytes()), storage_->read_seconds());
-}
-
 bool L3Paths::prefetch(const std::string& request_id, Node* node,
                        std::span<const std::int32_t> tokens, std::string_view identity) {
   if (storage_ == nullptr || pending_.prefetches.count(request_id) != 0) return false;
@@ -178,12 +173,25 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
     ++events_.prefetches_too_short;
     return false;
   }
-  if (cost_.on() && !cost_.moving_pays(CostRule::Move::kPrefetch, static_cast<std::int64_t>(usable),
-                                       agreement_.prefetch_bps(local_prefetch_bps()))) {
-    // Reading it from L3 would take longer than recomputing it.
-    ++events_.prefetches_refused_by_cost;
-    events_.miss_prefetch_refused_tokens += usable;
-    return false;
+  const auto want = static_cast<std::int64_t>(usable);
+  const CostRule::Values costs = agreement_.costs(cost_.local());
+  if (cost_.on()) {
+    // Reading it from L3, after what the prefetches in flight have still to read on the same
+    // link, would take longer than recomputing it. The counts are agreed state under TP.
+    std::int64_t wait_tokens = 0;
+    for (const auto& [id, q] : pending_.prefetches) {
+      const std::int64_t done = agreement_.agreeing() ? q.agreed_pages * tree_.page_size()
+                                                      : q.op->completed_tokens();
+      wait_tokens += std::max<std::int64_t>(0, q.reserved - done);
+    }
+    const std::int64_t batch = std::max<std::int64_t>(1, storage_->batch_pages());
+    const std::int64_t ops = 1 + (want / tree_.page_size() + batch - 1) / batch;  // query, reads
+    if (!cost_.moving_pays(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens,
+                           static_cast<std::int64_t>(pending_.prefetches.size()))) {
+      ++events_.prefetches_refused_by_cost;
+      events_.miss_prefetch_refused_tokens += usable;
+      return false;
+    }
   }
   std::optional<PageDigest> prior;
   if (node != root) {
@@ -193,7 +201,6 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   }
   // Room in the queue and in the prefetch budget, by the prefetches in flight (the queue holds
   // at most those) and the host tokens they reserved: the same counts on every TP rank.
-  const auto want = static_cast<std::int64_t>(usable);
   if (pending_.prefetches.size() >= storage_->prefetch_queue_capacity() ||
       reserved_tokens_ + want > storage_->config().prefetch_budget_tokens) {
     ++events_.prefetches_rate_limited;
@@ -232,11 +239,17 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   }
   ++events_.prefetches_issued;
   reserved_tokens_ += want;
-  pending_.prefetches[request_id] = PendingOps::Prefetch{
+  PendingOps::Prefetch& p = pending_.prefetches[request_id] = PendingOps::Prefetch{
       std::move(op), node,
       std::vector<std::int32_t>(tokens.begin(),
                                 tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
       node == root ? std::string(identity) : std::string(), want, std::move(side_counted)};
+  // Past this, waiting for the rest costs more than recomputing the tokens would have.
+  if (const auto recompute = CostRule::recompute_seconds(costs, want); cost_.on() && recompute) {
+    p.cut_at = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(*recompute));
+  }
   return true;
 }
 
@@ -275,7 +288,7 @@ bool L3Paths::check_progress(const std::string& request_id, std::int64_t* insert
   if (agreement_.agreeing()) {
     if (!p.agreed_ready) return false;
     pages = p.agreed_pages;
-  } else if (!storage_->can_terminate(*p.op)) {
+  } else if (!p.may_terminate(*storage_)) {
     return false;
   }
   finish_prefetch(request_id, false, pages ? *pages : p.op->completed_tokens() / tree_.page_size());
@@ -403,12 +416,28 @@ void L3Paths::drain_acks() {
   for (std::string& id : revoked_) arrived_.revoked.insert(std::move(id));
 }
 
+void L3Paths::cut_late_prefetches() {
+  if (storage_ == nullptr) return;
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [id, p] : pending_.prefetches) {
+    if (p.cut || !p.cut_at || now < *p.cut_at || p.op->io_done()) continue;
+    const PrefetchStage stage = p.op->stage();
+    if (stage != PrefetchStage::kQueued && stage != PrefetchStage::kLoading) continue;
+    storage_->cut_prefetch(*p.op);
+    p.cut = true;
+    ++events_.prefetches_cut;
+  }
+}
+
 std::optional<std::chrono::steady_clock::time_point> L3Paths::next_deadline(
     std::optional<std::chrono::steady_clock::time_point> until) const {
   if (storage_ == nullptr) return until;
+  auto earliest = [&](std::chrono::steady_clock::time_point d) {
+    until = until ? std::min(*until, d) : d;
+  };
   for (const auto& [id, p] : pending_.prefetches) {
-    if (const auto d = storage_->terminate_deadline(*p.op))
-      until = until ? std::min(*until, *d) : *d;
+    if (const auto d = storage_->terminate_deadline(*p.op)) earliest(*d);
+    if (p.cut_at && !p.cut) earliest(*p.cut_at);
   }
   return until;
 }

@@ -136,13 +136,16 @@ class L3Paths {
 
   // Moves the backup acks and revoked prefetches that arrived into `arrived`.
   void drain_acks();
-  // The earliest timeout among the pending prefetches (the timeout policy), or `until`.
+  // The cost rule's cut (once per step): a prefetch still loading past its deadline
+  // (PendingOps::Prefetch::cut_at) stops after the batch in flight and ends with the pages that
+  // arrived.
+  void cut_late_prefetches();
+  // The earliest timeout among the pending prefetches (the timeout policy, the cost rule's
+  // deadlines), or `until`.
   std::optional<std::chrono::steady_clock::time_point> next_deadline(
       std::optional<std::chrono::steady_clock::time_point> until) const;
   // Host tokens held by prefetches in flight.
   std::int64_t reserved_tokens() const { return reserved_tokens_; }
-  // The storage controller's read bandwidth so far (CostRule::kUnmeasured: none, or no L3).
-  std::int64_t local_prefetch_bps() const;
   const StorageController* storage() const { return storage_; }
   // The namespace prefix of the page keys. REQUIRES: attached().
   const std::string& key_prefix() const { return keyer_->prefix(); }

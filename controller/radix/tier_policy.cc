@@ -171,18 +171,13 @@ std::optional<std::vector<std::int64_t>> TierPolicy::load_back(Node* node) {
 
 bool TierPolicy::load_back_pays(std::int64_t tokens, std::int64_t sidecar_bytes) {
   if (!cost_.on()) return true;
-  const bool pays = cost_.moving_pays(CostRule::Move::kLoad, tokens,
-                                      agreement_.load_bps(local_load_bps()), sidecar_bytes);
+  const bool pays = cost_.moving_pays(CostRule::Move::kLoad, agreement_.costs(cost_.local()),
+                                      tokens, sidecar_bytes);
   if (!pays) {
     ++events_.load_backs_refused_by_cost;
     events_.miss_load_refused_tokens += tokens;
   }
   return pays;
-}
-
-std::int64_t TierPolicy::local_load_bps() const {
-  const ControllerStats cs = controller_.stats();
-  return CostRule::rate(static_cast<double>(cs.bytes_loaded), cs.load_seconds);
 }
 
 void TierPolicy::drop_device(Node* node) {

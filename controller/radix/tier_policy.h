@@ -4,7 +4,7 @@
 //     a node's hits to the threshold, write_back only when the node is evicted from the device
 //     (the device copy is freed on the write's ack); an eviction's write goes before backups;
 //   - load back of a host-resident path to the device, refused below load_back_min_tokens or
-//     when the cost rule (agreement.h, CostRule) says recomputing is cheaper;
+//     when the cost rule (cost_model.h, CostRule) says recomputing is cheaper;
 //   - device and host eviction in the eviction index's order, and demotion between the
 //     watermarks at each step;
 //   - L3 admission (storage_admission.h): write_through backs a host copy up once it is synced;
@@ -146,8 +146,6 @@ class alignas(64) TierPolicy {
   void apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t local);
   void apply_load_ack(NodeId id, std::int64_t agreed, std::int64_t local);
 
-  // This rank's host -> device bandwidth so far (CostRule::kUnmeasured before a load).
-  std::int64_t local_load_bps() const;
   // A prefetch's host pages of each sidecar pool (pages[i] pages of pool i), room made as a
   // write makes it (host-only leaves go while a pool is short by sidecar_host_room). Their
   // slots (pages[i] x slots_per_page, reserved or not) count with the tree's sidecar host slots

@@ -75,7 +75,7 @@ TEST(HiCacheConfig, ParsesTheRadixKeys) {
   EXPECT_EQ(c.radix.eviction_policy, EvictionPolicy::kLfu);
   EXPECT_EQ(c.radix.write_through_threshold, 3);
   EXPECT_EQ(c.radix.load_back_min_tokens, 256);
-  EXPECT_DOUBLE_EQ(c.radix.recompute_seconds_per_token, 2.5e-5);
+  EXPECT_DOUBLE_EQ(c.radix.recompute_seconds_per_token.value(), 2.5e-5);
   EXPECT_DOUBLE_EQ(c.radix.demote_low_watermark, 0.1);
   EXPECT_DOUBLE_EQ(c.radix.demote_high_watermark, 0.3);
   const HiCacheConfig device_only = HiCacheConfig::from_json_text(

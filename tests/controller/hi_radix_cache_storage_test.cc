@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -265,18 +266,21 @@ TEST(HiRadixCacheStorage, CorruptOrMissingRecordsEndThePrefetchWithoutWrongBytes
   third.expect_accounting();
 }
 
-// Cost-aware prefetch: once an L3 read was measured, a prefetch is declined when reading the
-// pages would take longer than recomputing them.
+// Cost-aware prefetch, on by default: once an L3 read was measured and the engine reported
+// what a token costs to compute, a prefetch is declined when reading the pages would take
+// longer than recomputing them.
 TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
   L3 l3("cost");
   const auto a = seq({1, 2, 3, 4});
   store_in_l3(l3, a);
   for (double cost : {1e-15, 1.0}) {
-    Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = cost}, &l3,
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
              {.policy = PrefetchPolicy::kWaitComplete});
     e.run(a);  // nothing measured yet: prefetched (which measures the read bandwidth)
     e.settle();
     ASSERT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage);
+    // The engine's forward pass: 1000 tokens computed at `cost` seconds each.
+    e.cache.record_prefill(0, 0, 0, 1000, 1000 * cost);
     e.cache.evict_device(std::int64_t{1} << 40);
     e.cache.evict_host(std::int64_t{1} << 40);
     ASSERT_EQ(e.cache.stats().nodes, 0);
@@ -285,10 +289,159 @@ TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
     e.settle();
     const auto s = e.cache.stats();
     EXPECT_GT(s.measured_prefetch_gbps, 0);
+    EXPECT_EQ(s.prefetches_cut, 0);
     if (cost < 1e-9) {
       EXPECT_EQ(s.prefetches_refused_by_cost, 1);
       EXPECT_EQ(e.recomputed_pages, recomputed + 4);
     } else {
+      EXPECT_EQ(s.prefetches_refused_by_cost, 0);
+      EXPECT_EQ(s.prefetched_tokens, 8 * kPage);
+      EXPECT_EQ(e.recomputed_pages, recomputed);
+    }
+    e.expect_accounting();
+  }
+  // recompute_seconds_per_token 0, set explicitly: off, whatever the engine reports.
+  Engine off(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = 0.0}, &l3,
+             {.policy = PrefetchPolicy::kWaitComplete});
+  off.run(a);
+  off.settle();
+  off.cache.record_prefill(0, 0, 0, 1000, 1e-12);
+  off.cache.evict_device(std::int64_t{1} << 40);
+  off.cache.evict_host(std::int64_t{1} << 40);
+  off.run(a);
+  off.settle();
+  EXPECT_EQ(off.cache.stats().prefetched_tokens, 8 * kPage);
+  EXPECT_EQ(off.cache.stats().prefetches_refused_by_cost, 0);
+  off.expect_accounting();
+}
+
+// A store in front of the file store whose reads are slow: each waits `delay`, and once
+// `free_reads` went through, each waits at a gate the test opens.
+class SlowReads final : public StorageBackend {
+ public:
+  SlowReads(StorageBackend& inner, std::chrono::milliseconds delay, int free_reads)
+      : inner_(inner), delay_(delay), free_reads_(free_reads) {}
+  ~SlowReads() override { open_all(); }
+  std::string_view name() const override { return inner_.name(); }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return inner_.batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_.remove(key); }
+  void clear() override { inner_.clear(); }
+  // Waits until a read waits at the gate.
+  void wait_held() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return held_ > 0; });
+  }
+  void open_all() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  int reads() const { return reads_.load(); }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    std::this_thread::sleep_for(delay_);  // the slow store (a test's, never a hot path)
+    {
+      std::unique_lock lock(mu_);
+      if (reads_++ >= free_reads_) {
+        ++held_;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return open_; });
+        --held_;
+      }
+    }
+    return inner_.batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    return inner_.batch_set(keys, src);
+  }
+  StorageBackend* wrapped() const override { return &inner_; }
+
+ private:
+  StorageBackend& inner_;
+  const std::chrono::milliseconds delay_;
+  const int free_reads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<int> reads_{0};
+  int held_ = 0;
+  bool open_ = false;
+};
+
+// The cost rule's deadline: a prefetch still loading once recomputing its tokens would have
+// been done is cut. Its I/O stops after the batch in flight (the scheduler never waits for it),
+// the pages that arrived go into the tree byte for byte, and exactly the host pages it did not
+// use are freed.
+TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesItDidNotUse) {
+  L3 l3("cut");
+  const auto a = seq({1, 2, 3, 4});
+  store_in_l3(l3, a);
+  SlowReads slow(l3.file, std::chrono::milliseconds(0), /*free_reads=*/1);
+  l3.store = &slow;
+  // A microsecond per token: the 16 tokens' deadline has passed by the first check.
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = 1e-6}, &l3,
+           {.io_batch_pages = 1, .policy = PrefetchPolicy::kWaitComplete});
+  const std::int64_t host_free = e.host_pool.free_tokens();
+  auto m = e.cache.match_prefix(a);
+  ASSERT_TRUE(e.cache.prefetch_from_storage("cut", m.last_host_node, a));
+  EXPECT_EQ(e.host_pool.free_tokens(), host_free - 4 * kPage);  // reserved for the whole span
+  slow.wait_held();  // page 1 landed, page 2's read is in flight
+  e.cache.check_events();
+  EXPECT_EQ(e.cache.stats().prefetches_cut, 1);
+  EXPECT_FALSE(e.cache.check_prefetch_progress("cut")) << "ended before its I/O stopped";
+  slow.open_all();  // the batch in flight lands; the I/O stops there
+  std::int64_t inserted = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    const std::uint64_t seen = e.cache.event_seq();
+    e.cache.check_events();
+    if (e.cache.check_prefetch_progress("cut", &inserted)) break;
+    ASSERT_TRUE(e.cache.wait_for_events(seen, deadline)) << "the cut prefetch never ended";
+  }
+  EXPECT_EQ(inserted, 2 * kPage);
+  EXPECT_EQ(slow.reads(), 2) << "read past the cut";
+  EXPECT_EQ(e.cache.stats().prefetched_tokens, 2 * kPage);
+  EXPECT_EQ(e.host_pool.free_tokens(), host_free - 2 * kPage);  // the 2 it did not use: freed
+  // The two pages are served byte for byte; the other two are computed.
+  const auto verified = e.verified_pages;
+  e.run(a);
+  EXPECT_EQ(e.verified_pages, verified + 2);
+  e.expect_accounting();
+}
+
+// The decision on a constructed case, the engine's cost reported as a forward pass does: over
+// a store whose reads take 300 ms, a prefetch of 16 tokens costing 2 ms each to compute is cut
+// (before anything was measured) and the next one declined; over the file store as it is, both
+// are fetched.
+TEST(HiRadixCacheStorage, ASlowStoreIsRecomputedAndAFastOneFetched) {
+  for (const bool slow_store : {true, false}) {
+    SCOPED_TRACE(slow_store ? "slow store" : "fast store");
+    L3 l3(slow_store ? "slow" : "fast");
+    const auto a = seq({1, 2, 3, 4});
+    store_in_l3(l3, a);
+    SlowReads slow(l3.file, std::chrono::milliseconds(slow_store ? 300 : 0), 1 << 30);
+    l3.store = &slow;
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+             {.policy = PrefetchPolicy::kWaitComplete});
+    e.cache.record_prefill(0, 0, 0, 1000, 1000 * 2e-3);
+    e.run(a);
+    e.settle();
+    e.cache.evict_device(std::int64_t{1} << 40);
+    e.cache.evict_host(std::int64_t{1} << 40);
+    const auto recomputed = e.recomputed_pages;
+    e.run(a);
+    e.settle();
+    const auto s = e.cache.stats();
+    if (slow_store) {
+      EXPECT_EQ(s.prefetches_cut, 1);
+      EXPECT_EQ(s.prefetches_refused_by_cost, 1);
+      EXPECT_EQ(e.recomputed_pages, recomputed + 4);
+    } else {
+      EXPECT_EQ(s.prefetches_cut, 0);
       EXPECT_EQ(s.prefetches_refused_by_cost, 0);
       EXPECT_EQ(s.prefetched_tokens, 8 * kPage);
       EXPECT_EQ(e.recomputed_pages, recomputed);

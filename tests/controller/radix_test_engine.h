@@ -54,6 +54,8 @@ struct L3 {
   Collective* prefetch = &local;
   Collective* backup = &local;
   Collective* main = &local;
+  // The store engines use: the file store, or a test's wrapper around it.
+  StorageBackend* store = &file;
   explicit L3(const std::string& name)
       : root(std::filesystem::temp_directory_path() / str_cat("hicache-radix-", name, "-", ::getpid())),
         file(FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string())}) {}
@@ -125,7 +127,7 @@ struct Engine {
         host_pool(device, geometry(), HostLayout::kPageFirst, host_pages * kPage),
         controller(device, device_pool, host_pool, ControllerConfig{.write_policy = policy}),
         storage(l3 == nullptr ? nullptr
-                              : std::make_unique<StorageController>(host_pool, l3->file, ns,
+                              : std::make_unique<StorageController>(host_pool, *l3->store, ns,
                                                                     *l3->prefetch, *l3->backup,
                                                                     *l3->main, sc)),
         cache(controller, device_pool, host_pool, config, storage.get(),

@@ -307,10 +307,10 @@ std::optional<std::vector<std::int64_t>> SimulatedEngine::alloc_sidecar(std::siz
 
 // A prefilled request's tokens by where they came from (counted once its prefill ran: a request
 // whose loads failed is admitted again, and counted then).
-void SimulatedEngine::account(const Running& r) {
+void SimulatedEngine::account(const Running& r, std::optional<double> compute_seconds) {
   const FinishedRequest& f = r.report;
   cache_.record_prefill(f.device_hit_tokens, f.host_hit_tokens, f.storage_hit_tokens,
-                        f.computed_tokens);
+                        f.computed_tokens, compute_seconds);
   stats_.device_hit_tokens += f.device_hit_tokens;
   stats_.loaded_back_tokens += f.host_hit_tokens + f.storage_hit_tokens;
   stats_.storage_hit_tokens += f.storage_hit_tokens;
@@ -437,10 +437,13 @@ bool SimulatedEngine::step() {
     const auto per_layer = std::chrono::duration<double>(config_.cost_per_token_layer *
                                                          static_cast<double>(computed));
     bool loaded = true;
+    double computing = 0;  // the forward pass's compute time, waits for loads excluded
     for (std::int32_t layer = 0; layer < device_pool_.geometry().num_layers; ++layer) {
       loaded = device_pool_.wait_for_layer(layer) && loaded;
       if (loaded && per_layer.count() > 0) {
+        const auto t = std::chrono::steady_clock::now();
         std::this_thread::sleep_for(per_layer);  // the GPU computing layer `layer`
+        computing += std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         stats_.compute_seconds += per_layer.count();
       }
     }
@@ -453,7 +456,13 @@ bool SimulatedEngine::step() {
     if (!loaded) retry_after_failed_loads(batch);
     const auto now = std::chrono::steady_clock::now();
     for (Running& r : batch) {
-      account(r);
+      // The cache's cost rule weighs what a computed token cost (each request's share of the
+      // pass); with no compute simulated there is no cost to report.
+      const double share =
+          computed > 0 ? computing * static_cast<double>(r.prompt_tokens - r.cached_tokens) /
+                             static_cast<double>(computed)
+                       : 0;
+      account(r, per_layer.count() > 0 ? std::optional<double>(share) : std::nullopt);
       verify(r);
       r.report.ttft_s = std::chrono::duration<double>(now - r.request.arrival).count();
       r.first_token = now;

@@ -201,7 +201,9 @@ class SimulatedEngine {
   static constexpr int kMaxStorageAsks = 3;
   static constexpr int kMaxLoadFailures = 3;
   bool admit(Waiting& w, std::vector<Running>& batch);
-  void account(const Running& r);
+  // Reports `r`'s prefill to the cache (record_prefill), with its share of the forward pass's
+  // compute time when compute is simulated.
+  void account(const Running& r, std::optional<double> compute_seconds);
   void retry_after_failed_loads(std::vector<Running>& batch);
   void verify(const Running& r);
   // Hybrid: checks the sidecar pages the restore of r's cached prefix reads.

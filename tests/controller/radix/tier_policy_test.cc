@@ -309,7 +309,11 @@ TEST(TierPolicy, ALoadBackIsRefusedWhenRecomputingIsCheaper) {
     Node* n = rig.host_only_leaf(1, 2);
     ASSERT_TRUE(rig.tiers.load_back(n).has_value());  // unmeasured: moves
     rig.run_loads(1);
-    ASSERT_NE(rig.tiers.local_load_bps(), CostRule::kUnmeasured);
+    // The step's sampling (HiRadixCache::check_events): the load is measured.
+    const ControllerStats cs = rig.controller.stats();
+    rig.cost.sample(CostRule::Link::kHostLoad, static_cast<double>(cs.load_batches_done),
+                    static_cast<double>(cs.bytes_loaded), cs.load_seconds);
+    ASSERT_TRUE(rig.cost.link(CostRule::Link::kHostLoad).measured());
     EXPECT_EQ(rig.tiers.evict_device(8), 8);
     const auto second = rig.tiers.load_back(n);
     if (recompute < 1) {  // recomputing 8 tokens takes no time at all: refused
