@@ -100,7 +100,9 @@ CostRule::Values CostRule::local() const {
     v[at + 1] = -static_cast<std::int64_t>(std::min(e.latency_seconds() * 1e9, 1e15));
   };
   put(Link::kHostLoad, 0);
-  put(Link::kL3Read, 2);
+  // A store's reads before the first one landed: its writes (the backups, which come first)
+  // went over the same store, and say more than nothing of it.
+  put(link(Link::kL3Read).measured() ? Link::kL3Read : Link::kL3Write, 2);
   if (prefill_.measured()) {
     v[4] = std::llround(std::min(prefill_.seconds_per_token() * 1e15, 9e18));
   }

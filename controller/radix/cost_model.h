@@ -105,7 +105,8 @@ class CostRule {
 
   const LinkEstimate& link(Link l) const { return links_[static_cast<std::size_t>(l)]; }
   const PrefillEstimate& prefill() const { return prefill_; }
-  // This rank's estimates, encoded (see Values).
+  // This rank's estimates, encoded (see Values). Until L3's first read was measured, its reads
+  // are predicted by its writes' estimate (backups come first, over the same store).
   Values local() const;
 
   // What moving `tokens` (plus `extra_bytes` that move with them: a hybrid model's sidecar

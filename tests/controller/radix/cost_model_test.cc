@@ -89,9 +89,14 @@ TEST(RadixCostRule, OnByDefaultOffOnlyWhenSetToZero) {
   EXPECT_EQ(measured.local(), CostRule::kNothingMeasured);
   measured.report_prefill(100, 1e-3);
   EXPECT_EQ(measured.local()[4], 10'000'000'000);
+  // L3 reads not measured yet: its writes' estimate stands for them.
+  measured.sample(CostRule::Link::kL3Write, 1, kMiB, 0.5);
+  const CostRule::Values by_writes = measured.local();
+  EXPECT_NE(by_writes[2], CostRule::kUnmeasured);
+  EXPECT_LT(by_writes[2], 8 * kMiB);  // a slow store: 0.5 s for a call of 1 MiB
   measured.sample(CostRule::Link::kL3Read, 1, kMiB, 0.011);
   const CostRule::Values v = measured.local();
-  EXPECT_GT(v[2], 0);
+  EXPECT_GT(v[2], 50 * kMiB);  // the reads' own, once measured
   EXPECT_LE(v[3], 0);  // latency, negated
 }
 
