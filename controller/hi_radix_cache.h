@@ -25,10 +25,10 @@
 // is acknowledged). A node with a write or a load in flight is locked; the ack unlocks it.
 //
 // Storage (optional, a StorageController): under the write_through admission (the default), once
-// a node's host copy is synced it is backed up to L3 under its chained page keys (the node stays
-// locked until the backup ack); under exclusive, a host copy goes to L3 only as it leaves the
-// host (host eviction), locked until the ack and freed on it, kept on the host when the backup
-// did not land (RadixCacheConfig::storage_admission). A request whose
+// a node's host copy is synced it is backed up to L3 under its chained page keys (the host copy
+// stays, out of host eviction, until the backup ack; the node is not locked, so its device copy
+// may go meanwhile); under exclusive, a host copy goes to L3 only as it leaves the host (host
+// eviction), kept until the ack and freed on it, kept on the host when the backup did not land (RadixCacheConfig::storage_admission). A request whose
 // prefix continues past the tree can prefetch_from_storage(); check_events() inserts every
 // finished prefetch as host-resident nodes at once (the reference waits until the scheduler scans
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.

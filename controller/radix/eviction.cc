@@ -125,7 +125,8 @@ void EvictionIndex::refresh(Node* node) {
   if (go && now.on_device && node->device_children == 0 && !node->passed_over) {
     device_key = order_->key(*node, Tier::kDevice);
   }
-  if (go && !now.on_device && !node->host.empty() && node->children.empty()) {
+  // A host copy a backup reads stays until the backup's ack.
+  if (go && !now.backing_up && !now.on_device && !node->host.empty() && node->children.empty()) {
     host_key = order_->key(*node, Tier::kHost);
   }
   Node::Indexed& was = node->indexed;
@@ -166,7 +167,8 @@ std::string EvictionIndex::check(const Tree& tree) const {
     n->children.for_each([&](const Node* c) { on_device_children += c->device.empty() ? 0 : 1; });
     const bool go = free_to_go(*n);
     const bool device_candidate = go && !n->device.empty() && on_device_children == 0;
-    const bool host_candidate = go && n->device.empty() && !n->host.empty() && n->children.empty();
+    const bool host_candidate = go && n->backup_op == 0 && n->device.empty() && !n->host.empty() &&
+                                n->children.empty();
     // An entry's key may be older than the node's (touch is lazy), never newer.
     auto indexed = [&](const std::optional<EvictIndex::iterator>& at, Tier tier) {
       return at && (*at)->second == n && (*at)->first <= order_->key(*n, tier);

@@ -84,8 +84,10 @@ void L3Paths::backup_node(Node* node) {
     events_.backup_dropped_tokens += node->host.size();
     return;
   }
+  // The op reads the host copy: it stays (out of host eviction: backup_op) until the ack. The
+  // node is not locked, so its device copy and its path may leave the device meanwhile; a
+  // lock would hold them there for as long as L3 takes to answer.
   node->backup_op = *id;
-  cache_.lock(node);
   cache_.refresh(node);
   pending_.backups[*id] = PendingOps::Op{node, {node}, clock};
 }
@@ -125,7 +127,6 @@ void L3Paths::apply_backup_ack(NodeId id, std::int64_t agreed, std::int64_t /*lo
     touched_.clear();  // new records, younger than every touch so far
     touch_path(taken->holder);
   }
-  cache_.unlock(taken->holder);
   // Deepest first: a leaf that leaves the host may leave its parent a leaf that can follow.
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) cache_.backup_acked(*it);
 }

@@ -100,7 +100,8 @@ class L3Paths {
   // Every node gets its digests from now on, with L3 or without (sets those it lacks).
   void keep_digests(std::int32_t page_size);
   // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
-  // (by the backups in flight); the node stays locked until the ack. Nothing without L3.
+  // (by the backups in flight); the host copy stays (no host eviction takes it) until the ack,
+  // while the node's device copy may go. Nothing without L3.
   void backup_node(Node* node);
   // Exclusive admission: backs up a host copy that is leaving the host (as backup_node); true
   // when its backup was queued. False, with nothing counted, when the backup queue has no room

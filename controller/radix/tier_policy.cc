@@ -275,7 +275,7 @@ void TierPolicy::drop_host(Node* node) {
 std::int64_t TierPolicy::evict_host(std::int64_t tokens) {
   // Candidates in eviction order: unlocked host-only leaves with no op in flight. A node that
   // goes may leave its parent such a leaf. Exclusive admission: a leaf L3 does not hold whole
-  // goes there first, locked (out of the index) until the ack frees it.
+  // goes there first, out of the index (backing up) until the ack frees it.
   const bool to_l3 = exclusive_ && cache_.l3_attached();
   std::int64_t freed = 0, scheduled = 0;
   while (freed + scheduled < tokens) {

@@ -9,7 +9,7 @@
 //     watermarks at each step;
 //   - L3 admission (storage_admission.h): write_through backs a host copy up once it is synced;
 //     exclusive backs it up only as host eviction takes it (a copy already in L3 goes at once),
-//     the node locked until the backup's ack, freed on it, kept when the backup did not land;
+//     the host copy kept until the backup's ack, freed on it, kept when the backup did not land;
 //   - the application of a write's or a load's ack (the agreed and this rank's outcome).
 // A node's sidecar pages (a hybrid model's state, Node::sidecars) move with its KV in the same
 // controller op, on every one of these paths: written, loaded back, evicted and freed together.
@@ -63,8 +63,8 @@ class alignas(64) TierPolicy {
     // (write_through admission only).
     virtual void host_copy_synced(Node* node) = 0;
     // Exclusive admission: L3 is attached; and the backup of a host-only leaf that host
-    // eviction takes (L3Paths::back_up_leaving: true when queued, the node then locked until the
-    // ack, which comes back through backup_acked()).
+    // eviction takes (L3Paths::back_up_leaving: true when queued, the host copy then out of
+    // host eviction until the ack, which comes back through backup_acked()).
     virtual bool l3_attached() const = 0;
     virtual bool back_up_leaving(Node* node) = 0;
     // Host tokens that prefetches in flight hold (they count against host_room()).

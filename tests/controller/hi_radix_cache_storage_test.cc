@@ -315,44 +315,20 @@ TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
   off.expect_accounting();
 }
 
-// A store in front of the file store whose reads are slow: each waits `delay`, and once
-// `free_reads` went through, each waits at a gate the test opens.
-class SlowReads final : public StorageBackend {
+// A store in front of the file store that forwards every call; the stores below change one.
+class Forwarding : public StorageBackend {
  public:
-  SlowReads(StorageBackend& inner, std::chrono::milliseconds delay, int free_reads)
-      : inner_(inner), delay_(delay), free_reads_(free_reads) {}
-  ~SlowReads() override { open_all(); }
+  explicit Forwarding(StorageBackend& inner) : inner_(inner) {}
   std::string_view name() const override { return inner_.name(); }
   std::size_t batch_exists(std::span<const std::string> keys) override {
     return inner_.batch_exists(keys);
   }
   bool remove(const std::string& key) override { return inner_.remove(key); }
   void clear() override { inner_.clear(); }
-  // Waits until a read waits at the gate.
-  void wait_held() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return held_ > 0; });
-  }
-  void open_all() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  int reads() const { return reads_.load(); }
 
  protected:
   std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
                                      std::span<const ByteSpan> dst) override {
-    std::this_thread::sleep_for(delay_);  // the slow store (a test's, never a hot path)
-    {
-      std::unique_lock lock(mu_);
-      if (reads_++ >= free_reads_) {
-        ++held_;
-        cv_.notify_all();
-        cv_.wait(lock, [&] { return open_; });
-        --held_;
-      }
-    }
     return inner_.batch_get(keys, dst);
   }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
@@ -360,17 +336,117 @@ class SlowReads final : public StorageBackend {
     return inner_.batch_set(keys, src);
   }
   StorageBackend* wrapped() const override { return &inner_; }
+  StorageBackend& inner_;
+};
+
+// A gate the test opens; callers wait at it.
+class Gate {
+ public:
+  // Waits until open (counted as held meanwhile).
+  void pass() {
+    std::unique_lock lock(mu_);
+    ++held_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+    --held_;
+  }
+  bool held() {
+    std::lock_guard lock(mu_);
+    return held_ > 0;
+  }
+  void wait_held() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return held_ > 0; });
+  }
+  void open() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
 
  private:
-  StorageBackend& inner_;
-  const std::chrono::milliseconds delay_;
-  const int free_reads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<int> reads_{0};
   int held_ = 0;
   bool open_ = false;
 };
+
+// Reads are slow: each waits `delay`, and once `free_reads` went through, each waits at the gate.
+class SlowReads final : public Forwarding {
+ public:
+  SlowReads(StorageBackend& inner, std::chrono::milliseconds delay, int free_reads)
+      : Forwarding(inner), delay_(delay), free_reads_(free_reads) {}
+  ~SlowReads() override { gate.open(); }
+  int reads() const { return reads_.load(); }
+  Gate gate;
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    std::this_thread::sleep_for(delay_);  // the slow store (a test's, never a hot path)
+    if (reads_++ >= free_reads_) gate.pass();
+    return inner_.batch_get(keys, dst);
+  }
+
+ private:
+  const std::chrono::milliseconds delay_;
+  const int free_reads_;
+  std::atomic<int> reads_{0};
+};
+
+// Writes wait at the gate.
+class HeldWrites final : public Forwarding {
+ public:
+  using Forwarding::Forwarding;
+  ~HeldWrites() override { gate.open(); }
+  Gate gate;
+
+ protected:
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    gate.pass();
+    return inner_.batch_set(keys, src);
+  }
+};
+
+// A backup reads the node's host copy, and holds only that: while L3 has not answered, the
+// node's device copy can be evicted (a lock held it, and its path, on the device for as long as
+// a slow store took), and host eviction leaves the host copy alone; after the ack the pages
+// are in L3 and the host copy can go. A fresh engine then reads them back byte for byte.
+TEST(HiRadixCacheStorage, ABackupHoldsOnlyTheHostCopyItReads) {
+  L3 l3("backup-holds-host");
+  HeldWrites gated(l3.file);
+  l3.store = &gated;
+  const auto a = seq({1, 2, 3, 4});
+  {
+    Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
+    e.run(a);
+    // The host write's ack queues the backup, which waits at the store.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!gated.gate.held()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no backup reached the store";
+      e.check();
+      std::this_thread::yield();
+    }
+    ASSERT_EQ(e.cache.stats().backups_in_flight, 1);
+    EXPECT_EQ(e.cache.evict_device(std::int64_t{1} << 40), 4 * kPage);
+    EXPECT_EQ(e.cache.stats().device_tokens, 0);
+    EXPECT_EQ(e.cache.evict_host(std::int64_t{1} << 40), 0) << "freed the pages a backup reads";
+    EXPECT_EQ(e.cache.stats().host_tokens, 4 * kPage);
+    EXPECT_EQ(e.cache.check_invariants(), "");
+    gated.gate.open();
+    e.settle();
+    EXPECT_EQ(e.cache.stats().stored_tokens, 4 * kPage);
+    EXPECT_EQ(e.cache.evict_host(std::int64_t{1} << 40), 4 * kPage);
+    e.expect_accounting();
+  }
+  Engine fresh(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  fresh.run(a);
+  EXPECT_EQ(fresh.cache.stats().prefetched_tokens, 4 * kPage);
+  EXPECT_EQ(fresh.verified_pages, 4);
+  fresh.expect_accounting();
+}
 
 // The cost rule's deadline: a prefetch still loading once recomputing its tokens would have
 // been done is cut. Its I/O stops after the batch in flight (the scheduler never waits for it),
@@ -389,11 +465,11 @@ TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesIt
   auto m = e.cache.match_prefix(a);
   ASSERT_TRUE(e.cache.prefetch_from_storage("cut", m.last_host_node, a));
   EXPECT_EQ(e.host_pool.free_tokens(), host_free - 4 * kPage);  // reserved for the whole span
-  slow.wait_held();  // page 1 landed, page 2's read is in flight
+  slow.gate.wait_held();  // page 1 landed, page 2's read is in flight
   e.cache.check_events();
   EXPECT_EQ(e.cache.stats().prefetches_cut, 1);
   EXPECT_FALSE(e.cache.check_prefetch_progress("cut")) << "ended before its I/O stopped";
-  slow.open_all();  // the batch in flight lands; the I/O stops there
+  slow.gate.open();  // the batch in flight lands; the I/O stops there
   std::int64_t inserted = -1;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   for (;;) {

@@ -228,10 +228,14 @@ TEST(L3Paths, ABackupStoresTheNodesPagesAndASecondCachePrefetchesTheSameBytes) {
   Node* n = rig.host_leaf(rig.tree.root(), 1, 3);
   rig.paths.backup_node(n);
   ASSERT_NE(n->backup_op, 0);
-  EXPECT_EQ(n->lock, 1);  // until the ack
+  // Not locked (its device copy may go), but its host copy stays out of host eviction until the
+  // ack.
+  EXPECT_EQ(n->lock, 0);
+  EXPECT_EQ(rig.index.next_victim(Tier::kHost), nullptr);
   ASSERT_TRUE(rig.wait([&] { return !rig.arrived.backups.empty(); }));
   rig.apply_backups();
   EXPECT_EQ(n->backup_op, 0);
+  EXPECT_EQ(rig.index.next_victim(Tier::kHost), n);  // a host-only leaf again
   EXPECT_EQ(n->lock, 0);
   EXPECT_EQ(n->stored_pages, 3);
   EXPECT_EQ(rig.cache.stored, (std::vector<FakeCache::Stored>{{n->id, 0, 3}}));
