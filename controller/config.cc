@@ -276,15 +276,22 @@ const std::vector<Key>& keys() {
        0, 1, false,
        [](Draft& d, const json& v) { d.c.radix.demote_high_watermark = v.get<double>(); }},
       {{"storage_admission", "storage-admission", T::kString, R"("write_through")",
-        "write_through | exclusive",
+        "write_through | exclusive | reuse",
         "when host pages are written to L3: as soon as they reach the host (L3 holds a "
-        "superset of the host), or only as host eviction takes them, coldest first (L3 adds "
-        "its capacity to the host's)",
+        "superset of the host), only as host eviction takes them, coldest first (L3 adds "
+        "its capacity to the host's), or once later requests asked for them "
+        "storage_admission_min_hits times (pages used once never reach L3)",
         "", ""},
        -kInf, kInf, false,
        [](Draft& d, const json& v) {
          d.c.radix.storage_admission = parse_storage_admission(v.get<std::string>());
        }},
+      {{"storage_admission_min_hits", "storage-admission-min-hits", T::kInteger, "1", ">= 1",
+        "storage_admission reuse: the matches by later requests before a node's pages go to L3 "
+        "(refused with another admission)",
+        "", ""},
+       1, kMaxInt32, false,
+       [](Draft& d, const json& v) { d.c.radix.storage_admission_min_hits = as_int32(v); }},
       {{"storage", "storage", T::kObject, "",
         R"({"backend": "file", "root": DIR, ...} | {"backend": "redis", ...})",
         "the L3 store (none: no L3); the backend's own keys are its reference",
@@ -790,6 +797,12 @@ HiCacheConfig HiCacheConfig::from_json_text(std::string_view text) {
     }
   };
   require("model.layers", "the model's layer count");
+  if (given.count("storage_admission_min_hits") != 0 &&
+      d.c.radix.storage_admission != StorageAdmission::kReuse) {
+    throw InvalidArgument(str_cat("config: key 'storage_admission_min_hits' applies to "
+                                  "storage_admission 'reuse' only, not '",
+                                  to_string(d.c.radix.storage_admission), "'"));
+  }
   if (given.count("kv_events.endpoint") == 0 || d.c.kv_events.endpoint.empty()) {
     for (const std::string& key : given) {
       if (key.rfind("kv_events.", 0) == 0 && key != "kv_events.endpoint") {

@@ -148,7 +148,8 @@ HiRadixCache::HiRadixCache(HiCacheController& controller, DeviceKVPool& device_p
                                 .load_back_min_tokens = config_.load_back_min_tokens,
                                 .demote_low_watermark = config_.demote_low_watermark,
                                 .demote_high_watermark = config_.demote_high_watermark,
-                                .storage_admission = config_.storage_admission});
+                                .storage_admission = config_.storage_admission,
+                                .storage_admission_min_hits = config_.storage_admission_min_hits});
   if (storage != nullptr) l3_->attach(*storage, std::move(keyer), controller_.events());
 }
 
@@ -171,6 +172,10 @@ void RadixCacheConfig::validate() const {
       !(*recompute_seconds_per_token >= 0 && std::isfinite(*recompute_seconds_per_token))) {
     throw InvalidArgument(str_cat("radix cache: recompute_seconds_per_token ",
                                   *recompute_seconds_per_token, " is not a finite number >= 0"));
+  }
+  if (storage_admission_min_hits < 1) {
+    throw InvalidArgument(str_cat("radix cache: storage_admission_min_hits ",
+                                  storage_admission_min_hits, " < 1"));
   }
   if (edge_hash_bits < 1 || edge_hash_bits > 64) {
     throw InvalidArgument(
@@ -290,6 +295,8 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     }
     r.last_host_node = child;
     if (selective_writes_ && tiers_->selective_write_due(*child)) to_write.push_back(child);
+    // Asked for again: to L3 (a host write in flight backs it up on its ack instead).
+    if (tiers_->reuse_backup_due(*child) && child->write_op == 0) l3_->backup_node(child);
     pos += common;
     node = child;
     if (common < child->key().size()) break;

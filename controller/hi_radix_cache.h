@@ -28,8 +28,9 @@
 // a node's host copy is synced it is backed up to L3 under its chained page keys (the host copy
 // stays, out of host eviction, until the backup ack; the node is not locked, so its device copy
 // may go meanwhile); under exclusive, a host copy goes to L3 only as it leaves the host (host
-// eviction), kept until the ack and freed on it, kept on the host when the backup did not land (RadixCacheConfig::storage_admission). A request whose
-// prefix continues past the tree can prefetch_from_storage(); check_events() inserts every
+// eviction), kept until the ack and freed on it, kept on the host when the backup did not land;
+// under reuse, as under write_through once a later request matched the node
+// (RadixCacheConfig::storage_admission). A request whose prefix continues past the tree can prefetch_from_storage(); check_events() inserts every
 // finished prefetch as host-resident nodes at once (the reference waits until the scheduler scans
 // the request again), and check_prefetch_progress() terminates one per the prefetch policy.
 // This version keeps no storage-only nodes: a node leaves the tree with its last tier above L3.
@@ -128,8 +129,11 @@ struct RadixCacheConfig {
   double demote_low_watermark = 0;
   double demote_high_watermark = 0;
   // When host pages are written to L3 (storage_admission.h): write_through at once, exclusive
-  // as they leave the host.
+  // as they leave the host, reuse once requests asked for them again.
   StorageAdmission storage_admission = StorageAdmission::kWriteThrough;
+  // reuse admission: the matches (later requests that passed a node) before its pages go to
+  // L3. >= 1 (1: a prefix seen again).
+  std::int32_t storage_admission_min_hits = 1;
   // Bits of an edge's 64-bit hash the tree keys children by (1..64). Only tests lower it: edges
   // then collide, which the tree handles (slower, never wrong).
   std::int32_t edge_hash_bits = 64;

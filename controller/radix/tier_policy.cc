@@ -10,12 +10,21 @@ namespace hicache {
 StorageAdmission parse_storage_admission(std::string_view name) {
   if (name == "write_through") return StorageAdmission::kWriteThrough;
   if (name == "exclusive") return StorageAdmission::kExclusive;
+  if (name == "reuse") return StorageAdmission::kReuse;
   throw InvalidArgument(
-      str_cat("unknown storage admission '", name, "' (valid: write_through, exclusive)"));
+      str_cat("unknown storage admission '", name, "' (valid: write_through, exclusive, reuse)"));
 }
 
 std::string_view to_string(StorageAdmission admission) {
-  return admission == StorageAdmission::kExclusive ? "exclusive" : "write_through";
+  switch (admission) {
+    case StorageAdmission::kExclusive:
+      return "exclusive";
+    case StorageAdmission::kReuse:
+      return "reuse";
+    case StorageAdmission::kWriteThrough:
+      break;
+  }
+  return "write_through";
 }
 
 namespace radix {
@@ -43,6 +52,7 @@ TierPolicy::TierPolicy(Cache& cache, Tree& tree, EvictionIndex& index, PendingOp
       selective_(policy_ == WritePolicy::kWriteThroughSelective),
       host_tier_(config.host_tier),
       exclusive_(config.storage_admission == StorageAdmission::kExclusive),
+      reuse_(config.storage_admission == StorageAdmission::kReuse),
       tree_(tree),
       arrived_(arrived),
       agreement_(agreement),
@@ -367,7 +377,7 @@ void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t lo
       n->evict_after_write = false;
       if (n->lock == 0 && n->load_op == 0) drop_device(n);
     }
-    if (ok && !exclusive_) cache_.host_copy_synced(n);
+    if (ok && !exclusive_ && reused_enough(*n)) cache_.host_copy_synced(n);
   }
 }
 

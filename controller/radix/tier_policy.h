@@ -84,6 +84,7 @@ class alignas(64) TierPolicy {
     double demote_low_watermark = 0;           // fractions of the device pool; low 0: off
     double demote_high_watermark = 0;
     StorageAdmission storage_admission = StorageAdmission::kWriteThrough;
+    std::int32_t storage_admission_min_hits = 1;  // reuse: matches before a backup; >= 1
   };
 
   // Write priorities (lower first in the controller's write queue, FIFO among equals): a write
@@ -102,6 +103,17 @@ class alignas(64) TierPolicy {
   // for a write (write_selected). Inline: match_prefix asks it of every node it passes.
   bool selective_write_due(const Node& node) const {
     return selective_ && node.hits >= config_.write_through_threshold;
+  }
+  // The storage admission lets `node`'s synced host copy go to L3 (reuse: once a match brought
+  // its hits to storage_admission_min_hits; write_through: always; exclusive: only on leaving
+  // the host, never here).
+  bool reused_enough(const Node& node) const {
+    return !reuse_ || node.hits >= config_.storage_admission_min_hits;
+  }
+  // reuse: a match that brought `node`'s hits to the minimum makes its synced host copy due for
+  // a backup (L3Paths::backup_node skips what is not synced, stored or backing up already).
+  bool reuse_backup_due(const Node& node) const {
+    return reuse_ && node.hits == config_.storage_admission_min_hits;
   }
   // Writes a device-only node with no write in flight to the host (at backup priority);
   // nothing for any other node, or when the host or the write queue is full.
@@ -216,6 +228,7 @@ class alignas(64) TierPolicy {
   bool selective_;  // policy_ is write_through_selective
   bool host_tier_;  // config_.host_tier
   bool exclusive_;  // config_.storage_admission is exclusive
+  bool reuse_;      // ... is reuse
   Tree& tree_;
   ArrivedAcks& arrived_;
   Agreement& agreement_;

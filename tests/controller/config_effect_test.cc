@@ -793,6 +793,30 @@ TEST(ConfigEffect, StorageAdmissionDecidesWhenHostPagesReachL3) {
   }
 }
 
+// storage_admission reuse with storage_admission_min_hits: a node's pages reach L3 only once
+// that many later matches passed it (1: the first request that asks again).
+TEST(ConfigEffect, StorageAdmissionMinHitsIsTheMatchesBeforeL3) {
+  for (const int min_hits : {1, 2}) {
+    SCOPED_TRACE(str_cat("storage_admission_min_hits ", min_hits));
+    TempDir dir;
+    HiCache hc(config_with({{"storage_admission", json_string("reuse")},
+                            {"storage_admission_min_hits", std::to_string(min_hits)},
+                            {"storage", str_cat(R"({"backend": "file", "root": )",
+                                                json_string(dir.path.string()), "}")}}));
+    const auto t = tokens_of(1, 2);
+    const std::int64_t page_bytes = hc.host_pool().geometry().token_bytes() * kPage;
+    insert_fresh(hc, t);
+    settle(hc);
+    EXPECT_EQ(hc.storage_controller()->written_bytes(), 0) << "used once: not in L3";
+    for (int match = 1; match <= 2; ++match) {
+      hc.cache().match_prefix(t);
+      settle(hc);
+      EXPECT_EQ(hc.storage_controller()->written_bytes(), match >= min_hits ? 2 * page_bytes : 0)
+          << "after match " << match;
+    }
+  }
+}
+
 std::map<std::string, std::string> tp_keys(int rank, const fs::path& dir) {
   return {{"tp_size", "2"},
           {"tp_rank", std::to_string(rank)},

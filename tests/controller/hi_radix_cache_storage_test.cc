@@ -315,6 +315,36 @@ TEST(HiRadixCacheStorage, PrefetchIsDeclinedWhenRecomputingIsCheaper) {
   off.expect_accounting();
 }
 
+// storage_admission reuse: a request's pages reach L3 only once a later request asked for them
+// again; what nobody asked for twice never costs a write, and a fresh engine finds the reused
+// prefix in L3 (byte for byte) and recomputes the rest.
+TEST(HiRadixCacheStorage, ReuseAdmissionBacksUpOnlyWhatRequestsAskedForAgain) {
+  L3 l3("reuse");
+  const auto a = seq({1, 2, 3, 4}), b = seq({5, 6, 7, 8});
+  {
+    Engine e(WritePolicy::kWriteThrough, 32, 64,
+             {.storage_admission = StorageAdmission::kReuse}, &l3);
+    e.run(a);
+    e.run(b);
+    e.settle();
+    EXPECT_EQ(e.cache.stats().stored_tokens, 0) << "used once, written to L3";
+    e.run(a);  // asked for again: a goes to L3
+    e.settle();
+    EXPECT_EQ(e.cache.stats().stored_tokens, 4 * kPage);
+    e.expect_accounting();
+  }
+  Engine fresh(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+               {.policy = PrefetchPolicy::kWaitComplete});
+  fresh.run(a);
+  EXPECT_EQ(fresh.cache.stats().prefetched_tokens, 4 * kPage);
+  EXPECT_EQ(fresh.verified_pages, 4);
+  const auto recomputed = fresh.recomputed_pages;
+  fresh.run(b);
+  EXPECT_EQ(fresh.recomputed_pages, recomputed + 4) << "b was never asked for twice";
+  EXPECT_EQ(fresh.cache.stats().prefetched_tokens, 4 * kPage);
+  fresh.expect_accounting();
+}
+
 // A store in front of the file store that forwards every call; the stores below change one.
 class Forwarding : public StorageBackend {
  public:

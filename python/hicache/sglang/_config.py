@@ -73,6 +73,8 @@ _OWN_RADIX = {
     "demote_high_watermark": "nowhere: SGLang's radix cache evicts when it needs room",
     "storage_admission": "nowhere: SGLang's radix cache backs up every page that reaches the "
                          "host (write_through)",
+    "storage_admission_min_hits": "nowhere: SGLang's radix cache backs up every page that "
+                                  "reaches the host (write_through)",
     "kv_events": "--kv-events-config (SGLang's radix cache publishes the KV events of the tree "
                  "it owns)",
 }
