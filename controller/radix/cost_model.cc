@@ -103,6 +103,7 @@ CostRule::Values CostRule::local() const {
   // A store's reads before the first one landed: its writes (the backups, which come first)
   // went over the same store, and say more than nothing of it.
   put(link(Link::kL3Read).measured() ? Link::kL3Read : Link::kL3Write, 2);
+  v[5] = link(Link::kL3Read).measured() ? 1 : 0;
   if (prefill_.measured()) {
     v[4] = std::llround(std::min(prefill_.seconds_per_token() * 1e15, 9e18));
   }

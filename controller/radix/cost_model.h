@@ -79,10 +79,14 @@ class CostRule {
 
   // What a decision weighs, encoded so that an element-wise minimum over the ranks is the
   // cautious view: [load bytes/s, -load latency ns, L3 read bytes/s, -L3 read latency ns,
-  // recompute femtoseconds per token]; kUnmeasured for a rate or a cost not measured (latency 0).
-  static constexpr std::size_t kValues = 5;
+  // recompute femtoseconds per token, L3 reads measured (1) or not (0)]; kUnmeasured for a rate
+  // or a cost not measured (latency 0).
+  static constexpr std::size_t kValues = 6;
   using Values = std::array<std::int64_t, kValues>;
-  static constexpr Values kNothingMeasured = {kUnmeasured, 0, kUnmeasured, 0, kUnmeasured};
+  static constexpr Values kNothingMeasured = {kUnmeasured, 0, kUnmeasured, 0, kUnmeasured, 0};
+  // Whether L3's reads were measured (on every rank, for agreed values); until then the read
+  // estimate is the writes' (local()).
+  static bool l3_reads_measured(const Values& v) { return v[5] == 1; }
 
   // The inputs of the last decision of each kind (RadixCacheStats reports them).
   struct Inputs {
@@ -106,7 +110,8 @@ class CostRule {
   const LinkEstimate& link(Link l) const { return links_[static_cast<std::size_t>(l)]; }
   const PrefillEstimate& prefill() const { return prefill_; }
   // This rank's estimates, encoded (see Values). Until L3's first read was measured, its reads
-  // are predicted by its writes' estimate (backups come first, over the same store).
+  // are predicted by its writes' estimate (backups come first, over the same store; the L3
+  // paths still let one prefetch at a time through to measure the reads).
   Values local() const;
 
   // What moving `tokens` (plus `extra_bytes` that move with them: a hybrid model's sidecar

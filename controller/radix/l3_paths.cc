@@ -187,8 +187,12 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
     }
     const std::int64_t batch = std::max<std::int64_t>(1, storage_->batch_pages());
     const std::int64_t ops = 1 + (want / tree_.page_size() + batch - 1) / batch;  // query, reads
-    if (!cost_.moving_pays(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens,
-                           static_cast<std::int64_t>(pending_.prefetches.size()))) {
+    // Until a read was measured (on every rank), the store's writes stand for its reads, and a
+    // store that writes slower than it reads would never be read: one prefetch at a time goes
+    // anyway, to measure (the cut bounds what it costs).
+    const bool probe = !CostRule::l3_reads_measured(costs) && pending_.prefetches.empty();
+    if (!probe && !cost_.moving_pays(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens,
+                                     static_cast<std::int64_t>(pending_.prefetches.size()))) {
       ++events_.prefetches_refused_by_cost;
       events_.miss_prefetch_refused_tokens += usable;
       return false;

@@ -424,6 +424,23 @@ class SlowReads final : public Forwarding {
   std::atomic<int> reads_{0};
 };
 
+// Writes take `delay` each.
+class SlowWrites final : public Forwarding {
+ public:
+  SlowWrites(StorageBackend& inner, std::chrono::milliseconds delay)
+      : Forwarding(inner), delay_(delay) {}
+
+ protected:
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    std::this_thread::sleep_for(delay_);  // the slow store (a test's, never a hot path)
+    return inner_.batch_set(keys, src);
+  }
+
+ private:
+  const std::chrono::milliseconds delay_;
+};
+
 // Writes wait at the gate.
 class HeldWrites final : public Forwarding {
  public:
@@ -488,8 +505,9 @@ TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesIt
   store_in_l3(l3, a);
   SlowReads slow(l3.file, std::chrono::milliseconds(0), /*free_reads=*/1);
   l3.store = &slow;
-  // A microsecond per token: the 16 tokens' deadline has passed by the first check.
-  Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = 1e-6}, &l3,
+  // A picosecond per token: the 16 tokens' deadline is the prefetch's start (a microsecond per
+  // token left 16 us, which the query and the first read can beat: nothing was cut then).
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = 1e-12}, &l3,
            {.io_batch_pages = 1, .policy = PrefetchPolicy::kWaitComplete});
   const std::int64_t host_free = e.host_pool.free_tokens();
   auto m = e.cache.match_prefix(a);
@@ -516,6 +534,34 @@ TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesIt
   const auto verified = e.verified_pages;
   e.run(a);
   EXPECT_EQ(e.verified_pages, verified + 2);
+  e.expect_accounting();
+}
+
+// A store that writes slowly and reads fast: until a read was measured the writes' estimate
+// stands for the reads, which would decline every prefetch and never measure a read. One
+// prefetch at a time still goes, measures the reads, and from then on they are weighed as they
+// are: fetched.
+TEST(HiRadixCacheStorage, AStoreThatWritesSlowlyIsStillReadToMeasureItsReads) {
+  L3 l3("slow-writes");
+  const auto a = seq({1, 2, 3, 4}), b = seq({5, 6, 7, 8});
+  store_in_l3(l3, a);
+  SlowWrites slow(l3.file, std::chrono::milliseconds(300));
+  l3.store = &slow;
+  Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3, {.policy = PrefetchPolicy::kWaitComplete});
+  e.cache.record_prefill(0, 0, 0, 1000, 1000 * 2e-3);  // 32 ms for 16 tokens
+  e.run(b);  // not in L3: backed up over the slow writes (the write link measured)
+  e.settle();
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(str_cat("round ", round));
+    e.cache.evict_device(std::int64_t{1} << 40);
+    e.cache.evict_host(std::int64_t{1} << 40);
+    const auto recomputed = e.recomputed_pages;
+    e.run(a);
+    e.settle();
+    EXPECT_EQ(e.recomputed_pages, recomputed) << "read from L3";
+    EXPECT_EQ(e.cache.stats().prefetched_tokens, (round + 1) * 4 * kPage);
+  }
+  EXPECT_EQ(e.cache.stats().prefetches_refused_by_cost, 0);
   e.expect_accounting();
 }
 

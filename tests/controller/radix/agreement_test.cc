@@ -27,8 +27,9 @@ TEST(RadixAgreement, OnlyAcksThatArrivedOnEveryRankAreAppliedWithTheWorstOutcome
   std::vector<Agreement::Step> steps(2);
   // Rank 0: load link 5000 B/s, 1 us per call, L3 unmeasured, recompute 7 fs per token; rank 1:
   // 3000 B/s, 4 us, L3 at 9 B/s and 2 us, recompute not reported.
-  const std::vector<CostRule::Values> local = {{5'000, -1'000, CostRule::kUnmeasured, 0, 7},
-                                               {3'000, -4'000, 9, -2'000, CostRule::kUnmeasured}};
+  const std::vector<CostRule::Values> local = {
+      {5'000, -1'000, CostRule::kUnmeasured, 0, 7, 0},
+      {3'000, -4'000, 9, -2'000, CostRule::kUnmeasured, 1}};
   std::vector<CostRule::Values> agreed(2);
   auto rank = [&](int r) {
     const auto i = static_cast<std::size_t>(r);
@@ -51,7 +52,8 @@ TEST(RadixAgreement, OnlyAcksThatArrivedOnEveryRankAreAppliedWithTheWorstOutcome
     ASSERT_EQ(steps[r].loads.size(), 1u);
     EXPECT_EQ(steps[r].loads[0].agreed, ArrivedAcks::kOk);
     // The cautious view: the slowest link, the longest latency, what was measured anywhere.
-    EXPECT_EQ(agreed[r], (CostRule::Values{3'000, -4'000, 9, -2'000, 7})) << "rank " << r;
+    // L3 reads count as measured only when measured on every rank.
+    EXPECT_EQ(agreed[r], (CostRule::Values{3'000, -4'000, 9, -2'000, 7, 0})) << "rank " << r;
     EXPECT_TRUE(arrived[r].loads.empty());
   }
   EXPECT_EQ(steps[0].writes[0].local, ArrivedAcks::kOk);
@@ -104,10 +106,10 @@ TEST(RadixAgreement, AStepWithMoreOpsThanOneCallCarriesTakesTheOldestOfEachKindI
   other.join();
   EXPECT_EQ(group->divergence(), "");
   for (std::size_t r = 0; r < 2; ++r) {
-    // 62 values less the 5 estimates: 57 acks, all 10 backups and 47 writes; then the other 53.
-    EXPECT_EQ(applied[r], (std::vector<std::size_t>{47, 10, 53, 0})) << "rank " << r;
+    // 62 values less the 6 estimates: 56 acks, all 10 backups and 46 writes; then the other 54.
+    EXPECT_EQ(applied[r], (std::vector<std::size_t>{46, 10, 54, 0})) << "rank " << r;
     EXPECT_EQ(first_write[r], 1);  // the oldest first
-    EXPECT_EQ(last_write[r], 47);
+    EXPECT_EQ(last_write[r], 46);
     EXPECT_TRUE(arrived[r].writes.empty());
   }
 }
@@ -120,7 +122,7 @@ TEST(RadixAgreement, WithoutRanksEveryAnswerIsLocal) {
   EXPECT_TRUE(agreement.on_every_rank(true, "t", &failed));
   EXPECT_FALSE(agreement.on_every_rank(false, "t", &failed));
   EXPECT_FALSE(failed);
-  const CostRule::Values local = {123, -4, 5, -6, 7};
+  const CostRule::Values local = {123, -4, 5, -6, 7, 1};
   EXPECT_EQ(agreement.costs(local), local);
 }
 

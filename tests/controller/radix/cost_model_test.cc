@@ -94,8 +94,10 @@ TEST(RadixCostRule, OnByDefaultOffOnlyWhenSetToZero) {
   const CostRule::Values by_writes = measured.local();
   EXPECT_NE(by_writes[2], CostRule::kUnmeasured);
   EXPECT_LT(by_writes[2], 8 * kMiB);  // a slow store: 0.5 s for a call of 1 MiB
+  EXPECT_FALSE(CostRule::l3_reads_measured(by_writes));
   measured.sample(CostRule::Link::kL3Read, 1, kMiB, 0.011);
   const CostRule::Values v = measured.local();
+  EXPECT_TRUE(CostRule::l3_reads_measured(v));
   EXPECT_GT(v[2], 50 * kMiB);  // the reads' own, once measured
   EXPECT_LE(v[3], 0);  // latency, negated
 }
