@@ -83,6 +83,43 @@ TEST(HiRadixCacheTp, TwoRanksKeepIdenticalTreesUnderEviction) {
   EXPECT_GT(verified[0], 50);
 }
 
+// The cost rule under TP: each rank's engine reports its own prefill cost (rank 0 next to
+// nothing, rank 1 a second per token), so each rank alone would decide a load back the other way.
+// The ranks weigh the agreed estimates (the cheapest recompute) and refuse the same load backs:
+// the trees stay identical after every request.
+TEST(HiRadixCacheTp, RanksThatMeasureDifferentCostsDecideAlike) {
+  std::shared_ptr<InProcessGroup> group;
+  auto tp = InProcessGroup::make_ranks(2, std::chrono::seconds(30), &group);
+  std::vector<std::vector<std::string>> trees(2);
+  std::vector<std::int64_t> refused(2), loaded(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Engine e(WritePolicy::kWriteThrough, 24, 40, {}, nullptr, {}, tp[r].get());
+      std::mt19937 rng(7);
+      for (int step = 0; step < 200; ++step) {
+        e.run(family_prompt(rng, 5, 7));
+        e.cache.record_prefill(0, 0, 0, 100, r == 0 ? 100 * 1e-15 : 100 * 1.0);
+        trees[r].push_back(e.cache.describe());
+      }
+      e.settle();
+      trees[r].push_back(e.cache.describe());
+      refused[r] = e.cache.stats().load_backs_refused_by_cost;
+      loaded[r] = e.loaded_requests;
+      EXPECT_EQ(e.cache.stats().tp_failures, 0);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(group->divergence(), "");
+  ASSERT_EQ(trees[0].size(), trees[1].size());
+  for (std::size_t i = 0; i < trees[0].size(); ++i) {
+    ASSERT_EQ(trees[0][i], trees[1][i]) << "the trees differ after request " << i;
+  }
+  EXPECT_EQ(refused[0], refused[1]);
+  EXPECT_GT(refused[0], 0) << "the agreed (cheapest) recompute refused nothing";
+  EXPECT_EQ(loaded[0], loaded[1]);
+}
+
 // An idle step costs no collective: with nothing pending on either rank, check_events skips the
 // reduction on both alike; with a write pending it makes one per step, and the ranks stay in
 // step either way.
