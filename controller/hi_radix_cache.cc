@@ -296,7 +296,7 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     r.last_host_node = child;
     if (selective_writes_ && tiers_->selective_write_due(*child)) to_write.push_back(child);
     // Asked for again: to L3 (a host write in flight backs it up on its ack instead).
-    if (tiers_->reuse_backup_due(*child) && child->write_op == 0) l3_->backup_node(child);
+    if (tiers_->reuse_backup_due(*child)) l3_->backup_node(child);
     pos += common;
     node = child;
     if (common < child->key().size()) break;

@@ -57,7 +57,8 @@ void L3Paths::set_digests(Node* node) {
 
 void L3Paths::backup_node(Node* node) {
   const std::int32_t page = tree_.page_size();
-  if (storage_ == nullptr || node->host.empty() || node->backup_op != 0 ||
+  // Only a synced host copy: a write in flight still fills the host pages.
+  if (storage_ == nullptr || node->host.empty() || node->write_op != 0 || node->backup_op != 0 ||
       node->digests.size() * page != node->key().size() ||
       node->stored_pages * page == static_cast<std::int64_t>(node->key().size())) {
     return;

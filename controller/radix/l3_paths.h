@@ -101,7 +101,8 @@ class L3Paths {
   void keep_digests(std::int32_t page_size);
   // Backs a synced host copy up to L3 when it is not there yet and the backup queue has room
   // (by the backups in flight); the host copy stays (no host eviction takes it) until the ack,
-  // while the node's device copy may go. Nothing without L3.
+  // while the node's device copy may go. Nothing without L3, or for a node whose host write is
+  // still in flight (not synced yet).
   void backup_node(Node* node);
   // Exclusive admission: backs up a host copy that is leaving the host (as backup_node); true
   // when its backup was queued. False, with nothing counted, when the backup queue has no room
