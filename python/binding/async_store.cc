@@ -21,6 +21,8 @@ namespace {
 constexpr std::size_t kMaxPrefixBytes = 160;  // leaves room for "-%h" + 64 hex digits
 constexpr const char* kKindNames[] = {"get", "set", "exists", "delete"};
 
+constexpr std::int64_t kMaxSpinUs = 10'000'000;
+
 bool plain(unsigned char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
          c == '_' || c == '+' || c == '=' || c == '@' || c == ',' || c == '.' || c == '-';
@@ -32,16 +34,20 @@ std::size_t index_of(AsyncStore::Kind k) { return static_cast<std::size_t>(k); }
 
 AsyncStore::AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics,
                        std::string prefix, int workers, std::size_t max_pending,
-                       int metrics_port, const std::string& metrics_bind)
+                       int metrics_port, const std::string& metrics_bind, std::int64_t spin_us)
     : store_(std::move(store)),
       own_metrics_(own_metrics),
       prefix_(std::move(prefix)),
-      max_pending_(max_pending) {
+      max_pending_(max_pending),
+      spin_(spin_us) {
   if (!store_) throw InvalidArgument("AsyncStore: no store");
   if (workers < 1 || workers > 256) {
     throw InvalidArgument(str_cat("AsyncStore: workers ", workers, " (1..256)"));
   }
   if (max_pending < 1) throw InvalidArgument("AsyncStore: max_pending 0 (at least 1)");
+  if (spin_us < 0 || spin_us > kMaxSpinUs) {
+    throw InvalidArgument(str_cat("AsyncStore: spin_us ", spin_us, " (0..", kMaxSpinUs, ")"));
+  }
   if (metrics_port < -1 || metrics_port > 65535) {
     throw InvalidArgument(str_cat("AsyncStore: metrics_port ", metrics_port, " (-1..65535)"));
   }
@@ -120,6 +126,11 @@ int AsyncStore::metrics_port() {
 std::size_t AsyncStore::pending() const {
   MutexLock lock(mu_);
   return in_flight_;
+}
+
+std::size_t AsyncStore::looking() const {
+  MutexLock lock(mu_);
+  return looking_;
 }
 
 std::string AsyncStore::record_name(const std::string& key) const {
@@ -249,6 +260,7 @@ std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::
   job.submitted = std::chrono::steady_clock::now();
 
   bool full = false;
+  bool wake = false;
   std::uint64_t id = 0;
   {
     MutexLock lock(mu_);
@@ -264,6 +276,8 @@ std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::
       }
       ++in_flight_;
       queue_.push_back(std::move(job));
+      // A worker still looking takes the job without a wake-up (see spin_us in the header).
+      wake = queue_.size() > looking_;
     }
   }
   if (full) {
@@ -271,22 +285,26 @@ std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::
     kinds_[index_of(kind)].keys.add(k.size());
     publish({id, false, str_cat("queue full (", max_pending_, " jobs pending)"),
              std::vector<bool>(k.size(), false)});
-  } else {
+  } else if (wake) {
     cv_.notify_one();
   }
   return id;
 }
 
 void AsyncStore::worker() {
+  bool ran = false;  // a job just ended: the next one may follow at once
   for (;;) {
     Job job;
-    {
+    if (ran && take_looking(job)) {
+      // taken while looking
+    } else {
       MutexLock lock(mu_);
       while (queue_.empty() && !closed_) mu_.wait(cv_);
       if (queue_.empty()) return;  // closed and drained
       job = std::move(queue_.front());
       queue_.pop_front();
     }
+    ran = true;
     Completion c;
     try {
       c = run(job);
@@ -307,6 +325,33 @@ void AsyncStore::worker() {
     {
       MutexLock lock(mu_);
       --in_flight_;
+    }
+  }
+}
+
+bool AsyncStore::take_looking(Job& job) {
+  {
+    MutexLock lock(mu_);
+    // Only with nothing else in flight: then the next submit is what the driver waits on, and a
+    // worker looking beside running jobs would take their CPU.
+    if (spin_.count() == 0 || !queue_.empty() || in_flight_ > 0 || closed_ || looking_ > 0) {
+      return false;
+    }
+    ++looking_;
+  }
+  const auto give_up = std::chrono::steady_clock::now() + spin_;
+  for (;;) {
+    std::this_thread::yield();
+    MutexLock lock(mu_);
+    if (!queue_.empty()) {
+      --looking_;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      return true;
+    }
+    if (closed_ || std::chrono::steady_clock::now() >= give_up) {
+      --looking_;  // under mu_: a submit from now on wakes a sleeping worker
+      return false;
     }
   }
 }
@@ -410,7 +455,8 @@ void register_async_store(py::module_& m) {
                          "A store driven by batch jobs on C++ worker threads; completions on an "
                          "eventfd (LMCache's native_plugin connector surface)")
       .def(py::init([](py::object storage, std::string prefix, int workers,
-                       std::size_t max_pending, int metrics_port, const std::string& metrics_bind) {
+                       std::size_t max_pending, int metrics_port, const std::string& metrics_bind,
+                       std::int64_t spin_us) {
              std::shared_ptr<StorageBackend> backend;
              bool own = false;
              if (py::isinstance<PyStore>(storage)) {
@@ -426,11 +472,13 @@ void register_async_store(py::module_& m) {
                    py::str(py::type::of(storage).attr("__name__")).cast<std::string>()));
              }
              return std::make_unique<AsyncStore>(std::move(backend), own, std::move(prefix),
-                                                 workers, max_pending, metrics_port, metrics_bind);
+                                                 workers, max_pending, metrics_port, metrics_bind,
+                                                 spin_us);
            }),
            py::arg("storage"), py::kw_only(), py::arg("prefix") = "", py::arg("workers") = 4,
            py::arg("max_pending") = 1024, py::arg("metrics_port") = -1,
-           py::arg("metrics_bind") = "127.0.0.1")
+           py::arg("metrics_bind") = "127.0.0.1", py::arg("spin_us") = AsyncStore::kDefaultSpinUs)
+      .def_readonly_static("DEFAULT_SPIN_US", &AsyncStore::kDefaultSpinUs)
       .def("event_fd", &AsyncStore::event_fd)
       .def("submit_batch_get", &AsyncStore::submit_batch_get, py::arg("keys"),
            py::arg("memoryviews"))
@@ -459,6 +507,7 @@ void register_async_store(py::module_& m) {
       .def("stats_json", &AsyncStore::stats_json)
       .def_property_readonly("prefix", &AsyncStore::prefix)
       .def_property_readonly("pending", &AsyncStore::pending)
+      .def_property_readonly("looking", &AsyncStore::looking)
       .def_property_readonly("metrics_port", &AsyncStore::metrics_port)
       .def("metrics_json", &AsyncStore::metrics_json)
       .def("metrics_text", &AsyncStore::metrics_text);

@@ -71,6 +71,7 @@ namespace py = pybind11;
 class AsyncStore {
  public:
   enum class Kind { kGet, kSet, kExists, kDelete };
+  static constexpr std::int64_t kDefaultSpinUs = 200;
 
   struct Completion {
     std::uint64_t id = 0;
@@ -86,9 +87,16 @@ class AsyncStore {
   // otherwise.
   // `metrics_port` >= 0 serves this object's registry at http://metrics_bind:port/metrics (0:
   // a free port) until close(); -1: off. A port that cannot be bound is an Error.
+  // `spin_us` (0..10^7): how long a worker that ended the only job in flight looks for the next
+  // one (yielding the CPU in between) before it sleeps; 0 never looks. A driver that submits
+  // its next job on the completion (vLLM's and LMCache's, one job in flight) then wakes no
+  // sleeping thread: on a VM whose idle vCPU halts, the wake-up cost the submitting Python
+  // thread 16 us of the 26 us of a 16-key submit_rows_get (docs/vllm.md has the figures). The
+  // controller's write and load threads look for the same reason.
   AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics, std::string prefix,
              int workers, std::size_t max_pending, int metrics_port = -1,
-             const std::string& metrics_bind = "127.0.0.1");
+             const std::string& metrics_bind = "127.0.0.1",
+             std::int64_t spin_us = kDefaultSpinUs);
   // close(), then releases the buffers of undrained completions. REQUIRES: the GIL is held.
   ~AsyncStore();
   AsyncStore(const AsyncStore&) = delete;
@@ -124,6 +132,8 @@ class AsyncStore {
   // The record name of `key` (see above); InvalidArgument for an empty key.
   std::string record_name(const std::string& key) const;
   std::size_t pending() const;
+  // Workers looking for a next job (0 or 1; see spin_us).
+  std::size_t looking() const;
   const std::string& prefix() const { return prefix_; }
   std::string metrics_json() const { return metrics_.json_text(); }
   std::string metrics_text() const { return metrics_.prometheus_text(); }
@@ -148,6 +158,10 @@ class AsyncStore {
   std::uint64_t submit(Kind kind, const py::sequence& keys, const py::sequence* buffers,
                        const py::sequence* rows = nullptr);
   void worker();
+  // After a job: when no job is queued or running, looks for the next one (yielding in between)
+  // for spin_; true with the job taken. False at once when a job is queued (the
+  // caller takes it), another runs, or the store is closed.
+  bool take_looking(Job& job);
   Completion run(const Job& job);
   void publish(Completion c);
 
@@ -155,11 +169,13 @@ class AsyncStore {
   bool own_metrics_;
   std::string prefix_;
   std::size_t max_pending_;
+  std::chrono::microseconds spin_;
 
   mutable Mutex mu_;  // the job queue
   std::condition_variable cv_;
   std::deque<Job> queue_ HICACHE_GUARDED_BY(mu_);
   std::size_t in_flight_ HICACHE_GUARDED_BY(mu_) = 0;  // queued + running
+  std::size_t looking_ HICACHE_GUARDED_BY(mu_) = 0;    // workers in take_looking (0 or 1)
   bool closed_ HICACHE_GUARDED_BY(mu_) = false;
   std::uint64_t next_id_ HICACHE_GUARDED_BY(mu_) = 1;
 

@@ -267,6 +267,52 @@ def test_close_with_jobs_in_flight_loses_nothing_acknowledged(file_params):
     again.close()
 
 
+def wait_until(predicate, what, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.001)
+
+
+def test_a_worker_looking_for_the_next_job_takes_it_and_a_sleeping_one_still_wakes(file_params):
+    """After the only job in flight a worker looks for the next one (spin_us) instead of
+    sleeping: a submit then finds it and wakes nobody, a second submit still wakes a sleeping
+    worker (both jobs run at once), and close() does not wait out a look."""
+    gated, set_open, waiting = over_file_store(_testing.gated_store, file_params)
+    client = HiCacheL2Adapter(storage=gated, workers=2, spin_us=5_000_000)
+    bridge = Bridge(client)
+    src = {k: page(i, 8192) for i, k in enumerate(["a", "b", "c", "d"])}
+    set_open(True)
+    assert bridge.wait(bridge.submit("submit_batch_set", keys=["a"],
+                                     memoryviews=[src["a"]]))[0]
+    wait_until(lambda: client.looking == 1, "a worker looks after the only job")
+    set_open(False)
+    b = bridge.submit("submit_batch_set", keys=["b"], memoryviews=[src["b"]])
+    c = bridge.submit("submit_batch_set", keys=["c"], memoryviews=[src["c"]])
+    # the looking worker took b; c woke the sleeping one: both wait at the gate together (well
+    # before the 5 s look would have ended had the looking worker left b queued)
+    wait_until(lambda: waiting() == 2, "both jobs run at once", timeout=2.5)
+    assert client.looking == 0 and client.pending == 2
+    set_open(True)
+    assert bridge.wait(b)[0] and bridge.wait(c)[0]
+    wait_until(lambda: client.looking == 1, "a worker looks again")
+    d = bridge.submit("submit_batch_set", keys=["d"], memoryviews=[src["d"]])
+    assert bridge.wait(d)[0]
+    wait_until(lambda: client.looking == 1, "and again")
+    started = time.monotonic()
+    bridge.close()
+    assert time.monotonic() - started < 2.5  # the 5 s look ends at close()
+    assert client.looking == 0 and client.pending == 0
+    again = Bridge(load_adapter(file_params))
+    read_back(again, list(src), list(src.values()))
+    again.close()
+    never = HiCacheL2Adapter(storage=file_params["storage"], spin_us=0)
+    assert never.submit_batch_exists(keys=["a"]) == 1
+    wait_until(lambda: never.pending == 0, "the exists job ends")
+    assert never.looking == 0  # spin_us 0: the worker sleeps at once
+    never.close()
+
+
 def test_full_queue_fails_the_job_at_once(file_params):
     gated, set_open, _ = over_file_store(_testing.gated_store, file_params)
     client = HiCacheL2Adapter(storage=gated, workers=1, max_pending=2)
@@ -327,6 +373,8 @@ def test_bad_input_is_refused_before_anything_is_queued(file_params):
     client.close()
     with pytest.raises(ValueError, match="workers 0"):
         load_adapter(dict(file_params, workers=0))
+    with pytest.raises(ValueError, match="spin_us -1"):
+        load_adapter(dict(file_params, spin_us=-1))
     with pytest.raises(ValueError, match="prefix"):
         load_adapter(dict(file_params, namespace="a/b"))
     with pytest.raises(TypeError):

@@ -36,13 +36,16 @@ class HiCacheL2Adapter(_hicache.AsyncStore):
         a failed store / a miss.
     metrics_port: -1 (off), 0 (a free port, see .metrics_port) or a port: serves the metrics at
         http://metrics_bind:port/metrics (Prometheus text) and /metrics.json until close().
+    spin_us: how long a worker that ended the only job in flight looks for the next one before
+        it sleeps (0..10^7 microseconds; 0 never looks): the bridge's next submit then wakes no
+        sleeping thread (docs/lmcache.md).
 
     Bad arguments raise ValueError naming them; a store that cannot be opened raises OSError or
     RuntimeError. Unknown keyword arguments raise TypeError (nothing is silently ignored).
     """
 
     def __init__(self, storage, namespace="", workers=4, max_pending=1024, metrics_port=-1,
-                 metrics_bind="127.0.0.1"):
+                 metrics_bind="127.0.0.1", spin_us=_hicache.AsyncStore.DEFAULT_SPIN_US):
         if isinstance(storage, _Store):
             native = storage._s
         elif isinstance(storage, dict):
@@ -56,7 +59,7 @@ class HiCacheL2Adapter(_hicache.AsyncStore):
             raise ValueError(f"HiCacheL2Adapter: namespace {namespace!r} is not a string")
         super().__init__(native, prefix=namespace, workers=int(workers),
                          max_pending=int(max_pending), metrics_port=int(metrics_port),
-                         metrics_bind=str(metrics_bind))
+                         metrics_bind=str(metrics_bind), spin_us=int(spin_us))
 
     def metrics(self):
         """The adapter's metrics (jobs and keys by kind and outcome, job latency, pending jobs,

@@ -160,8 +160,9 @@ class HiCacheTier(_Base):
     offloading_spec, primary_kv_view (2-D C-contiguous byte memoryview, one row per block id),
     tier_type, storage (the store's config dict, or an open hicache.Store), namespace (dict:
     model, dtype, block_size required; fingerprint, tp_size, pp_size, identity, layout
-    optional), workers, max_pending, metrics_port and metrics_bind (the AsyncStore's: -1 off,
-    0 a free port; /metrics and /metrics.json until shutdown).
+    optional), workers, max_pending, metrics_port, metrics_bind and spin_us (the AsyncStore's:
+    metrics_port -1 off, 0 a free port, /metrics and /metrics.json until shutdown; spin_us how
+    long a worker that ended the only job in flight looks for the next, 0 never).
 
     lookup: HIT when the tier stored the key, or the store holds it (the file store answers from
     its index, no I/O); on a store without an index (Redis) it answers RETRY while an exists
@@ -177,7 +178,7 @@ class HiCacheTier(_Base):
 
     def __init__(self, offloading_spec=None, primary_kv_view=None, tier_type=None, *,
                  storage, namespace, workers=4, max_pending=1024, metrics_port=-1,
-                 metrics_bind="127.0.0.1"):
+                 metrics_bind="127.0.0.1", spin_us=_hicache.AsyncStore.DEFAULT_SPIN_US):
         if _Base is not object:
             super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                              tier_type=tier_type)
@@ -199,7 +200,8 @@ class HiCacheTier(_Base):
         self._async = _hicache.AsyncStore(native, prefix=_prefix(namespace, self._row_bytes),
                                           workers=int(workers), max_pending=int(max_pending),
                                           metrics_port=int(metrics_port),
-                                          metrics_bind=str(metrics_bind))
+                                          metrics_bind=str(metrics_bind),
+                                          spin_us=int(spin_us))
         self._async.bind_rows(self._flat, self._row_bytes)  # jobs name rows, no view per block
         self._indexed = self._async.store_name == "file"  # exists from the index, no I/O
         self._fd = self._async.event_fd()
