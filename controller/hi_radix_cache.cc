@@ -550,11 +550,12 @@ void HiRadixCache::agree_and_apply() {
   for (const auto& a : step->loads) tiers_->apply_load_ack(a.id, a.agreed, a.local);
   for (const auto& a : step->backups) l3_->apply_backup_ack(a.id, a.agreed, a.local);
   for (const auto& p : step->prefetches) {
+    radix::PendingOps::Prefetch& pending = pending_->prefetches.at(p.id);
+    pending.agreed_landed_steps = p.landed_steps;
     if (p.ended) {
       l3_->finish_prefetch(p.id, false, p.pages);  // revoked or finished everywhere
       continue;
     }
-    radix::PendingOps::Prefetch& pending = pending_->prefetches.at(p.id);
     pending.agreed_ready = p.ready;
     pending.agreed_pages = p.pages;
   }

@@ -41,7 +41,7 @@ const Agreement::Step* Agreement::reduce(const PendingOps& pending, ArrivedAcks&
     // How many of each kind fit: one of each in turn, the oldest first.
     const std::size_t room = std::min(tp_->max_values(), std::size_t{1} << 20) - CostRule::kValues;
     const std::size_t have[4] = {writes.size(), loads.size(), backups.size(), prefetches.size()};
-    const std::size_t cost[4] = {1, 1, 1, 3};
+    const std::size_t cost[4] = {1, 1, 1, 4};
     std::size_t take[4] = {0, 0, 0, 0}, used = 0;
     for (bool more = true; more;) {
       more = false;
@@ -61,7 +61,8 @@ const Agreement::Step* Agreement::reduce(const PendingOps& pending, ArrivedAcks&
   // The buffer's sections; their sizes follow the pending sets, the same on every rank.
   const std::size_t W = writes.size(), L = loads.size(), B = backups.size(), P = prefetches.size();
   const std::size_t at_loads = W, at_backups = W + L, at_state = at_backups + B,
-                    at_ready = at_state + P, at_pages = at_ready + P, at_costs = at_pages + P;
+                    at_ready = at_state + P, at_pages = at_ready + P, at_landed = at_pages + P,
+                    at_costs = at_landed + P;
   buffer_.assign(at_costs + CostRule::kValues, 0);
   // What arrived here, at `at` in the buffer.
   auto fill = [&](const std::vector<NodeId>& ids, const auto& acks, std::size_t at) {
@@ -82,6 +83,10 @@ const Agreement::Step* Agreement::reduce(const PendingOps& pending, ArrivedAcks&
     }
     buffer_[at_ready + i] = p.may_terminate(*storage) ? 1 : 0;
     buffer_[at_pages + i] = op.completed_tokens() / page_size;
+    // 1 + steps since it landed here (a landing not counted yet: 0 steps), 0 before: the min
+    // is 0 until every rank's landed, then the last rank's count.
+    buffer_[at_landed + i] =
+        p.steps_since_landed >= 0 ? p.steps_since_landed + 1 : (op.io_done() ? 1 : 0);
   }
   std::copy(local_costs.begin(), local_costs.end(), buffer_.begin() + static_cast<std::ptrdiff_t>(at_costs));
   if (!tp_->min_allreduce(buffer_, "radix.events").ok) return nullptr;
@@ -103,7 +108,8 @@ const Agreement::Step* Agreement::reduce(const PendingOps& pending, ArrivedAcks&
   step_.prefetches.clear();
   for (std::size_t i = 0; i < P; ++i) {
     step_.prefetches.push_back(Step::Prefetch{prefetches[i], buffer_[at_state + i] != 0,
-                                              buffer_[at_ready + i] == 1, buffer_[at_pages + i]});
+                                              buffer_[at_ready + i] == 1, buffer_[at_pages + i],
+                                              buffer_[at_landed + i] - 1});
   }
   return &step_;
 }

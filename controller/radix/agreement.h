@@ -56,6 +56,8 @@ struct PendingOps {
     std::int64_t agreed_pages = 0;
     // Steps (check_events calls) begun since its I/O was seen done on this rank; -1 before.
     std::int64_t steps_since_landed = -1;
+    // TP: Step::Prefetch::landed_steps of the last check_events (-1: not landed everywhere).
+    std::int64_t agreed_landed_steps = -1;
     // The cost rule's deadline: past it, waiting for the rest costs more than recomputing it
     // would have (nothing when the rule is off or not measured). `cut`: this rank told its I/O
     // to stop after the batch in flight (StorageController::cut_prefetch).
@@ -117,6 +119,9 @@ class Agreement {
       bool ended = false;      // revoked or finished on every rank: finish it with `pages`
       bool ready = false;      // every rank's policy lets it terminate
       std::int64_t pages = 0;  // completed on every rank
+      // Steps (check_events calls) begun since the last rank's I/O landed whole (the fewest
+      // any rank counted: PendingOps::Prefetch::steps_since_landed); -1 while a rank's has not.
+      std::int64_t landed_steps = -1;
     };
     std::vector<Prefetch> prefetches;
   };
@@ -124,7 +129,7 @@ class Agreement {
   // rank agreed (valid until the next call) and takes those acks out of `arrived`; records the
   // agreed cost estimates. Null when the collective failed (for good: agreeing() is false from
   // now on); then nothing changed. The oldest ops of each kind go in, one of each kind in turn
-  // while the call has room (a prefetch takes 3 values, an ack 1; the estimates kValues): the
+  // while the call has room (a prefetch takes 4 values, an ack 1; the estimates kValues): the
   // same ops on every rank, since their pending sets are the same.
   const Step* reduce(const PendingOps& pending, ArrivedAcks& arrived,
                      const StorageController* storage, std::int32_t page_size,

@@ -46,9 +46,14 @@ void CacheEvents::register_in(MetricsScope& scope) const {
             "Time of an evict_device call that evicted or scheduled anything", {{"tier", "device"}},
             e.device_eviction_seconds);
   scope.add("hicache_prefetch_confirm_steps",
-            "Steps begun between a prefetch's last page landing and the cache taking its pages "
-            "(prefetches that read their whole hit; 0 or 1: at the first step after the I/O)",
+            "Steps begun between a prefetch's last page landing (under TP: on the last rank) "
+            "and the cache taking its pages (prefetches that read their whole hit; 0 or 1: at "
+            "the first step after the I/O)",
             {}, e.prefetch_confirm_steps);
+  scope.add("hicache_prefetch_rank_wait_steps",
+            "TP: steps a prefetch's pages, landed whole on this rank, waited for the other "
+            "ranks' to land",
+            {}, e.prefetch_rank_wait_steps);
   scope.add("hicache_dropped_tokens_total",
             "Device tokens whose KV was freed with no host copy (recomputed when asked again)",
             {{"tier", "device"}, {"reason", "no_host_copy"}}, e.dropped_device_tokens);

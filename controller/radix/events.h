@@ -45,10 +45,14 @@ struct CacheEvents {
   Histogram device_eviction_seconds;
   // Per prefetch that read its whole hit: the steps (check_events calls) that began between its
   // last page landing and the cache taking its pages. 0 or 1: taken at the first step after
-  // the I/O; more: the prefetch policy or the ranks' agreement held it (hicache_prefetch_
-  // confirm_steps).
+  // the I/O; more: the prefetch policy held it (hicache_prefetch_confirm_steps). Under TP the
+  // last page is the last rank's (counted when every rank's I/O landed whole, from the
+  // step's agreement), and each rank also counts the steps its own pages waited for the other
+  // ranks' (hicache_prefetch_rank_wait_steps; TP only).
   static constexpr std::array<double, 9> kConfirmStepBounds = {0, 1, 2, 3, 4, 8, 16, 32, 64};
   Histogram prefetch_confirm_steps{
+      std::vector<double>(kConfirmStepBounds.begin(), kConfirmStepBounds.end())};
+  Histogram prefetch_rank_wait_steps{
       std::vector<double>(kConfirmStepBounds.begin(), kConfirmStepBounds.end())};
 
   // Counts one prefill (SGLang's per-batch prefill accounting): prompt tokens served from the

@@ -321,7 +321,16 @@ void L3Paths::finish_prefetch(const std::string& request_id, bool aborted,
   // never had them); those it kept count until a node takes or frees them.
   release_uncounted(p.sidecar_counted, r.sidecars);
   if (landed && !aborted && !r.revoked) {
-    events_.prefetch_confirm_steps.observe(static_cast<double>(std::max<std::int64_t>(0, p.steps_since_landed)));
+    const std::int64_t here = std::max<std::int64_t>(0, p.steps_since_landed);
+    if (!agreement_.agreeing()) {
+      events_.prefetch_confirm_steps.observe(static_cast<double>(here));
+    } else if (p.agreed_landed_steps >= 0) {
+      // TP: the pages serve a request once every rank has them, so the I/O is done when the
+      // last rank's landed; the steps this rank's waited before that are the ranks' skew.
+      events_.prefetch_confirm_steps.observe(static_cast<double>(p.agreed_landed_steps));
+      events_.prefetch_rank_wait_steps.observe(
+          static_cast<double>(std::max<std::int64_t>(0, here - p.agreed_landed_steps)));
+    }
   }
   if (r.revoked && !aborted) {
     ++events_.revoked_prefetches;

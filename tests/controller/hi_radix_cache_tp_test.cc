@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <optional>
 #include <random>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/controller/radix_test_engine.h"
 
@@ -118,6 +121,83 @@ TEST(HiRadixCacheTp, RanksThatMeasureDifferentCostsDecideAlike) {
   EXPECT_EQ(refused[0], refused[1]);
   EXPECT_GT(refused[0], 0) << "the agreed (cheapest) recompute refused nothing";
   EXPECT_EQ(loaded[0], loaded[1]);
+}
+
+// Under TP a prefetch's pages serve a request once every rank has them: confirmation counts
+// from the last rank's landing (hicache_prefetch_confirm_steps, at most 1 on every rank), and
+// the steps a rank's landed pages waited for the others' are the ranks' skew
+// (hicache_prefetch_rank_wait_steps). Rank 1's reads wait at a gate that opens 4 steps after
+// rank 0's read returned.
+TEST(HiRadixCacheTp, APrefetchIsConfirmedAtTheFirstStepAfterTheLastRanksPagesLanded) {
+  TpGroups groups;
+  const auto a = seq({1, 2, 3, 4});
+  std::vector<std::unique_ptr<L3>> l3;
+  for (int r = 0; r < 2; ++r) {
+    l3.push_back(std::make_unique<L3>(str_cat("tp-confirm-", r)));
+    ASSERT_EQ(store_in_l3(*l3.back(), a), 4 * kPage);
+  }
+  // Rank 0's reads say when they returned; rank 1's wait at the gate.
+  class Announcing final : public Forwarding {
+   public:
+    using Forwarding::Forwarding;
+    std::atomic<bool> returned{false};
+
+   protected:
+    std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                       std::span<const ByteSpan> dst) override {
+      auto out = inner_.batch_get(keys, dst);
+      returned = true;
+      return out;
+    }
+  };
+  Announcing announcing(l3[0]->file);
+  SlowReads gated(l3[1]->file, std::chrono::milliseconds(0), 0);
+  l3[0]->store = &announcing;
+  l3[1]->store = &gated;
+  std::vector<MetricsRegistry> registries(2);
+  std::vector<std::pair<std::uint64_t, double>> confirm(2), wait(2);
+  std::vector<std::string> trees(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    groups.wire(*l3[static_cast<std::size_t>(r)], r);
+    ranks.emplace_back([&, r] {
+      Engine e(WritePolicy::kWriteThrough, 32, 64, {}, l3[static_cast<std::size_t>(r)].get(),
+               {.policy = PrefetchPolicy::kWaitComplete}, groups.tp[static_cast<std::size_t>(r)].get());
+      MetricsRegistry& registry = registries[static_cast<std::size_t>(r)];
+      e.cache.register_metrics(registry);
+      ASSERT_TRUE(e.cache.prefetch_from_storage("p", e.cache.match_prefix(a).last_host_node, a));
+      int since_rank0 = -1;
+      while (!e.cache.check_prefetch_progress("p")) {
+        e.cache.check_events();
+        if (r == 1 && since_rank0 < 4 && (since_rank0 >= 0 || announcing.returned)) {
+          if (++since_rank0 == 4) gated.gate.open();
+        }
+      }
+      EXPECT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage) << "rank " << r;
+      const auto all = nlohmann::json::parse(registry.json_text());
+      const auto histogram = [&](const char* name) {
+        const auto& series = all.at(name).at("series").at(0);
+        return std::pair{series.at("count").get<std::uint64_t>(), series.at("sum").get<double>()};
+      };
+      confirm[static_cast<std::size_t>(r)] = histogram("hicache_prefetch_confirm_steps");
+      wait[static_cast<std::size_t>(r)] = histogram("hicache_prefetch_rank_wait_steps");
+      e.settle();
+      trees[static_cast<std::size_t>(r)] = e.cache.describe();
+      EXPECT_EQ(e.cache.stats().tp_failures, 0);
+      e.expect_accounting();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  groups.expect_in_step();
+  EXPECT_EQ(trees[0], trees[1]);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(confirm[static_cast<std::size_t>(r)].first, 1u) << "rank " << r;
+    EXPECT_LE(confirm[static_cast<std::size_t>(r)].second, 1.0)
+        << "rank " << r << " counted from its own landing, not the last rank's";
+    EXPECT_EQ(wait[static_cast<std::size_t>(r)].first, 1u) << "rank " << r;
+  }
+  EXPECT_GE(wait[0].second, 3.0) << "rank 0's pages waited for rank 1's";
+  EXPECT_EQ(wait[1].second, 0.0) << "rank 1 landed last";
 }
 
 // An idle step costs no collective: with nothing pending on either rank, check_events skips the

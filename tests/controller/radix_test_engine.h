@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <map>
 #include <optional>
 #include <random>
@@ -60,6 +63,85 @@ struct L3 {
       : root(std::filesystem::temp_directory_path() / str_cat("hicache-radix-", name, "-", ::getpid())),
         file(FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string())}) {}
   ~L3() { std::filesystem::remove_all(root); }
+};
+
+// A store in front of the file store that forwards every call; a test's store changes one.
+class Forwarding : public StorageBackend {
+ public:
+  explicit Forwarding(StorageBackend& inner) : inner_(inner) {}
+  std::string_view name() const override { return inner_.name(); }
+  std::size_t batch_exists(std::span<const std::string> keys) override {
+    return inner_.batch_exists(keys);
+  }
+  bool remove(const std::string& key) override { return inner_.remove(key); }
+  void clear() override { inner_.clear(); }
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    return inner_.batch_get(keys, dst);
+  }
+  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
+                                     std::span<const ConstByteSpan> src) override {
+    return inner_.batch_set(keys, src);
+  }
+  StorageBackend* wrapped() const override { return &inner_; }
+  StorageBackend& inner_;
+};
+
+// A gate the test opens; callers wait at it.
+class Gate {
+ public:
+  // Waits until open (counted as held meanwhile).
+  void pass() {
+    std::unique_lock lock(mu_);
+    ++held_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+    --held_;
+  }
+  bool held() {
+    std::lock_guard lock(mu_);
+    return held_ > 0;
+  }
+  void wait_held() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return held_ > 0; });
+  }
+  void open() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int held_ = 0;
+  bool open_ = false;
+};
+
+// Reads are slow: each waits `delay`, and once `free_reads` went through, each waits at the gate.
+class SlowReads final : public Forwarding {
+ public:
+  SlowReads(StorageBackend& inner, std::chrono::milliseconds delay, int free_reads)
+      : Forwarding(inner), delay_(delay), free_reads_(free_reads) {}
+  ~SlowReads() override { gate.open(); }
+  int reads() const { return reads_.load(); }
+  Gate gate;
+
+ protected:
+  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
+                                     std::span<const ByteSpan> dst) override {
+    std::this_thread::sleep_for(delay_);  // the slow store (a test's, never a hot path)
+    if (reads_++ >= free_reads_) gate.pass();
+    return inner_.batch_get(keys, dst);
+  }
+
+ private:
+  const std::chrono::milliseconds delay_;
+  const int free_reads_;
+  std::atomic<int> reads_{0};
 };
 
 // Hands the controller's queued loads to its load thread and waits on every layer, as a

@@ -168,6 +168,7 @@ TEST(HicacheBench, InstancesShareL3AcrossProcessesForMhaAndMla) {
     const json& steps = c["prefetch_confirm_steps"];
     EXPECT_EQ(steps["count"].get<double>(), confirm["count"].get<double>()) << steps;
     EXPECT_LE(steps["p99_at_most"].get<double>(), 1) << steps;
+    EXPECT_EQ(c["prefetch_rank_wait_steps"]["count"].get<double>(), 0) << "one rank: no skew";
     if (model == kTinyMla) {
       EXPECT_EQ(c["page_bytes"].get<double>(), kTinyMlaPageBytes);
     }
@@ -207,6 +208,9 @@ TEST(HicacheBench, TpRanksAsProcessesVerifyEveryPageWithOneCollectivePerStep) {
   EXPECT_EQ(file["name"], "host+file");
   EXPECT_GT(file["tokens"]["storage_hit"].get<double>(), 0);
   EXPECT_GT(file["tp"]["storage_thread_collectives"].get<double>(), 0);
+  // Under TP each confirmation (from the last rank's landing) comes with the rank's wait.
+  EXPECT_EQ(file["prefetch_rank_wait_steps"]["count"].get<double>(),
+            file["prefetch_confirm_steps"]["count"].get<double>());
   const json tp1 = read_json(single.path)["configurations"][0];
   EXPECT_EQ(tp1["tp"]["ranks"], 1);
   EXPECT_EQ(tp1["tp"]["collectives_per_step"].get<double>(), 0);

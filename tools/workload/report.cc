@@ -205,6 +205,11 @@ json summarize(const ConfigRun& run, const std::vector<PlannedRequest>& plan) {
                           std::vector<double>(radix::CacheEvents::kConfirmStepBounds.begin(),
                                               radix::CacheEvents::kConfirmStepBounds.end()),
                           1)},
+      {"prefetch_rank_wait_steps",
+       bucket_percentiles(counters, "prefetch_rank_wait_steps",
+                          std::vector<double>(radix::CacheEvents::kConfirmStepBounds.begin(),
+                                              radix::CacheEvents::kConfirmStepBounds.end()),
+                          1)},
       {"missed_tokens_prefetch_revoked", counters["missed_tokens_prefetch_revoked"]},
       {"missed_tokens_evicted", counters["missed_tokens_evicted"]},
       {"storage_errors", storage_errors},
@@ -309,7 +314,9 @@ std::string format_table(const std::vector<json>& summaries) {
   by_rank("L2->L3 pages by rank", "l2_to_l3_pages");
   for (const auto& [label, key] : {std::pair{"prefetch confirm ms p50/p99 (<=)", "prefetch_confirm_ms"},
                                     std::pair{"prefetch confirm steps p50/p99 (<=)",
-                                              "prefetch_confirm_steps"}}) {
+                                              "prefetch_confirm_steps"},
+                                    std::pair{"TP rank wait steps p50/p99 (<=)",
+                                              "prefetch_rank_wait_steps"}}) {
     add(label, [key = std::string(key)](const json& s) {
       const json& c = s[key];
       if (c["count"].get<double>() == 0) return std::string("-");

@@ -310,20 +310,23 @@ InstanceResult Runner::result() const {
       metric("hicache_ops_total", {{"direction", "l2_to_l1"}, {"outcome", "failed"}});
   for (const auto& [k, v] : l3_counters()) c[k] = v;
   for (const auto& [k, v] : retired_l3_) c[k] += v;
-  // Prefetch confirmation in steps begun (hicache_prefetch_confirm_steps, this rank's series;
-  // the radix cache's, so it outlives an L3 detach and is not in l3_counters): its cumulative
-  // buckets as per-bucket counts.
+  // Prefetch confirmation in steps begun (hicache_prefetch_confirm_steps, and under TP the
+  // ranks' skew, hicache_prefetch_rank_wait_steps; this rank's series, the radix cache's, so
+  // they outlive an L3 detach and are not in l3_counters): cumulative buckets as per-bucket
+  // counts.
   HiCache& hicache = const_cast<EngineStack&>(stack_).hicache();
   const auto all = nlohmann::json::parse(hicache.metrics().json_text());
   const std::string rank = std::to_string(hicache.config().tp.rank);
-  if (auto f = all.find("hicache_prefetch_confirm_steps"); f != all.end()) {
+  for (const char* name : {"prefetch_confirm_steps", "prefetch_rank_wait_steps"}) {
+    const auto f = all.find(str_cat("hicache_", name));
+    if (f == all.end()) continue;
     for (const auto& series : f->at("series")) {
       if (series.at("labels").value("tp_rank", "") != rank) continue;
       double below = 0;
       const auto& buckets = series.at("buckets");
       for (std::size_t i = 0; i < buckets.size(); ++i) {
         const double cumulative = buckets[i][1].get<double>();
-        c[str_cat("prefetch_confirm_steps_bucket_", i)] = cumulative - below;
+        c[str_cat(name, "_bucket_", i)] = cumulative - below;
         below = cumulative;
       }
     }
