@@ -304,14 +304,17 @@ class FileStorage::Impl {
   }
 
   // StorageBackend::touch: from the tail to the head, each indexed key to the LRU's young end,
-  // so keys[0] ends up the youngest.
-  void touch(std::span<const std::string> keys) {
+  // so keys[0] ends up the youngest. Returns the keys found.
+  std::size_t touch(std::span<const std::string> keys) {
     MutexLock lock(mu_);
+    std::size_t found = 0;
     for (std::size_t i = keys.size(); i-- > 0;) {
       if (auto it = index_.find(keys[i]); it != index_.end()) {
         lru_.splice(lru_.end(), lru_, it->second.lru);
+        ++found;
       }
     }
+    return found;
   }
 
   std::vector<IoResult> set(std::span<const std::string> keys, std::span<const ConstByteSpan> src) {
@@ -1236,7 +1239,9 @@ bool FileStorage::remove(const std::string& key) {
 }
 
 void FileStorage::clear() { impl_->clear(); }
-void FileStorage::touch(std::span<const std::string> keys) { impl_->touch(keys); }
+void FileStorage::touch(std::span<const std::string> keys) {
+  counters_.touched += impl_->touch(keys);
+}
 void FileStorage::flush_trash() { impl_->flush_trash(); }
 bool FileStorage::started_from_snapshot() const { return impl_->from_snapshot(); }
 

@@ -360,6 +360,22 @@ class RedisStorage::Impl {
     return results;
   }
 
+  // TOUCH per key, the tail first (the head's access is the latest), down each node's pipeline:
+  // one round trip per node. The server's LRU (or LFU) then counts the chain as just used.
+  void touch(std::span<const std::string> keys) {
+    const std::vector<std::string> tail_first(keys.rbegin(), keys.rend());
+    std::string arena;
+    std::vector<Request> reqs = key_requests(tail_first, "TOUCH", arena);
+    execute(reqs);
+    for (const Request& r : reqs) {
+      if (r.outcome != Outcome::kInteger) {
+        ++owner_.counters_.touch_errors;
+      } else if (r.integer == 1) {
+        ++owner_.counters_.touched;
+      }
+    }
+  }
+
   bool remove(const std::string& key) {
     std::string arena;
     std::vector<Request> reqs = key_requests(std::span(&key, 1), "DEL", arena);
@@ -850,6 +866,25 @@ std::vector<bool> RedisStorage::exists_each(std::span<const std::string> keys) {
 bool RedisStorage::remove(const std::string& key) {
   validate_key(key);
   return impl_->remove(key);
+}
+
+void RedisStorage::touch(std::span<const std::string> keys) {
+  std::size_t valid = 0;
+  for (const auto& k : keys) {
+    try {
+      validate_key(k);
+      ++valid;
+    } catch (const InvalidArgument&) {
+      break;  // a hint: the chain's valid head is touched, the rest counted as not refreshed
+    }
+  }
+  if (valid < keys.size()) counters_.touch_errors += keys.size() - valid;
+  if (valid == 0) return;
+  try {
+    impl_->touch(keys.first(valid));
+  } catch (const std::exception&) {
+    counters_.touch_errors += valid;  // a hint: never thrown
+  }
 }
 
 void RedisStorage::clear() { impl_->clear(); }

@@ -144,6 +144,10 @@ class RedisStorage final : public StorageBackend {
   // Every key in one pipelined round trip (EXISTS per key).
   std::vector<bool> exists_each(std::span<const std::string> keys) override;
   bool remove(const std::string& key) override;
+  // TOUCH of each key (StorageBackend::touch), one pipelined round trip per node; under
+  // allkeys-lru / allkeys-lfu the server then counts the chain as just used.
+  void touch(std::span<const std::string> keys) override;
+  bool touch_does_io() const override { return true; }
   void clear() override;
 
   const RedisConfig& config() const { return config_; }

@@ -32,7 +32,8 @@ std::string StorageStats::to_json() const {
                       {"eviction_failures", eviction_failures}, {"stored_keys", stored_keys},
                       {"stored_bytes", stored_bytes},     {"capacity_bytes", capacity_bytes},
                       {"capacity_shrinks", capacity_shrinks},
-                      {"topology_refreshes", topology_refreshes}};
+                      {"topology_refreshes", topology_refreshes},
+                      {"touched", touched},               {"touch_errors", touch_errors}};
   return j.dump();
 }
 
@@ -229,6 +230,8 @@ StorageStats StorageBackend::stats() const {
   s.eviction_failures = c.eviction_failures.value();
   s.capacity_shrinks = c.capacity_shrinks.value();
   s.topology_refreshes = c.topology_refreshes.value();
+  s.touched = c.touched.value();
+  s.touch_errors = c.touch_errors.value();
   fill_gauges(s);
   return s;
 }
@@ -254,6 +257,8 @@ void StorageBackend::register_metrics(MetricsRegistry& registry, MetricLabels la
                c.set_deduplicated);
   metrics_.add(kKeys, kKeysHelp, {{"op", "set"}, {"result", "error"}}, c.set_errors);
   metrics_.add(kKeys, kKeysHelp, {{"op", "remove"}, {"result", "removed"}}, c.removes);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "touch"}, {"result", "touched"}}, c.touched);
+  metrics_.add(kKeys, kKeysHelp, {{"op", "touch"}, {"result", "error"}}, c.touch_errors);
   metrics_.add("hicache_storage_bad_records_total",
                "Records read back corrupt, truncated or foreign (served as misses, removed)", {},
                c.bad_records);

@@ -70,6 +70,8 @@ struct StorageStats {
   std::uint64_t capacity_bytes = 0;  // gauge, the bound on stored_bytes (0: none, or unknown)
   std::uint64_t capacity_shrinks = 0;  // a full disk made the store shrink its capacity
   std::uint64_t topology_refreshes = 0;  // a cluster's slot map re-read after a failure or MOVED
+  std::uint64_t touched = 0;         // keys touch() found stored and refreshed
+  std::uint64_t touch_errors = 0;    // keys touch() could not refresh (a server's error)
 
   std::string to_json() const;
 };
@@ -109,9 +111,17 @@ class StorageBackend {
   // Marks the records of `keys`, a chain in prefix order (a page is reachable only through the
   // pages before it), as just used, keys[0] the most recently: a bounded store then evicts a
   // chain's tail before its head and never strands pages behind a head it dropped. Absent keys
-  // are skipped. An in-memory change, no I/O, quick; thread-safe. Default: nothing (a store
-  // whose evictions are not its own: Redis evicts by the server's policy).
+  // are skipped; a failure is counted (touch_errors), never thrown: a touch is a hint.
+  // Thread-safe. The file store changes its index in memory; Redis tells the server (TOUCH,
+  // one pipelined round trip per node: touch_does_io()), so a caller on an engine's loop hands
+  // it to a thread of its own (StorageController's touch thread, AsyncStore's workers).
+  // Default: nothing.
   virtual void touch(std::span<const std::string> /*keys*/) {}
+  // Whether touch() waits for I/O (a server round trip). A wrapper answers for its store.
+  virtual bool touch_does_io() const {
+    const StorageBackend* inner = wrapped();
+    return inner != nullptr && inner->touch_does_io();
+  }
 
   // Removes a key; false when it was absent.
   virtual bool remove(const std::string& key) = 0;
@@ -162,7 +172,7 @@ class StorageBackend {
   struct Counters {
     Counter exists_queries, gets, get_hits, get_misses, get_errors, bad_records, sets,
         set_written, set_deduplicated, set_errors, bytes_read, bytes_written, removes, evictions,
-        eviction_failures, capacity_shrinks, topology_refreshes;
+        eviction_failures, capacity_shrinks, topology_refreshes, touched, touch_errors;
   };
   Counters counters_;
   MetricsScope metrics_;  // after the counters it registers

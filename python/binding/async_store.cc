@@ -19,7 +19,7 @@ namespace hicache::binding {
 namespace {
 
 constexpr std::size_t kMaxPrefixBytes = 160;  // leaves room for "-%h" + 64 hex digits
-constexpr const char* kKindNames[] = {"get", "set", "exists", "delete"};
+constexpr const char* kKindNames[] = {"get", "set", "exists", "delete", "touch"};
 
 constexpr std::int64_t kMaxSpinUs = 10'000'000;
 
@@ -67,7 +67,7 @@ AsyncStore::AsyncStore(std::shared_ptr<StorageBackend> store, bool own_metrics,
 
   if (own_metrics_) store_->register_metrics(metrics_);
   scope_.attach(metrics_);
-  for (std::size_t k = 0; k < 4; ++k) {
+  for (std::size_t k = 0; k < kKinds; ++k) {
     const std::string kind = kKindNames[k];
     constexpr const char* kJobs = "hicache_async_jobs_total";
     constexpr const char* kJobsHelp = "Batch jobs of the async store, by kind and outcome";
@@ -166,8 +166,33 @@ std::size_t AsyncStore::exists_now(const py::sequence& keys) {
 void AsyncStore::touch(const py::sequence& keys) {
   std::vector<std::string> names;
   for (const auto& k : keys_of(keys)) names.push_back(record_name(k));
-  py::gil_scoped_release nogil;
-  store_->touch(names);
+  if (names.empty()) return;
+  if (!store_->touch_does_io()) {
+    py::gil_scoped_release nogil;
+    store_->touch(names);
+    return;
+  }
+  // A server round trip: a worker tells the server, this thread does not wait.
+  KindMetrics& m = kinds_[index_of(Kind::kTouch)];
+  bool wake = false;
+  {
+    MutexLock lock(mu_);
+    if (closed_ || in_flight_ >= max_pending_) {
+      m.rejected.add();
+      m.keys.add(names.size());
+      return;
+    }
+    Job job;
+    job.id = 0;
+    job.kind = Kind::kTouch;
+    job.names = std::move(names);
+    job.submitted = std::chrono::steady_clock::now();
+    job.silent = true;
+    ++in_flight_;
+    queue_.push_back(std::move(job));
+    wake = queue_.size() > looking_;
+  }
+  if (wake) cv_.notify_one();
 }
 
 std::uint64_t AsyncStore::submit_batch_get(const py::sequence& keys, const py::sequence& buffers) {
@@ -321,7 +346,7 @@ void AsyncStore::worker() {
     m.keys_ok.add(good);
     m.seconds.observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - job.submitted).count());
-    publish(std::move(c));
+    if (!job.silent) publish(std::move(c));
     {
       MutexLock lock(mu_);
       --in_flight_;
@@ -400,6 +425,10 @@ AsyncStore::Completion AsyncStore::run(const Job& job) {
     }
     case Kind::kDelete:
       for (std::size_t i = 0; i < names.size(); ++i) c.per_key[i] = store_->remove(names[i]);
+      break;
+    case Kind::kTouch:  // a hint: what the store refreshed is in its own counters
+      store_->touch(names);
+      c.per_key.assign(names.size(), true);
       break;
   }
   return c;

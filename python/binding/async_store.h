@@ -70,7 +70,7 @@ namespace py = pybind11;
 
 class AsyncStore {
  public:
-  enum class Kind { kGet, kSet, kExists, kDelete };
+  enum class Kind { kGet, kSet, kExists, kDelete, kTouch };
   static constexpr std::int64_t kDefaultSpinUs = 200;
 
   struct Completion {
@@ -123,9 +123,11 @@ class AsyncStore {
   // store answers from its index; Redis asks the server, so callers that must not block use
   // submit_batch_exists there).
   std::size_t exists_now(const py::sequence& keys);
-  // On the calling thread, without the GIL: StorageBackend::touch of the records of `keys`, a
-  // chain in prefix order (the file store makes them its youngest, keys[0] first; no I/O;
-  // Redis: nothing). After close() as before it.
+  // StorageBackend::touch of the records of `keys`, a chain in prefix order, never waiting for
+  // I/O: the file store makes them its youngest (keys[0] first) on the calling thread, without
+  // the GIL, also after close(); Redis is told by a worker (a job with no completion, counted
+  // as kind "touch"; dropped and counted rejected after close() or with max_pending jobs in
+  // flight).
   void touch(const py::sequence& keys);
   std::string store_name() const { return std::string(store_->name()); }
   std::string stats_json() const { return store_->stats().to_json(); }
@@ -147,6 +149,7 @@ class AsyncStore {
     std::vector<std::string> names;
     std::vector<std::pair<std::byte*, std::size_t>> buffers;
     std::chrono::steady_clock::time_point submitted;
+    bool silent = false;  // no completion (a touch handed to a worker)
   };
   struct KindMetrics {
     Counter ok, failed, rejected, keys, keys_ok;
@@ -203,7 +206,8 @@ class AsyncStore {
   Mutex close_mu_;  // serialises close()
   std::vector<std::thread> workers_;
 
-  KindMetrics kinds_[4];
+  static constexpr std::size_t kKinds = 5;
+  KindMetrics kinds_[kKinds];
   MetricsRegistry metrics_;
   MetricsScope scope_;  // after what it registers
   std::unique_ptr<MetricsServer> server_ HICACHE_GUARDED_BY(close_mu_);  // reads metrics_

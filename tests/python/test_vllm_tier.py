@@ -289,7 +289,8 @@ def test_get_stats_reports_capacity_usage_and_resets_counters(file_storage):
 
 def test_touch_keeps_a_prefixs_head_and_asks_no_io(tmp_path):
     """vLLM's touch(keys), a request's keys in prefix order: the file store makes them its
-    youngest records, the first key youngest, with no I/O; a full store then evicts another
+    youngest records, the first key youngest, with no I/O (on this thread); a full store then
+    evicts another
     prefix's tail. Without the touch, A's tail (a1) would be the oldest record and go."""
     mem, view = primary()
     # Room for four records of a row each, not five.
@@ -308,6 +309,26 @@ def test_touch_keeps_a_prefixs_head_and_asks_no_io(tmp_path):
         LookupResult.HIT, LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
     tier.shutdown()
     tier.touch(a, None)  # after shutdown: nothing, no error
+
+
+def test_touch_on_redis_tells_the_server_off_the_thread(redis_server):
+    """On Redis, touch is a server round trip (TOUCH): a worker sends it and vLLM's thread does
+    not wait; it reports no job, and the server counts the stored keys as just used."""
+    storage = {"backend": "redis", "host": "127.0.0.1", "port": redis_server.port}
+    mem, view = primary()
+    tier = make(view, storage)
+    keys = [block_key(i) for i in range(3)]
+    store_rows(tier, mem, keys[:2], job_id=1)
+    tier.touch(keys, None)  # two stored, one not
+    deadline = time.monotonic() + 10
+    while tier.stats()["touched"] < 2:
+        assert time.monotonic() < deadline, tier.stats()
+        time.sleep(0.005)
+    assert tier.stats()["touched"] == 2 and tier.stats()["touch_errors"] == 0
+    assert tier.get_finished_jobs() == []  # a touch is no job of vLLM's
+    assert not tier.has_pending_work()
+    tier.shutdown()
+    tier.touch(keys, None)  # after shutdown: dropped, no error
 
 
 def test_event_fd_is_readable_until_finished_jobs_are_taken(file_storage):

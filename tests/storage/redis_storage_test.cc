@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -756,6 +757,30 @@ TEST_F(RedisStorageTest, RemoveAndClear) {
   EXPECT_EQ(redis_cli(port(), {"dbsize"}), "0\n");
 }
 
+// touch tells the server a chain was just used (TOUCH): the server's idle time of each stored
+// key of the chain starts again, the others' goes on; absent keys are skipped. The server's LRU
+// clock counts whole seconds, so the records first age for two.
+TEST_F(RedisStorageTest, TouchTellsTheServerTheChainWasJustUsed) {
+  auto s = open_redis(port());
+  EXPECT_TRUE(s->touch_does_io());
+  put_ok(*s, {"head", "mid", "tail", "other"}, 4096);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2100));  // the server's clock, not ours
+  RawClient c(port());
+  const auto idle = [&](const std::string& key) {
+    const std::string reply = c.command({"OBJECT", "IDLETIME", key});
+    EXPECT_EQ(reply.rfind(':', 0), 0u) << key << ": " << reply;
+    return std::stoll(reply.substr(1));
+  };
+  for (const char* k : {"head", "mid", "tail", "other"}) ASSERT_GE(idle(k), 1) << k;
+  s->touch(std::vector<std::string>{"head", "mid", "absent", "tail"});
+  EXPECT_EQ(idle("head"), 0);
+  EXPECT_EQ(idle("mid"), 0);
+  EXPECT_EQ(idle("tail"), 0);
+  EXPECT_GE(idle("other"), 1) << "a key the chain does not name was refreshed";
+  EXPECT_EQ(s->stats().touched, 3u);
+  EXPECT_EQ(s->stats().touch_errors, 0u);
+}
+
 TEST_F(RedisStorageTest, ConcurrentBatchesFromSeveralThreads) {
   auto s = open_redis(port(), R"("connections": 3, "io_threads": 2)");
   const std::vector<std::string> shared = make_keys("shared", 8);
@@ -1380,6 +1405,20 @@ class RedisClusterTest : public ServersSuite<testing::RedisCluster, start_cluste
 
 TEST_F(RedisClusterTest, TwoProcessesSeeEachOthersRecords) {
   expect_two_processes_see_each_others_records([] { return open_cluster(cluster_->ports()); });
+}
+
+// A chain's keys live in many slots: each TOUCH goes to its key's node.
+TEST_F(RedisClusterTest, TouchReachesEveryKeysNode) {
+  auto s = open_cluster(cluster_->ports());
+  std::vector<std::string> keys;
+  for (int i = 0; i < 24; ++i) keys.push_back(str_cat("chain-", i));
+  put_ok(*s, keys, 1024);
+  s->touch(keys);
+  EXPECT_EQ(s->stats().touched, keys.size());
+  EXPECT_EQ(s->stats().touch_errors, 0u);
+  std::set<int> nodes;
+  for (const auto& k : keys) nodes.insert(owner_port(k));
+  EXPECT_GT(nodes.size(), 1u) << "the chain lives on one node: the test shows nothing";
 }
 
 TEST_F(RedisClusterTest, KeySlotsMatchTheServer) {

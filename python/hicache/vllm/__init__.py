@@ -257,8 +257,9 @@ class HiCacheTier(_Base):
     def touch(self, keys, req_context=None):
         """vLLM's recency hint: the file store makes the blocks' records its most recently used,
         the first key youngest (vLLM passes a request's keys in prefix order, so a full store
-        evicts a prefix's tail before its head). In memory, on this thread, no I/O; Redis evicts
-        by its own maxmemory policy and is not told. Nothing after shutdown."""
+        evicts a prefix's tail before its head), in memory on this thread; on Redis a worker
+        sends TOUCH (the server's LRU / LFU counts them as just used) and this thread does not
+        wait. Never reported as a job; nothing after shutdown."""
         if self._closed or not keys:
             return
         self._async.touch([bytes(k).hex() for k in keys])
