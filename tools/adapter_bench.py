@@ -240,7 +240,8 @@ def main():
                     help="MiB a job moves (whole blocks, at least one): 16 blocks of 512 KiB, "
                          "4 of 2 MiB")
     ap.add_argument("--mib", type=int, default=64, help="MiB each side moves per step")
-    ap.add_argument("--reps", type=int, default=5, help="rounds (a fresh store each)")
+    ap.add_argument("--reps", type=int, default=15,
+                    help="rounds (a fresh store each): 15 give each row 45 paired sets and gets")
     ap.add_argument("--set-passes", type=int, default=3,
                     help="sets of fresh blocks per side, per round")
     ap.add_argument("--get-passes", type=int, default=3,
