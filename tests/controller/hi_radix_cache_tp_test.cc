@@ -127,7 +127,7 @@ TEST(HiRadixCacheTp, RanksThatMeasureDifferentCostsDecideAlike) {
 // from the last rank's landing (hicache_prefetch_confirm_steps, at most 1 on every rank), and
 // the steps a rank's landed pages waited for the others' are the ranks' skew
 // (hicache_prefetch_rank_wait_steps). Rank 1's reads wait at a gate that opens 4 steps after
-// rank 0's read returned.
+// rank 0's pages landed.
 TEST(HiRadixCacheTp, APrefetchIsConfirmedAtTheFirstStepAfterTheLastRanksPagesLanded) {
   TpGroups groups;
   const auto a = seq({1, 2, 3, 4});
@@ -169,8 +169,14 @@ TEST(HiRadixCacheTp, APrefetchIsConfirmedAtTheFirstStepAfterTheLastRanksPagesLan
       int since_rank0 = -1;
       while (!e.cache.check_prefetch_progress("p")) {
         e.cache.check_events();
-        if (r == 1 && since_rank0 < 4 && (since_rank0 >= 0 || announcing.returned)) {
-          if (++since_rank0 == 4) gated.gate.open();
+        if (r == 1 && since_rank0 < 0 && announcing.returned) {
+          // Rank 0's read returned; its prefetch thread marks the pages landed just after. This
+          // rank's pause holds both ranks' steps (the next check_events is a collective), not
+          // that thread: a test's wait, so that rank 0 has landed before the 4 steps count.
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          since_rank0 = 0;
+        } else if (r == 1 && since_rank0 >= 0 && since_rank0 < 4 && ++since_rank0 == 4) {
+          gated.gate.open();
         }
       }
       EXPECT_EQ(e.cache.stats().prefetched_tokens, 4 * kPage) << "rank " << r;
