@@ -416,18 +416,6 @@ TEST(HiRadixCacheStorage, ABackupHoldsOnlyTheHostCopyItReads) {
   fresh.expect_accounting();
 }
 
-// Steps (waiting on the cache's events between them) until prefetch `id` ended; `inserted` gets
-// the tokens it added. False when it had not ended after 30 s.
-bool step_until_ended(Engine& e, const std::string& id, std::int64_t& inserted) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (;;) {
-    const std::uint64_t seen = e.cache.event_seq();
-    e.cache.check_events();
-    if (e.cache.check_prefetch_progress(id, &inserted)) return true;
-    if (!e.cache.wait_for_events(seen, deadline)) return false;
-  }
-}
-
 // The cost rule's deadline: a prefetch still loading once recomputing its tokens would have
 // been done is cut. Its I/O stops after the batch in flight (the scheduler never waits for it),
 // the pages that arrived go into the tree byte for byte, and exactly the host pages it did not
@@ -452,7 +440,13 @@ TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesIt
   EXPECT_FALSE(e.cache.check_prefetch_progress("cut")) << "ended before its I/O stopped";
   slow.gate.open();  // the batch in flight lands; the I/O stops there
   std::int64_t inserted = -1;
-  ASSERT_TRUE(step_until_ended(e, "cut", inserted)) << "the cut prefetch never ended";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    const std::uint64_t seen = e.cache.event_seq();
+    e.cache.check_events();
+    if (e.cache.check_prefetch_progress("cut", &inserted)) break;
+    ASSERT_TRUE(e.cache.wait_for_events(seen, deadline)) << "the cut prefetch never ended";
+  }
   EXPECT_EQ(inserted, 2 * kPage);
   EXPECT_EQ(slow.reads(), 2) << "read past the cut";
   EXPECT_EQ(e.cache.stats().prefetched_tokens, 2 * kPage);
@@ -498,7 +492,13 @@ TEST(HiRadixCacheStorage, APrefetchThatFallsBehindItsPredictionIsCutBeforeItsDea
   }
   slow.gate.open();  // the read in flight lands; the I/O stops there
   std::int64_t inserted = -1;
-  ASSERT_TRUE(step_until_ended(e, "behind", inserted)) << "the cut prefetch never ended";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    const std::uint64_t seen = e.cache.event_seq();
+    e.cache.check_events();
+    if (e.cache.check_prefetch_progress("behind", &inserted)) break;
+    ASSERT_TRUE(e.cache.wait_for_events(seen, deadline)) << "the cut prefetch never ended";
+  }
   EXPECT_EQ(inserted, kPage) << "the page whose read was in flight is kept, no more";
   EXPECT_EQ(slow.reads(), 5) << "read past the cut";
   e.expect_accounting();
