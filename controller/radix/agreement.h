@@ -59,8 +59,7 @@ struct PendingOps {
     // TP: Step::Prefetch::landed_steps of the last check_events (-1: not landed everywhere).
     std::int64_t agreed_landed_steps = -1;
     // The cost rule's deadline: past it, waiting for the rest costs more than recomputing it
-    // would have, or the prefetch took twice what its measured reads predicted (nothing when the
-    // rule is off or not measured). `cut`: this rank told its I/O
+    // would have (nothing when the rule is off or not measured). `cut`: this rank told its I/O
     // to stop after the batch in flight (StorageController::cut_prefetch).
     std::optional<std::chrono::steady_clock::time_point> cut_at;
     bool cut = false;

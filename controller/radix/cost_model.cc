@@ -115,31 +115,21 @@ std::optional<double> CostRule::recompute_seconds(const Values& v, std::int64_t 
   return static_cast<double>(tokens) * static_cast<double>(v[4]) * 1e-15;
 }
 
-std::optional<double> CostRule::move_seconds(Move move, const Values& v, std::int64_t tokens,
-                                             std::int64_t extra_bytes, std::int64_t ops,
-                                             std::int64_t wait_tokens,
-                                             std::int64_t wait_ops) const {
-  const bool load = move == Move::kLoad;
-  const std::int64_t bps = v[load ? 0 : 2];
-  if (bps == kUnmeasured) return std::nullopt;
-  const double latency = -static_cast<double>(v[load ? 1 : 3]) * 1e-9;
-  const double bytes = static_cast<double>(tokens + wait_tokens) *
-                           static_cast<double>(token_bytes_) +
-                       static_cast<double>(extra_bytes);
-  return static_cast<double>(ops + wait_ops) * latency + bytes / static_cast<double>(bps);
-}
-
 bool CostRule::moving_pays(Move move, const Values& v, std::int64_t tokens,
                            std::int64_t extra_bytes, std::int64_t ops, std::int64_t wait_tokens,
                            std::int64_t wait_ops) {
   const bool load = move == Move::kLoad;
+  const std::int64_t bps = v[load ? 0 : 2];
+  const double latency = -static_cast<double>(v[load ? 1 : 3]) * 1e-9;
   const std::optional<double> recompute = recompute_seconds(v, tokens);
-  const std::optional<double> moving =
-      move_seconds(move, v, tokens, extra_bytes, ops, wait_tokens, wait_ops);
-  if (!moving || !recompute) return true;  // the move measures what is missing
-  const double move_s = *moving;
+  if (bps == kUnmeasured || !recompute) return true;  // the move measures what is missing
+  const double bytes = static_cast<double>(tokens + wait_tokens) *
+                           static_cast<double>(token_bytes_) +
+                       static_cast<double>(extra_bytes);
+  const double move_s =
+      static_cast<double>(ops + wait_ops) * latency + bytes / static_cast<double>(bps);
   (load ? inputs_.measured_load_gbps : inputs_.measured_prefetch_gbps) =
-      static_cast<double>(v[load ? 0 : 2]) / 1e9;
+      static_cast<double>(bps) / 1e9;
   (load ? inputs_.last_load_estimate_s : inputs_.last_prefetch_estimate_s) = move_s;
   inputs_.last_recompute_estimate_s = *recompute;
   return move_s <= *recompute;

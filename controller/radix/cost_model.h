@@ -123,12 +123,6 @@ class CostRule {
                    std::int64_t ops = 1, std::int64_t wait_tokens = 0, std::int64_t wait_ops = 0);
   // Seconds to recompute `tokens` by `v`; nothing when not measured.
   static std::optional<double> recompute_seconds(const Values& v, std::int64_t tokens);
-  // Seconds to move `tokens` (and `extra_bytes`) in `ops` calls after `wait_tokens` in
-  // `wait_ops` calls ahead on the link, by `v`; nothing while the link is not measured.
-  std::optional<double> move_seconds(Move move, const Values& v, std::int64_t tokens,
-                                     std::int64_t extra_bytes = 0, std::int64_t ops = 1,
-                                     std::int64_t wait_tokens = 0,
-                                     std::int64_t wait_ops = 0) const;
   const Inputs& inputs() const { return inputs_; }
 
   // Gauges of this rank's estimates (hicache_link_bandwidth_bytes_per_second{link},

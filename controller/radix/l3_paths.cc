@@ -4,14 +4,6 @@
 #include <limits>
 
 namespace hicache::radix {
-namespace {
-
-// A prefetch still loading after this many times the time its measured reads predicted has
-// fallen behind (a stalled or contended store): it is cut at the pages that landed, before its
-// recompute deadline. 2: the link estimate's run-to-run spread stays inside it.
-constexpr double kBehindFactor = 2.0;
-
-}  // namespace
 
 L3Paths::L3Paths(Cache& cache, Tree& tree, PendingOps& pending, ArrivedAcks& arrived,
                  Agreement& agreement, CostRule& cost, CacheEvents& events, HostKVPool& host_pool)
@@ -185,7 +177,6 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   }
   const auto want = static_cast<std::int64_t>(usable);
   const CostRule::Values costs = agreement_.costs(cost_.local());
-  std::optional<double> predicted;  // seconds to read it, by the measured link
   if (cost_.on()) {
     // Reading it from L3, after what the prefetches in flight have still to read on the same
     // link, would take longer than recomputing it. The counts are agreed state under TP.
@@ -201,13 +192,8 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
     // store that writes slower than it reads would never be read: one prefetch at a time goes
     // anyway, to measure (the cut bounds what it costs).
     const bool probe = !CostRule::l3_reads_measured(costs) && pending_.prefetches.empty();
-    const auto wait_ops = static_cast<std::int64_t>(pending_.prefetches.size());
-    if (CostRule::l3_reads_measured(costs)) {
-      predicted = cost_.move_seconds(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens,
-                                     wait_ops);
-    }
-    if (!probe &&
-        !cost_.moving_pays(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens, wait_ops)) {
+    if (!probe && !cost_.moving_pays(CostRule::Move::kPrefetch, costs, want, 0, ops, wait_tokens,
+                                     static_cast<std::int64_t>(pending_.prefetches.size()))) {
       ++events_.prefetches_refused_by_cost;
       events_.miss_prefetch_refused_tokens += usable;
       return false;
@@ -264,13 +250,11 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
       std::vector<std::int32_t>(tokens.begin(),
                                 tokens.begin() + static_cast<std::ptrdiff_t>(usable)),
       node == root ? std::string(identity) : std::string(), want, std::move(side_counted)};
-  // Past this, waiting for the rest costs more than recomputing the tokens would have, or the
-  // prefetch has fallen behind its prediction (kBehindFactor times the measured reads' time).
+  // Past this, waiting for the rest costs more than recomputing the tokens would have.
   if (const auto recompute = CostRule::recompute_seconds(costs, want); cost_.on() && recompute) {
-    const double wait = predicted ? std::min(*recompute, kBehindFactor * *predicted) : *recompute;
     p.cut_at = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   std::chrono::duration<double>(wait));
+                   std::chrono::duration<double>(*recompute));
   }
   return true;
 }

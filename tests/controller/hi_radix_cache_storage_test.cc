@@ -458,52 +458,6 @@ TEST(HiRadixCacheStorage, APrefetchPastItsDeadlineIsCutAndFreesExactlyThePagesIt
   e.expect_accounting();
 }
 
-// A prefetch that falls behind its prediction is cut well before its recompute deadline: with
-// the reads measured fast (a first prefetch read 4 pages) and recomputing costing a second per
-// token (a 16 s deadline), a prefetch whose reads then stall is cut once it took twice its
-// predicted time, at the pages that landed; without that rule it would wait out the 16 s.
-TEST(HiRadixCacheStorage, APrefetchThatFallsBehindItsPredictionIsCutBeforeItsDeadline) {
-  L3 l3("behind");
-  const auto a = seq({1, 2, 3, 4}), b = seq({5, 6, 7, 8});
-  store_in_l3(l3, a);
-  store_in_l3(l3, b);
-  SlowReads slow(l3.file, std::chrono::milliseconds(0), /*free_reads=*/4);
-  l3.store = &slow;
-  Engine e(WritePolicy::kWriteThrough, 32, 64, {.recompute_seconds_per_token = 1.0}, &l3,
-           {.io_batch_pages = 1, .policy = PrefetchPolicy::kWaitComplete});
-  // A failed assertion returns with a read at the gate: open it before the engine stops.
-  struct OpenAtEnd {
-    Gate& gate;
-    ~OpenAtEnd() { gate.open(); }
-  } open_at_end{slow.gate};
-  const auto recomputed = e.recomputed_pages;
-  e.run(a);  // fetched: the four reads measure the link
-  EXPECT_EQ(e.recomputed_pages, recomputed) << "a was not read from L3";
-  e.settle();
-  for (int i = 0; i < 3; ++i) e.cache.check_events();  // the estimate takes the reads in
-  ASSERT_TRUE(e.cache.prefetch_from_storage("behind", e.cache.match_prefix(b).last_host_node, b));
-  slow.gate.wait_held();  // its first read stalls
-  const auto started = std::chrono::steady_clock::now();
-  while (e.cache.stats().prefetches_cut == 0) {
-    ASSERT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(8))
-        << "not cut long after twice its prediction (its recompute deadline is 16 s)";
-    e.cache.check_events();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the test's clock, not a wait
-  }
-  slow.gate.open();  // the read in flight lands; the I/O stops there
-  std::int64_t inserted = -1;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (;;) {
-    const std::uint64_t seen = e.cache.event_seq();
-    e.cache.check_events();
-    if (e.cache.check_prefetch_progress("behind", &inserted)) break;
-    ASSERT_TRUE(e.cache.wait_for_events(seen, deadline)) << "the cut prefetch never ended";
-  }
-  EXPECT_EQ(inserted, kPage) << "the page whose read was in flight is kept, no more";
-  EXPECT_EQ(slow.reads(), 5) << "read past the cut";
-  e.expect_accounting();
-}
-
 // A store that writes slowly and reads fast: until a read was measured the writes' estimate
 // stands for the reads, which would decline every prefetch and never measure a read. One
 // prefetch at a time still goes, measures the reads, and from then on they are weighed as they
