@@ -183,14 +183,11 @@ void AsyncStore::touch(const py::sequence& keys) {
       return;
     }
     Job job;
-    job.id = 0;
     job.kind = Kind::kTouch;
     job.names = std::move(names);
     job.submitted = std::chrono::steady_clock::now();
     job.silent = true;
-    ++in_flight_;
-    queue_.push_back(std::move(job));
-    wake = queue_.size() > looking_;
+    wake = queue_locked(std::move(job));
   }
   if (wake) cv_.notify_one();
 }
@@ -299,10 +296,7 @@ std::uint64_t AsyncStore::submit(Kind kind, const py::sequence& keys, const py::
         MutexLock pins(pins_mu_);
         if (!regions.empty()) pins_.emplace(id, std::move(pin));
       }
-      ++in_flight_;
-      queue_.push_back(std::move(job));
-      // A worker still looking takes the job without a wake-up (see spin_us in the header).
-      wake = queue_.size() > looking_;
+      wake = queue_locked(std::move(job));
     }
   }
   if (full) {
@@ -352,6 +346,13 @@ void AsyncStore::worker() {
       --in_flight_;
     }
   }
+}
+
+bool AsyncStore::queue_locked(Job job) {
+  ++in_flight_;
+  queue_.push_back(std::move(job));
+  // A worker still looking takes the job without a wake-up (see spin_us in the header).
+  return queue_.size() > looking_;
 }
 
 bool AsyncStore::take_looking(Job& job) {

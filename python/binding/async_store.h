@@ -161,6 +161,9 @@ class AsyncStore {
   std::uint64_t submit(Kind kind, const py::sequence& keys, const py::sequence* buffers,
                        const py::sequence* rows = nullptr);
   void worker();
+  // Queues `job` (counted in flight); true when no worker looking will take it, so the caller
+  // must wake one (notify_one, after releasing mu_).
+  bool queue_locked(Job job) HICACHE_REQUIRES(mu_);
   // After a job: when no job is queued or running, looks for the next one (yielding in between)
   // for spin_; true with the job taken. False at once when a job is queued (the
   // caller takes it), another runs, or the store is closed.
