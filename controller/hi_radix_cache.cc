@@ -302,6 +302,12 @@ HiRadixCache::MatchResult HiRadixCache::match_prefix(std::span<const std::int32_
     if (common < child->key().size()) break;
   }
   if (sidecars_->on()) cut_to_restorable(r);
+  // Of the host part, what is on the device already (load_back skips it): the device run cut
+  // at a hybrid model's restorable end, and nodes computed again below a host-only parent
+  // (insert keeps their device copy and leaves the parent on the host).
+  for (Node* n = r.last_host_node; n != r.last_device_node && n != tree_->root(); n = n->parent) {
+    if (!n->device.empty()) r.resident_host_hit_tokens += static_cast<std::int64_t>(n->key().size());
+  }
   if (!to_write.empty()) {
     // A write may make room for sidecar pages by evicting host-only leaves: the path it found
     // stays while it writes.
@@ -334,8 +340,6 @@ void HiRadixCache::cut_to_restorable(MatchResult& r) {
   }
   if (cut.all < pages) r.last_host_node = node_at_page(r.last_host_node, cut.all);
   r.host_hit_tokens = (cut.all - cut.on_device) * page_size_;
-  r.resident_host_hit_tokens =
-      (std::min(device_pages, cut.all) - std::min(cut.on_device, device_pages)) * page_size_;
 }
 
 HiRadixCache::Node* HiRadixCache::node_at_page(Node* end, std::int64_t pages) {

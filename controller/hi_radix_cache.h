@@ -187,8 +187,9 @@ class HiRadixCache {
     Node* last_device_node = nullptr;        // deepest node of that prefix (root when empty)
     Node* last_host_node = nullptr;          // deepest node whose KV is on device or host
     std::int64_t host_hit_tokens = 0;        // what load_back(last_host_node) would add
-    // Of host_hit_tokens, those on the device already (sidecar pools only: past the device
-    // part's restorable end, docs/hybrid.md); load_back copies only the rest from the host.
+    // Of host_hit_tokens, those on the device already: past a hybrid model's restorable end
+    // (docs/hybrid.md), or below a host-only node (a part computed again after its load back
+    // was refused keeps its device copy); load_back copies only the rest from the host.
     std::int64_t resident_host_hit_tokens = 0;
   };
 

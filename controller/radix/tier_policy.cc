@@ -375,7 +375,10 @@ void TierPolicy::apply_write_ack(NodeId id, std::int64_t agreed, std::int64_t lo
   for (Node* n : op.nodes) {
     if (n->evict_after_write) {
       n->evict_after_write = false;
-      if (n->lock == 0 && n->load_op == 0) drop_device(n);
+      // Freed only if still free to go: a child that reached the device while it wrote (a
+      // request extended the prefix) keeps it there, or the path's device part would have a
+      // gap (a device page below a host-only parent). It goes later, as any candidate.
+      if (n->lock == 0 && n->load_op == 0 && n->device_children == 0) drop_device(n);
     }
     if (ok && !exclusive_ && reused_enough(*n)) cache_.host_copy_synced(n);
   }

@@ -107,6 +107,87 @@ TEST(HiRadixCache, WriteBackWritesOnEvictionAndFreesOnTheAck) {
   e.expect_accounting();
 }
 
+// What a request does after its match without loading back: holds `held`, computes the pages
+// of `tokens` past `cached` (the device slots it uses) into fresh slots and inserts the whole;
+// the slots insert reports as duplicates are freed. Returns insert's answer.
+std::int64_t compute_and_insert(Engine& e, HiRadixCache::Node* held,
+                                std::span<const std::int32_t> tokens,
+                                std::vector<std::int64_t> cached) {
+  e.cache.lock(held);
+  const std::size_t from = cached.size() / kPage, pages = tokens.size() / kPage;
+  const auto fresh = *e.device_pool.allocator().alloc(static_cast<std::int64_t>((pages - from) * kPage));
+  for (std::size_t p = from; p < pages; ++p) {
+    fill_page(e.device_pool.layout(), fresh[(p - from) * kPage] / kPage, page_seed(tokens, p, {}));
+  }
+  cached.insert(cached.end(), fresh.begin(), fresh.end());
+  const std::int64_t dup = e.cache.insert(tokens, cached);
+  const auto ours = static_cast<std::int64_t>(from * kPage);
+  if (dup > ours) e.device_pool.allocator().free(std::span(cached).subspan(ours, dup - ours));
+  e.cache.unlock(held);
+  return dup;
+}
+
+// A node written for eviction is freed on the write's ack only if it is still free to go: a
+// child that reached the device meanwhile (a request extended the prefix) keeps it there, so
+// the device part of every path stays a prefix (a device page under a host-only parent would be
+// matched as a host hit that no load covers: hicache-bench's hybrid runs saw it).
+TEST(HiRadixCache, AWriteBackEvictionKeepsTheDeviceCopyOfANodeThatGainedADeviceChild) {
+  Engine e(WritePolicy::kWriteBack, 32, 64);
+  const auto a = seq({1, 2}), b = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  EXPECT_EQ(e.cache.evict_device(100), 0) << "a is written first, freed on the ack";
+  ASSERT_EQ(e.cache.stats().writes_in_flight, 1);
+  // Before that ack is applied, a request extends a by one computed page.
+  auto m = e.cache.match_prefix(b);
+  ASSERT_EQ(m.device_slots.size(), 2u * kPage);
+  EXPECT_EQ(compute_and_insert(e, m.last_device_node, b, m.device_slots), 2 * kPage);
+  e.settle();  // the write's ack
+  m = e.cache.match_prefix(b);
+  EXPECT_EQ(m.device_slots.size(), 3u * kPage) << "a kept its device copy below a device child";
+  EXPECT_EQ(m.host_hit_tokens, 0);
+  EXPECT_EQ(e.cache.stats().host_tokens, 2 * kPage) << "a's write landed";
+  e.run(b);
+  EXPECT_EQ(e.verified_pages, 3) << "every page of b served from the device, byte for byte";
+  e.expect_accounting();
+}
+
+// A request that recomputes a host-only prefix (its load back refused) inserts its own pages
+// below it: the prefix stays on the host and the new child is on the device. A later match
+// counts the child in host_hit_tokens (load_back returns it) and says it is resident: what a
+// load copies is host_hit_tokens - resident_host_hit_tokens, exactly.
+TEST(HiRadixCache, AMatchSaysWhichHostHitsAreOnTheDeviceAlreadyBelowAHostOnlyNode) {
+  Engine e(WritePolicy::kWriteThrough, 32, 64);
+  const auto a = seq({1, 2}), b = seq({1, 2, 3});
+  e.run(a);
+  e.settle();
+  ASSERT_EQ(e.cache.evict_device(100), 2 * kPage);
+  auto m = e.cache.match_prefix(b);
+  ASSERT_EQ(m.host_hit_tokens, 2 * kPage);
+  EXPECT_EQ(m.resident_host_hit_tokens, 0);
+  // Computed again instead of loaded: three fresh pages, two of them duplicates of a's.
+  EXPECT_EQ(compute_and_insert(e, m.last_device_node, b, {}), 2 * kPage);
+  e.settle();
+  m = e.cache.match_prefix(b);
+  EXPECT_TRUE(m.device_slots.empty()) << "a is on the host only";
+  EXPECT_EQ(m.host_hit_tokens, 3 * kPage);
+  EXPECT_EQ(m.resident_host_hit_tokens, kPage) << "[3] is on the device below it";
+  const auto loaded_before = e.cache.stats().loaded_back_tokens;
+  std::vector<std::int64_t> slots;
+  bool loaded = false;
+  HiRadixCache::Node* held = hold_match(e.cache, e.controller, e.device_pool, m, slots, &loaded);
+  ASSERT_TRUE(loaded);
+  ASSERT_EQ(slots.size(), 3u * kPage);
+  EXPECT_EQ(e.cache.stats().loaded_back_tokens - loaded_before,
+            m.host_hit_tokens - m.resident_host_hit_tokens);
+  for (std::size_t p = 0; p < 3; ++p) {
+    EXPECT_TRUE(verify_page(e.device_pool.layout(), slots[p * kPage] / kPage, page_seed(b, p, {})))
+        << "page " << p;
+  }
+  e.cache.unlock(held);
+  e.expect_accounting();
+}
+
 TEST(HiRadixCache, LockedNodesAreNeverEvictedAndHostEvictionTakesLeaves) {
   Engine e(WritePolicy::kWriteThrough, 32, 64);
   const auto a = seq({1, 2}), b = seq({1, 3});
