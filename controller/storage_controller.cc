@@ -495,6 +495,40 @@ std::shared_ptr<PrefetchOperation> StorageController::queue_prefetch(
   return op;
 }
 
+std::int64_t StorageController::query_hit(std::span<const std::string> keys,
+                                         std::vector<std::vector<std::uint8_t>>& held) {
+  const auto hit_pages = static_cast<std::int64_t>(storage_.batch_exists(keys));
+  std::vector<std::string> side;
+  for (std::size_t p = 0; p < sidecars_.size() && hit_pages > 0; ++p) {
+    side.clear();
+    for (std::int64_t i = 0; i < hit_pages; ++i) {
+      side.push_back(sidecar_key(p, keys[static_cast<std::size_t>(i)]));
+    }
+    const std::vector<bool> present = storage_.exists_each(side);
+    held[p].assign(present.begin(), present.end());
+  }
+  return hit_pages;
+}
+
+std::int64_t StorageController::held_pages(std::span<const std::string> keys) {
+  std::vector<std::vector<std::uint8_t>> held(sidecars_.size());
+  std::int64_t hit_pages = 0;
+  try {
+    hit_pages = query_hit(keys, held);
+  } catch (const std::exception&) {
+    ++failed_ops_;
+    return 0;
+  }
+  if (sidecars_.empty()) return hit_pages;
+  RestorablePrefix restorable;
+  restorable.reset(std::min<std::int64_t>(hit_pages, static_cast<std::int64_t>(keys.size())),
+                   static_cast<std::int64_t>(keys.size()));
+  for (std::size_t p = 0; p < sidecars_.size(); ++p) {
+    restorable.intersect(sidecars_[p].policy, sidecars_[p].window, held[p]);
+  }
+  return restorable.largest();
+}
+
 std::size_t StorageController::drain_revokes(std::vector<std::string>& out) {
   return drain_queue(revokes_, out);
 }
@@ -517,16 +551,7 @@ void StorageController::agree_and_reserve(const std::shared_ptr<PrefetchOperatio
     // A sidecar pool without a reservation on this rank: no hit here (no query either).
     const bool reserved = std::none_of(op.sidecars_.begin(), op.sidecars_.end(),
                                        [](const auto& f) { return f.reserved.empty(); });
-    if (reserved) hit_pages = static_cast<std::int64_t>(storage_.batch_exists(op.keys_));
-    std::vector<std::string> keys;
-    for (std::size_t p = 0; p < sidecars_.size() && hit_pages > 0; ++p) {
-      keys.clear();
-      for (std::int64_t i = 0; i < hit_pages; ++i) {
-        keys.push_back(sidecar_key(p, op.keys_[static_cast<std::size_t>(i)]));
-      }
-      const std::vector<bool> present = storage_.exists_each(keys);
-      held[p].assign(present.begin(), present.end());
-    }
+    if (reserved) hit_pages = query_hit(op.keys_, held);
   } catch (const std::exception& e) {
     ++failed_ops_;
     op.set_error(str_cat("prefetch hit query failed: ", e.what()));

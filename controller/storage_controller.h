@@ -306,6 +306,14 @@ class StorageController {
   // The key of sidecar pool `pool`'s record of the page whose KV key is `kv_key` (a key of this
   // controller's namespace). Thread-safe.
   std::string sidecar_key(std::size_t pool, const std::string& kv_key) const;
+  // Whether held_pages() answers without I/O: the store's exists_without_io().
+  bool answers_held_pages_locally() const { return storage_.exists_without_io(); }
+  // How many leading pages of `keys` (a prefetch's page keys, in order: the radix cache's
+  // keyer) L3 holds and could restore; with sidecar pools the longest prefix every pool
+  // restores (RestorablePrefix). This rank's answer, no collective: asked on the caller's
+  // thread of a store that answers without I/O (answers_held_pages_locally()), before any host
+  // memory is reserved. A failed query answers 0 (counted in the failed ops). Thread-safe.
+  std::int64_t held_pages(std::span<const std::string> keys);
   // Moves revoked request ids into `out`; never blocks.
   std::size_t drain_revokes(std::vector<std::string>& out);
   // Whether the policy lets the scheduler terminate `op` now (this rank's view; the scheduler
@@ -414,6 +422,10 @@ class StorageController {
   };
 
   void backup_loop();
+  // This rank's hit of `keys`: the leading pages L3 holds (batch_exists) and, per sidecar
+  // pool, which of those it holds (held[pool], exists_each). Throws what the store throws.
+  std::int64_t query_hit(std::span<const std::string> keys,
+                         std::vector<std::vector<std::uint8_t>>& held);
   void prefetch_loop();
   void prefetch_io_loop();
   std::shared_ptr<PrefetchOperation> queue_prefetch(std::shared_ptr<PrefetchOperation> op);

@@ -112,6 +112,8 @@ class FileStorage final : public StorageBackend {
 
   std::string_view name() const override { return "file"; }
   std::size_t batch_exists(std::span<const std::string> keys) override;
+  // From the index (a record another instance published: one fstatat, remembered).
+  bool exists_without_io() const override { return true; }
   // This instance's LRU order (StorageBackend::touch); a batch_get or batch_set leaves its keys
   // in the same order, keys[0] youngest.
   void touch(std::span<const std::string> keys) override;

@@ -92,6 +92,11 @@ class StorageBackend {
   // Default: one batch_exists per key (an index lookup in the file store); Redis asks every
   // key in one pipelined round trip.
   virtual std::vector<bool> exists_each(std::span<const std::string> keys);
+  // Whether batch_exists / exists_each answer without waiting for I/O (an index in memory; a
+  // shared file store may stat a key it has not indexed), so that an engine's scheduler thread
+  // may ask them itself before it reserves host memory for a prefetch. Default false: a store
+  // (or a wrapper) that does not say so is asked on a storage thread.
+  virtual bool exists_without_io() const { return false; }
 
   // Reads each key into dst[i] (dst[i].size() is the expected payload size).
   std::vector<IoResult> batch_get(std::span<const std::string> keys, std::span<const ByteSpan> dst);

@@ -83,6 +83,7 @@ void CacheEvents::register_in(MetricsScope& scope) const {
   scope.add(kOutcomes, kOutcomesHelp, {{"outcome", "declined_by_cost"}},
             e.prefetches_refused_by_cost);
   scope.add(kOutcomes, kOutcomesHelp, {{"outcome", "declined_host_full"}}, e.prefetches_host_full);
+  scope.add(kOutcomes, kOutcomesHelp, {{"outcome", "declined_absent"}}, e.prefetches_absent);
   scope.add(kOutcomes, kOutcomesHelp, {{"outcome", "cut_by_cost"}}, e.prefetches_cut);
   constexpr const char* kUnfulfilled = kPrefetchUnfulfilledMetric;
   constexpr const char* kUnfulfilledHelp = kPrefetchUnfulfilledHelp;

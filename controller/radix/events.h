@@ -32,6 +32,9 @@ struct CacheEvents {
   // threshold, queue or budget full, slower than recomputing, no host room).
   Counter prefetch_attempts, prefetches_issued, prefetches_too_short, prefetches_rate_limited,
       prefetches_host_full;
+  // Prefetches declined because L3 holds none of the span, or less than the threshold: asked
+  // of a store that answers without I/O, on one rank, before anything was reserved.
+  Counter prefetches_absent;
   // Queued prefetches the cost rule cut: still loading once recomputing their tokens would have
   // been done (they keep the pages that arrived).
   Counter prefetches_cut;

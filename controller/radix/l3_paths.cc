@@ -164,7 +164,7 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
                        std::span<const std::int32_t> tokens, std::string_view identity) {
   if (storage_ == nullptr || pending_.prefetches.count(request_id) != 0) return false;
   const std::size_t page = static_cast<std::size_t>(tree_.page_size());
-  const std::size_t usable = tokens.size() / page * page;
+  std::size_t usable = tokens.size() / page * page;
   if (usable == 0) return false;
   Node* const root = tree_.root();
   if (node != root && node->digests.empty()) return false;  // no chain to continue
@@ -174,6 +174,27 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
   if (static_cast<std::int64_t>(usable) < storage_->config().prefetch_threshold_tokens) {
     ++events_.prefetches_too_short;
     return false;
+  }
+  std::optional<PageDigest> prior;
+  if (node != root) {
+    prior = node->digests.back();
+  } else if (!identity.empty()) {
+    prior = keyer_->identity_seed(identity);
+  }
+  // One rank, and a store that answers from memory: the existence answer comes here, before
+  // any host page is reserved or evicted for it and before the request waits a step for a
+  // query; the prefetch then asks for the held pages only. (Under TP the ranks' stores may
+  // differ, and the storage controller's query agrees on the hit.)
+  if (!agreement_.lockstep() && storage_->answers_held_pages_locally()) {
+    std::vector<std::string> keys;
+    keyer_->keys(tokens.first(usable), prior ? &*prior : nullptr, keys);
+    const auto held = static_cast<std::size_t>(storage_->held_pages(keys)) * page;
+    if (held == 0 ||
+        static_cast<std::int64_t>(held) < storage_->config().prefetch_threshold_tokens) {
+      ++events_.prefetches_absent;
+      return false;
+    }
+    usable = held;
   }
   const auto want = static_cast<std::int64_t>(usable);
   const CostRule::Values costs = agreement_.costs(cost_.local());
@@ -198,12 +219,6 @@ bool L3Paths::prefetch(const std::string& request_id, Node* node,
       events_.miss_prefetch_refused_tokens += usable;
       return false;
     }
-  }
-  std::optional<PageDigest> prior;
-  if (node != root) {
-    prior = node->digests.back();
-  } else if (!identity.empty()) {
-    prior = keyer_->identity_seed(identity);
   }
   // Room in the queue and in the prefetch budget, by the prefetches in flight (the queue holds
   // at most those) and the host tokens they reserved: the same counts on every TP rank.

@@ -31,8 +31,9 @@ TEST(HiRadixCacheStorage, IdentitiesNeverShareL3Pages) {
   Engine second(WritePolicy::kWriteThrough, 32, 64, {}, &l3);
   for (std::string_view other : {"lora-8", ""}) {
     auto m = second.cache.match_prefix(t, other);
-    ASSERT_TRUE(second.cache.prefetch_from_storage(str_cat("req-", other), m.last_host_node, t,
-                                                   other));
+    EXPECT_FALSE(second.cache.prefetch_from_storage(str_cat("req-", other), m.last_host_node, t,
+                                                    other))
+        << "the file store's index holds none of its pages";
     second.settle();
     EXPECT_EQ(second.cache.stats().prefetched_tokens, 0) << "'" << other << "'";
   }
@@ -174,6 +175,70 @@ TEST(HiRadixCacheStorage, PrefetchContinuesFromAHostPrefixAndStopsAtTheStoredPre
   second.expect_accounting();
 }
 
+// One rank, a store that answers existence from memory (the file store's index): the radix
+// cache asks it before anything is reserved. A span L3 does not hold is declined at once
+// (declined_absent): no host page reserved or evicted for it, no query queued, the request not
+// held for a step; a span it holds in part reserves and reads exactly the held pages. A store
+// that does not answer from memory (a wrapper that says nothing) still goes through the
+// storage controller's query, which revokes the miss.
+TEST(HiRadixCacheStorage, AStoreThatAnswersFromMemoryIsAskedBeforeAnyHostPageIsReserved) {
+  L3 l3("absent");
+  const auto a = seq({1, 2, 3, 4});
+  ASSERT_EQ(store_in_l3(l3, a), 4 * kPage);
+  ASSERT_TRUE(l3.file.exists_without_io());
+  MetricsRegistry r;
+  // A host of 4 pages, full of two other sequences' pages (device copies dropped).
+  Engine e(WritePolicy::kWriteThrough, 32, 4, {}, &l3, {.policy = PrefetchPolicy::kWaitComplete});
+  e.cache.register_metrics(r);
+  e.storage->register_metrics(r);
+  const auto outcome = [&](const char* o) {
+    return r.value("hicache_prefetch_outcomes_total", {{"outcome", o}});
+  };
+  e.run(seq({7, 8}));
+  e.run(seq({9, 10}));
+  e.settle();
+  e.cache.evict_device(100);
+  ASSERT_EQ(e.host_pool.free_tokens(), 0);
+  const double absent_before = outcome("declined_absent");  // the two runs' own asks
+  const auto absent = seq({5, 6, 7});
+  EXPECT_FALSE(e.cache.prefetch_from_storage("absent", e.cache.match_prefix(absent).last_host_node,
+                                             absent));
+  EXPECT_EQ(outcome("declined_absent"), absent_before + 1);
+  EXPECT_EQ(outcome("issued"), 0);
+  EXPECT_EQ(e.cache.prefetches_in_flight(), 0u);
+  EXPECT_EQ(e.cache.stats().host_tokens, 4 * kPage) << "no host page evicted for a miss";
+  EXPECT_EQ(e.cache.stats().evicted_host_tokens, 0);
+  // Pages 0-1 of `part` are a's (held), 2-3 are not: two pages reserved (evicted for), and read.
+  const auto part = seq({1, 2, 11, 12});
+  ASSERT_TRUE(
+      e.cache.prefetch_from_storage("part", e.cache.match_prefix(part).last_host_node, part));
+  EXPECT_EQ(outcome("issued"), 1);
+  EXPECT_EQ(e.cache.stats().evicted_host_tokens, 2 * kPage) << "room for the held pages only";
+  std::int64_t inserted = -1;
+  while (!e.cache.check_prefetch_progress("part", &inserted)) e.check();
+  EXPECT_EQ(inserted, 2 * kPage);
+  const std::int64_t verified = e.verified_pages;
+  e.run(part);
+  EXPECT_EQ(e.verified_pages - verified, 2) << "the two pages read from L3, byte for byte";
+  e.expect_accounting();
+
+  // The same miss through a store that does not say it answers from memory: queued, revoked.
+  Forwarding asking(l3.file);
+  ASSERT_FALSE(asking.exists_without_io());
+  L3 other("absent-asked");
+  other.store = &asking;
+  MetricsRegistry r2;
+  Engine f(WritePolicy::kWriteThrough, 32, 64, {}, &other);
+  f.cache.register_metrics(r2);
+  f.storage->register_metrics(r2);
+  ASSERT_TRUE(f.cache.prefetch_from_storage("absent", f.cache.match_prefix(absent).last_host_node,
+                                            absent));
+  while (!f.cache.check_prefetch_progress("absent")) f.check();
+  EXPECT_EQ(r2.value("hicache_prefetch_outcomes_total", {{"outcome", "revoked_full_miss"}}), 1);
+  EXPECT_EQ(r2.value("hicache_prefetch_outcomes_total", {{"outcome", "declined_absent"}}), 0);
+  f.expect_accounting();
+}
+
 // A prefetch says how many tokens it added to the tree: what it read from L3 less what another
 // request computed and inserted while it was in flight (those pages keep the tree's copy, and
 // are not L3 hits). The engine's report counts L3 hits from this.
@@ -219,9 +284,10 @@ TEST(HiRadixCacheStorage, APrefetchCountsOnlyThePagesItAddedToTheTree) {
   EXPECT_EQ(inserted, 6 * kPage);
   const auto b = seq({7, 8});
   m = third.cache.match_prefix(b);
-  ASSERT_TRUE(third.cache.prefetch_from_storage("never-stored", m.last_host_node, b));
-  while (!third.cache.check_prefetch_progress("never-stored", &inserted)) third.cache.check_events();
-  EXPECT_EQ(inserted, 0) << "L3 holds nothing of b: the prefetch is revoked";
+  EXPECT_FALSE(third.cache.prefetch_from_storage("never-stored", m.last_host_node, b))
+      << "L3 holds nothing of b: declined from the file store's index";
+  EXPECT_TRUE(third.cache.check_prefetch_progress("never-stored", &inserted));
+  EXPECT_EQ(inserted, 0);
   third.expect_accounting();
 }
 
@@ -527,7 +593,11 @@ TEST(HiRadixCacheStorage, RevokedAndAbortedPrefetchesHoldNothing) {
   L3 l3("revoke");
   const auto a = seq({1, 2, 3});
   store_in_l3(l3, a);
-  Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &l3,
+  // Asked on the prefetch thread (the file store's index would decline it at once).
+  Forwarding asking(l3.file);
+  L3 via("revoke-asked");
+  via.store = &asking;
+  Engine picky(WritePolicy::kWriteThrough, 32, 64, {}, &via,
                {.prefetch_threshold_tokens = 4 * kPage});
   auto m = picky.cache.match_prefix(a);
   EXPECT_FALSE(picky.cache.prefetch_from_storage("short", m.last_host_node, a))
@@ -557,6 +627,8 @@ TEST(HiRadixCacheStorage, APrefetchIsTakenAtTheFirstStepAfterItsPagesLanded) {
   L3 l3("confirm");
   const auto a = seq({1, 2, 3, 4});
   store_in_l3(l3, a);
+  Forwarding asking(l3.file);  // the miss below is asked on the prefetch thread, and revoked
+  l3.store = &asking;
   MetricsRegistry registry;  // outlives the engine, which forgets its series at the end
   // wait_complete: the prefetch ends once every page landed (best_effort ends it when asked).
   Engine e(WritePolicy::kWriteThrough, 32, 64, {}, &l3, {.policy = PrefetchPolicy::kWaitComplete});
@@ -588,6 +660,10 @@ TEST(HiRadixCacheStorage, PrefetchOutcomesAndUnfulfilledTokensAddUpToTheAgreedHi
   L3 l3("outcomes");
   const auto a = seq({1, 2, 3, 4, 5, 6});
   ASSERT_EQ(store_in_l3(l3, a), 6 * kPage);
+  // Asked on the prefetch thread: the storage controller's outcomes (the file store's index
+  // declines misses before a query: AStoreThatAnswersFromMemoryIsAskedBeforeAnyHostPageIsReserved).
+  Forwarding asking(l3.file);
+  l3.store = &asking;
   const StorageControllerConfig sc = {.prefetch_threshold_tokens = 3 * kPage,
                                       .policy = PrefetchPolicy::kWaitComplete};
   MetricsRegistry r;  // before the engines: their metrics go first

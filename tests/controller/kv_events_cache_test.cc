@@ -19,6 +19,7 @@
 
 #include "controller/hicache.h"
 #include "storage/file_storage.h"
+#include "tests/controller/forwarding_store.h"
 #include "transfer/errors.h"
 
 namespace hicache {
@@ -236,30 +237,22 @@ TEST(KvEventsCache, ASubscriberRebuildsWhatTheCacheHoldsOnEveryTier) {
 }
 
 // A file store whose every batch stores its first page only: the rest fail.
-class FirstPageOnly final : public StorageBackend {
+struct OwnFileStore {
+  explicit OwnFileStore(const std::string& root) : file(FileStorageConfig{.root = root}) {}
+  FileStorage file;
+};
+class FirstPageOnly final : private OwnFileStore, public hicache::testing::Forwarding {
  public:
-  explicit FirstPageOnly(const std::string& root) : inner_(FileStorageConfig{.root = root}) {}
+  explicit FirstPageOnly(const std::string& root) : OwnFileStore(root), Forwarding(file) {}
   std::string_view name() const override { return "first-page-only"; }
-  std::size_t batch_exists(std::span<const std::string> keys) override {
-    return inner_.batch_exists(keys);
-  }
-  bool remove(const std::string& key) override { return inner_.remove(key); }
-  void clear() override { inner_.clear(); }
 
  protected:
-  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
-                                     std::span<const ByteSpan> dst) override {
-    return inner_.batch_get(keys, dst);
-  }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
                                      std::span<const ConstByteSpan> src) override {
     std::vector<IoResult> out = inner_.batch_set(keys.first(1), src.first(1));
     out.resize(keys.size(), IoResult::error("injected failure"));
     return out;
   }
-
- private:
-  FileStorage inner_;
 };
 
 // The illegal twin of an L3 announcement: a backup that failed is never announced. Each backup

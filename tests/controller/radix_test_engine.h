@@ -26,6 +26,7 @@
 #include "transfer/errors.h"
 #include "transfer/host_device.h"
 #include "tests/controller/faulty_device.h"
+#include "tests/controller/forwarding_store.h"
 
 namespace hicache::radix_test {
 
@@ -65,29 +66,7 @@ struct L3 {
   ~L3() { std::filesystem::remove_all(root); }
 };
 
-// A store in front of the file store that forwards every call; a test's store changes one.
-class Forwarding : public StorageBackend {
- public:
-  explicit Forwarding(StorageBackend& inner) : inner_(inner) {}
-  std::string_view name() const override { return inner_.name(); }
-  std::size_t batch_exists(std::span<const std::string> keys) override {
-    return inner_.batch_exists(keys);
-  }
-  bool remove(const std::string& key) override { return inner_.remove(key); }
-  void clear() override { inner_.clear(); }
-
- protected:
-  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
-                                     std::span<const ByteSpan> dst) override {
-    return inner_.batch_get(keys, dst);
-  }
-  std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
-                                     std::span<const ConstByteSpan> src) override {
-    return inner_.batch_set(keys, src);
-  }
-  StorageBackend* wrapped() const override { return &inner_; }
-  StorageBackend& inner_;
-};
+using testing::Forwarding;
 
 // A gate the test opens; callers wait at it.
 class Gate {

@@ -54,6 +54,17 @@ NEED_NOT_MOVE = {
         "controller's own reservation is revoked for host room "
         "(StorageController.ARevokedReservationCountsItsHitAsUnfulfilledForHostCapacity)",
 }
+# With one rank the radix cache asks the file store's index before it queues a prefetch: L3's
+# misses (whole, or below the threshold) are declined there (outcome declined_absent), never
+# queued and revoked. A store asked on the prefetch thread revokes them (the test named).
+_ASKED_FIRST = ("one rank and the file store: the radix cache asks the store's index before it "
+                "queues, so misses are declined_absent, not revoked "
+                "(HiRadixCacheStorage.PrefetchOutcomesAndUnfulfilledTokensAddUpToTheAgreedHit "
+                "revokes them through a store asked on the prefetch thread)")
+for _series in ('sglang:hicache_prefetch_outcomes_total{outcome="revoked_insufficient"}',
+                'sglang:hicache_prefetch_outcomes_total{outcome="revoked_full_miss"}',
+                'sglang:storage_prefetch_unfulfilled_tokens_total{reason="below_threshold"}'):
+    NEED_NOT_MOVE[_series] = _ASKED_FIRST
 CONSTANT = {"sglang:hicache_host_total_tokens": HOST_TOKENS}
 
 

@@ -40,6 +40,10 @@ class ThrottledStorage final : public StorageBackend {
   std::string_view name() const override { return inner_->name(); }
   std::size_t batch_exists(std::span<const std::string> keys) override;
   std::vector<bool> exists_each(std::span<const std::string> keys) override;
+  // A query waits latency_s when one is set (it is I/O then), else the store answers.
+  bool exists_without_io() const override {
+    return throttle_.latency_s <= 0 && inner_->exists_without_io();
+  }
   void touch(std::span<const std::string> keys) override { inner_->touch(keys); }  // in memory
   bool remove(const std::string& key) override { return inner_->remove(key); }
   void clear() override { inner_->clear(); }

@@ -16,6 +16,7 @@
 #include "pools/kv_pattern.h"
 #include "storage/file_storage.h"
 #include "storage/record.h"
+#include "tests/controller/forwarding_store.h"
 #include "tests/controller/radix/fake_locks.h"
 #include "tests/controller/radix/test_pages.h"
 #include "transfer/host_device.h"
@@ -105,6 +106,11 @@ struct Store {
   std::uint64_t capacity_bytes = 0;
   FileStorage file{FileStorageConfig{.root = (std::filesystem::remove_all(root), root.string()),
                                      .capacity_bytes = capacity_bytes}};
+  // What the rigs use: the file store, or (asked) the same behind a wrapper that does not answer
+  // from memory, so that a prefetch is queued whatever L3 holds (the storage controller asks).
+  hicache::testing::Forwarding asking{file};
+  bool asked = false;
+  StorageBackend& backend() { return asked ? static_cast<StorageBackend&>(asking) : file; }
   Store() = default;
   explicit Store(std::uint64_t capacity) : capacity_bytes(capacity) {}
   ~Store() { std::filesystem::remove_all(root); }
@@ -130,7 +136,7 @@ struct Rig {
 
   explicit Rig(Store& store, StorageControllerConfig config = {})
       : host_pool(device, geometry(), HostLayout::kPageFirst, 32 * kPage),
-        storage(host_pool, store.file, ns, local, local, local, config) {
+        storage(host_pool, store.backend(), ns, local, local, local, config) {
     cache.paths = &paths;
     paths.attach(storage, std::make_unique<PageKeyer>(ns), signal);
   }
@@ -274,6 +280,7 @@ TEST(L3Paths, ABackupStoresTheNodesPagesAndASecondCachePrefetchesTheSameBytes) {
 
 TEST(L3Paths, APrefetchBelowTheThresholdIsDeclinedBeforeAnyQuery) {
   Store store;
+  store.asked = true;  // the span at the threshold is queued, though L3 holds none of it
   Rig rig(store, {.prefetch_threshold_tokens = 3 * kPage});
   const std::int64_t free_before = rig.host_pool.free_tokens();
   EXPECT_FALSE(rig.paths.prefetch("short", rig.tree.root(), pages_from(1, 2), ""));
@@ -301,6 +308,7 @@ TEST(L3Paths, APrefetchBelowTheThresholdIsDeclinedBeforeAnyQuery) {
 
 TEST(L3Paths, DetachReleasesWhatItHeldAndForgetsL3) {
   Store store;
+  store.asked = true;  // the prefetch of pages L3 never held is queued
   Rig rig(store);
   Node* stored = rig.host_leaf(rig.tree.root(), 1, 2);
   rig.paths.backup_node(stored);
