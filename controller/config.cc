@@ -353,7 +353,7 @@ const std::vector<Key>& keys() {
        [](Draft& d, const json& v) { d.c.storage_controller.timeout_cap = as_ms(v); }},
       {{"storage_batch_pages", "storage-batch-pages", T::kInteger, "0", "[0, 1048576]",
         "pages per storage call (0: the store's preferred batch: 64 MiB for files, ~4 MiB for "
-        "Redis)",
+        "Redis; a prefetch's reads then paced below it to about 20 ms each)",
         "", ""},
        0, 1 << 20, false,
        [](Draft& d, const json& v) { d.c.storage_controller.io_batch_pages = as_int(v); }},

@@ -88,6 +88,8 @@ StorageController::StorageController(HostKVPool& host, StorageBackend& storage,
                      ? config_.io_batch_pages
                      : std::max<std::int64_t>(
                            1, storage.preferred_batch_pages(host.geometry().page_bytes()));
+  // Automatic batches: a prefetch's reads are paced (ReadPacer); an explicit size is kept.
+  if (config_.io_batch_pages == 0) read_pacer_ = std::make_unique<ReadPacer>(batch_pages_);
   if (config_.queue_capacity < 1) throw InvalidArgument("storage controller: queue_capacity 0");
   if (keyer_.page_size() != page_size_) {
     throw InvalidArgument(str_cat("storage controller: key namespace page_size ",
@@ -708,12 +710,12 @@ void StorageController::read_pages(PrefetchOperation& op) {
     // Only the KV pages that the landed sidecar pages can restore are worth reading.
     pages = static_cast<std::size_t>(restorable_landed(op, op.hit_pages_.load()));
   }
-  const auto batch = static_cast<std::size_t>(batch_pages_);
   const auto page_bytes = static_cast<std::size_t>(host_.geometry().page_bytes());
   const std::span<const std::int64_t> all_slots(op.slots_);
   std::vector<ByteSpan> spans;
-  for (std::size_t begin = 0; begin < pages && !op.terminate_; begin += batch) {
-    const std::size_t n = std::min(pages, begin + batch) - begin;
+  for (std::size_t begin = 0, n = 0; begin < pages && !op.terminate_; begin += n) {
+    n = std::min(pages - begin, static_cast<std::size_t>(read_pacer_ ? read_pacer_->next_pages()
+                                                                      : batch_pages_));
     const auto slots = all_slots.subspan(begin * page_size_, n * page_size_);
     host_.protect_write(slots);
     std::size_t ok = 0;
@@ -737,6 +739,9 @@ void StorageController::read_pages(PrefetchOperation& op) {
                           .count();
       while (ok < n && results[ok].is_ok()) ++ok;
       prefetch_batch_pages_.observe(static_cast<double>(n));
+      if (read_pacer_ && ok == n) {
+        read_pacer_->observe(static_cast<std::int64_t>(n), static_cast<double>(ns) * 1e-9);
+      }
       if (ok > 0) {
         read_ns_ += static_cast<std::int64_t>(ns);
         read_bytes_ += static_cast<std::int64_t>(ok * page_bytes);

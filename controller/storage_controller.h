@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "controller/event_signal.h"
+#include "controller/read_pacer.h"
 #include "pools/host_kv_pool.h"
 #include "pools/sidecar_pool.h"
 #include "storage/collective.h"
@@ -359,7 +360,10 @@ class StorageController {
   // hicache_prefetch_confirm_seconds: from the last page of a prefetch that read its whole hit
   // to the terminate_prefetch that took its pages.
   const Histogram& prefetch_confirm_latency() const { return prefetch_confirm_latency_; }
-  // Pages per storage call: io_batch_pages, or its automatic value.
+  // Pages per storage call: io_batch_pages, or its automatic value. A backup writes batches of
+  // it. A prefetch reads batches of it when io_batch_pages is set; with the automatic value,
+  // of at most it, paced to about 20 ms a read (ReadPacer), so that a cut or a terminate waits
+  // about that long at most for the read in flight.
   std::int64_t batch_pages() const { return batch_pages_; }
   // Backup payload bytes the store accepted so far.
   std::int64_t written_bytes() const { return static_cast<std::int64_t>(written_bytes_.value()); }
@@ -476,6 +480,8 @@ class StorageController {
   TransferBuffer<PrefetchTask> prefetch_io_queue_;  // hit agreement -> reads
   moodycamel::ConcurrentQueue<std::string> revokes_;
   std::int64_t batch_pages_ = 1;
+  // Automatic batches only; observed by the prefetch I/O worker only.
+  std::unique_ptr<ReadPacer> read_pacer_;
   // Staging for layouts without contiguous pages, grown on first use to one batch.
   std::vector<std::byte> prefetch_staging_;  // prefetch I/O worker only
   std::thread prefetch_thread_;

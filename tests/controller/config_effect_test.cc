@@ -747,14 +747,15 @@ TEST(ConfigEffect, PrefetchThresholdBudgetAndBatchPagesShapeAnL3Read) {
   struct Case {
     std::map<std::string, std::string> keys;
     std::int64_t inserted;
-    int batch_gets;
+    int min_batch_gets, max_batch_gets;
   };
   const Case cases[] = {
-      {{{"prefetch_threshold_tokens", "16"}}, 32, 1},  // the file store's batch: all 8 pages
-      {{{"prefetch_threshold_tokens", "64"}}, 0, 0},
-      {{{"prefetch_threshold_tokens", "16"}, {"prefetch_budget_tokens", "16"}}, 0, 0},
-      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "2"}}, 32, 4},
-      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "3"}}, 32, 3},
+      // Automatic batches: paced reads from one page, at most doubling (1, 2, 4, 1 at least).
+      {{{"prefetch_threshold_tokens", "16"}}, 32, 4, 8},
+      {{{"prefetch_threshold_tokens", "64"}}, 0, 0, 0},
+      {{{"prefetch_threshold_tokens", "16"}, {"prefetch_budget_tokens", "16"}}, 0, 0, 0},
+      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "2"}}, 32, 4, 4},
+      {{{"prefetch_threshold_tokens", "16"}, {"storage_batch_pages", "3"}}, 32, 3, 3},
   };
   for (const Case& c : cases) {
     std::string trace;
@@ -767,7 +768,8 @@ TEST(ConfigEffect, PrefetchThresholdBudgetAndBatchPagesShapeAnL3Read) {
     keys["prefetch_policy"] = R"("wait_complete")";  // ends when it has read everything
     HiCache hc(config_with(keys), std::move(parts));
     EXPECT_EQ(prefetch(hc, t), c.inserted);
-    EXPECT_EQ(store->batch_gets, c.batch_gets);
+    EXPECT_GE(store->batch_gets, c.min_batch_gets);
+    EXPECT_LE(store->batch_gets, c.max_batch_gets);
     EXPECT_EQ(hc.cache().match_prefix(t).host_hit_tokens, c.inserted);
   }
 }

@@ -464,8 +464,9 @@ INSTANTIATE_TEST_SUITE_P(StorageController, PrefetchLayouts,
                          ::testing::Values(HostLayout::kLayerFirst, HostLayout::kPageFirst));
 
 // By default a storage call carries the store's preferred_batch_pages (a file store's 64 MiB:
-// these pages are small, a 7-page backup and a 7-page prefetch are one call each); an explicit
-// size is kept.
+// these pages are small, a 7-page backup is one call), and a prefetch's reads are paced up to it
+// from one page, at most doubling (1 + 2 + 4: three calls at least); an explicit size is kept
+// for both.
 // layer_first: both go through the staging buffers, grown on first use.
 TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKept) {
   Rank r(HostLayout::kLayerFirst, "autobatch");
@@ -496,7 +497,12 @@ TEST(StorageController, AutomaticBatchesFillKAutoBatchBytesAndExplicitOnesAreKep
     const PrefetchResult res = wait_and_terminate(c, *op);
     EXPECT_EQ(res.tokens, 7 * kPage) << op->error();
     expect_pages_verify(r.host, res);
-    EXPECT_EQ(r.storage.get_calls - gets, calls_per_op);
+    if (explicit_pages > 0) {
+      EXPECT_EQ(r.storage.get_calls - gets, calls_per_op);
+    } else {
+      EXPECT_GE(r.storage.get_calls - gets, 3);
+      EXPECT_LE(r.storage.get_calls - gets, 7);
+    }
     r.host.free(res.host_slots);
   }
 }
