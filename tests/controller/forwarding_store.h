@@ -1,5 +1,5 @@
 // Forwarding: a store in front of another (a test's file store) that forwards every call; a
-// test's store overrides the one it changes. It does not say it answers existence without I/O
+// test's store overrides the one it changes. FileForwarding owns the file store it fronts. It does not say it answers existence without I/O
 // (StorageBackend::exists_without_io), so the radix cache asks it on the prefetch thread.
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "storage/file_storage.h"
 #include "storage/storage_backend.h"
 
 namespace hicache::testing {
@@ -32,6 +33,19 @@ class Forwarding : public StorageBackend {
   }
   StorageBackend* wrapped() const override { return &inner_; }
   StorageBackend& inner_;
+};
+
+// The file store a FileForwarding owns (a base, so that it is built before the Forwarding).
+struct OwnedFileStore {
+  explicit OwnedFileStore(const std::string& root) : owned_file(FileStorageConfig{.root = root}) {}
+  FileStorage owned_file;
+};
+
+// A Forwarding in front of a file store of its own, in `root`.
+class FileForwarding : private OwnedFileStore, public Forwarding {
+ public:
+  explicit FileForwarding(const std::string& root)
+      : OwnedFileStore(root), Forwarding(owned_file) {}
 };
 
 }  // namespace hicache::testing

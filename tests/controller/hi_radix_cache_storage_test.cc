@@ -768,32 +768,20 @@ TEST(HiRadixCacheStorage, PrefetchOutcomesAndUnfulfilledTokensAddUpToTheAgreedHi
 }
 
 // A file store whose writes wait while `gate` is held, and fail while `fail_sets` is set.
-class GatedWrites final : public StorageBackend {
+class GatedWrites final : public testing::FileForwarding {
  public:
-  explicit GatedWrites(const std::string& root) : file_(FileStorageConfig{.root = root}) {}
+  using FileForwarding::FileForwarding;
   std::string_view name() const override { return "gated writes"; }
-  std::size_t batch_exists(std::span<const std::string> keys) override {
-    return file_.batch_exists(keys);
-  }
-  bool remove(const std::string& key) override { return file_.remove(key); }
-  void clear() override { file_.clear(); }
   std::mutex gate;
   std::atomic<bool> fail_sets{false};  // every key of a set is an error, nothing stored
 
  protected:
-  std::vector<IoResult> do_batch_get(std::span<const std::string> keys,
-                                     std::span<const ByteSpan> dst) override {
-    return file_.batch_get(keys, dst);
-  }
   std::vector<IoResult> do_batch_set(std::span<const std::string> keys,
                                      std::span<const ConstByteSpan> src) override {
     std::lock_guard hold(gate);
     if (fail_sets) return std::vector<IoResult>(keys.size(), IoResult::error("injected failure"));
-    return file_.batch_set(keys, src);
+    return inner_.batch_set(keys, src);
   }
-
- private:
-  FileStorage file_;
 };
 
 // A synced host copy whose backup finds the backup queue full (one op, held by a backup that

@@ -237,13 +237,9 @@ TEST(KvEventsCache, ASubscriberRebuildsWhatTheCacheHoldsOnEveryTier) {
 }
 
 // A file store whose every batch stores its first page only: the rest fail.
-struct OwnFileStore {
-  explicit OwnFileStore(const std::string& root) : file(FileStorageConfig{.root = root}) {}
-  FileStorage file;
-};
-class FirstPageOnly final : private OwnFileStore, public hicache::testing::Forwarding {
+class FirstPageOnly final : public hicache::testing::FileForwarding {
  public:
-  explicit FirstPageOnly(const std::string& root) : OwnFileStore(root), Forwarding(file) {}
+  using FileForwarding::FileForwarding;
   std::string_view name() const override { return "first-page-only"; }
 
  protected:
