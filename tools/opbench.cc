@@ -116,6 +116,8 @@ engine's rate for the same bytes).
   --quick                    every op, step and round count divided by 10, rounded up (warm-ups
                              unchanged): the whole suite in under 30 s on 2 cores
   --device host|cuda         device backend (host)
+  --io-backend direct|kernel the controller's I/O path (direct: copy lists; kernel: one gather
+                             or scatter launch per op and layer range)
   --storage-dir DIR          file store root for backup/prefetch (default: a fresh directory
                              under the temp directory, removed at exit)
   --help
@@ -138,6 +140,7 @@ struct Options {
   std::vector<std::string> workloads;  // empty: all
   std::string storage_dir;             // empty: a temporary directory
   std::string device = "host";
+  std::string io_backend = "direct";
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -176,7 +179,8 @@ Options parse(int argc, char** argv) {
       o.quick = true;
       continue;
     }
-    if (flag != "--workload" && flag != "--storage-dir" && flag != "--device") {
+    if (flag != "--workload" && flag != "--storage-dir" && flag != "--device" &&
+        flag != "--io-backend") {
       usage_error(str_cat("unknown flag '", argv[i], "'"));
     }
     if (!value) {
@@ -191,6 +195,11 @@ Options parse(int argc, char** argv) {
         usage_error(str_cat("--device: '", *value, "': valid are host, cuda"));
       }
       o.device = *value;
+    } else if (flag == "--io-backend") {
+      if (*value != "direct" && *value != "kernel") {
+        usage_error(str_cat("--io-backend: '", *value, "': valid are direct, kernel"));
+      }
+      o.io_backend = *value;
     } else {
       o.storage_dir = *value;
     }
@@ -244,7 +253,8 @@ struct Measure {
 std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
                                                const hicache::KVGeometry& g,
                                                const std::string& storage_root,
-                                               const std::string& fingerprint) {
+                                               const std::string& fingerprint,
+                                               const std::string& io_backend) {
   nlohmann::json c = {
       {"page_size", g.page_size},
       {"device_tokens", kDevicePages * g.page_size},
@@ -253,7 +263,7 @@ std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
        {{"layers", g.num_layers}, {"kv_heads", g.num_kv_heads}, {"head_dim", g.head_dim},
         {"dtype", hicache::to_string(g.dtype)}}},
       {"write_policy", "write_through"},
-      {"io_backend", "direct"},
+      {"io_backend", io_backend},
       {"host_layout", "layer_first"},
       {"model_name", "hicache-opbench"},
       {"model_fingerprint", fingerprint},
@@ -268,8 +278,9 @@ std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
 class Rig {
  public:
   Rig(hicache::Device& device, const hicache::KVGeometry& geometry,
-      const std::string& storage_root = "", const std::string& fingerprint = "unversioned")
-      : hc(make_hicache(device, geometry, storage_root, fingerprint)),
+      const std::string& io_backend, const std::string& storage_root = "",
+      const std::string& fingerprint = "unversioned")
+      : hc(make_hicache(device, geometry, storage_root, fingerprint, io_backend)),
         g(geometry),
         dev(hc->device_pool()),
         host(hc->host_pool()),
@@ -374,6 +385,7 @@ bool report(std::string_view name, Rig& rig, const Measure& m, bool pools_clean)
   const double s = m.seconds > 0 ? m.seconds : 1e-9;
   nlohmann::ordered_json j;
   j["workload"] = name;
+  j["io_backend"] = std::string(hicache::to_string(rig.hc->config().controller.io_backend));
   j["ops"] = m.ops;
   j["pages"] = m.pages;
   j["page_bytes"] = rig.g.page_bytes();
@@ -496,7 +508,7 @@ Measure run_writes(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, 
     held.clear();
   };
 
-  phase(kInFlight, /*timed=*/false);
+  const double warmup_s = phase(kInFlight, /*timed=*/false);
   check_and_evict_held("warm-up host copy");
   rig.zero_host();
   m.seconds = phase(ops, /*timed=*/true);
@@ -518,6 +530,18 @@ Measure run_writes(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, 
   m.bytes = static_cast<double>(m.pages) * static_cast<double>(rig.g.page_bytes());
   m.extra["pages_per_op"] = pages_per_op;
   m.extra["in_flight"] = kInFlight;
+  // Where a write's time goes (warm-up included): the write thread's copy batches (merged ops
+  // count once), their rate from the batch's start to its stream synchronisation, and the
+  // share of the run the thread spent in them. copy_gbps near the ceiling with a low busy share
+  // means the time goes between batches; copy_gbps itself low means inside the copy.
+  const double write_s = after.write_seconds - before.write_seconds;
+  m.extra["write_batches"] = after.write_batches_done - before.write_batches_done;
+  const double wall_s = m.seconds + warmup_s;
+  m.extra["copy_gbps"] = round_to(
+      write_s > 0 ? static_cast<double>(after.bytes_written - before.bytes_written) / write_s / 1e9
+                  : 0.0,
+      3);
+  m.extra["write_thread_busy"] = round_to(wall_s > 0 ? write_s / wall_s : 0.0, 3);
   return m;
 }
 
@@ -924,8 +948,9 @@ int run(const Options& o) {
   auto rig_for = [&](bool is_tiny) -> Rig& {
     auto& rig = is_tiny ? tiny : standard;
     if (!rig) {
-      rig = is_tiny ? std::make_unique<Rig>(*device, tiny_geometry)
-                    : std::make_unique<Rig>(*device, standard_geometry, root.string(), fingerprint);
+      rig = is_tiny ? std::make_unique<Rig>(*device, tiny_geometry, o.io_backend)
+                    : std::make_unique<Rig>(*device, standard_geometry, o.io_backend,
+                                            root.string(), fingerprint);
     }
     return *rig;
   };
