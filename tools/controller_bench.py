@@ -21,7 +21,13 @@ window's bytes are checked after the clock stops (device page == host page, ever
 V); `verified` says whether they matched.
 
     PYTHONPATH=build/python /usr/bin/python3 tools/controller_bench.py \
-        [--opbench build/tools/hicache-opbench] [--quick] [--workload write_p1,...]
+        [--opbench build/tools/hicache-opbench] [--quick] [--workload write_p1,...] \
+        [--device cpu|cuda]
+
+--device cuda puts the engine's device buffers on the GPU (torch's own CUDA tensors; the
+slot indices stay CPU tensors, as SGLang's host indices are) and runs hicache-opbench with
+--device cuda: the Python calls then order hicache's copies after torch's current stream on
+the device (no host synchronisation), and the figures compare with the C++ path on the same GPU.
 """
 import argparse
 import json
@@ -62,13 +68,22 @@ WORKLOADS = {  # name: (load, tiny, pages per op, count), hicache-opbench's
 }
 
 
+DEVICE = ["cpu"]
+
+
+def device_tensor(shape, dtype):
+    if DEVICE[0] == "cuda":
+        return torch.empty(shape, dtype=dtype, device="cuda")
+    return tensor(shape, dtype)
+
+
 class DevicePool:
     def __init__(self, pages, layers, heads, head_dim):
         self.page_size, self.layer_num, self.size = PAGE, layers, pages * PAGE
         self.dtype, self.head_num, self.head_dim = torch.float16, heads, head_dim
         rows = self.size + PAGE
-        self.k_buffer = [tensor((rows, heads, head_dim), self.dtype) for _ in range(layers)]
-        self.v_buffer = [tensor((rows, heads, head_dim), self.dtype) for _ in range(layers)]
+        self.k_buffer = [device_tensor((rows, heads, head_dim), self.dtype) for _ in range(layers)]
+        self.v_buffer = [device_tensor((rows, heads, head_dim), self.dtype) for _ in range(layers)]
         for t in self.k_buffer + self.v_buffer:
             t.view(torch.int16).random_(-30000, 30000)
         self.layer_transfer_counter = None
@@ -128,7 +143,7 @@ def rig(tiny):
 def same_bytes(dev, host, device_slots, host_slots):
     for layer in range(dev.layer_num):
         for kv, buf in enumerate((dev.k_buffer, dev.v_buffer)):
-            if not torch.equal(buf[layer][device_slots].view(torch.int16),
+            if not torch.equal(buf[layer][device_slots].view(torch.int16).cpu(),
                                host.kv_buffer[kv, layer][host_slots].view(torch.int16)):
                 return False
     return True
@@ -251,12 +266,17 @@ def main():
     ap.add_argument("--opbench", default=os.path.join("build", "tools", "hicache-opbench"))
     ap.add_argument("--quick", action="store_true", help="a tenth of the ops")
     ap.add_argument("--workload", default=",".join(WORKLOADS))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no GPU")
+    DEVICE[0] = args.device
     names = [w for w in args.workload.split(",") if w]
     for w in names:
         if w not in WORKLOADS:
             sys.exit(f"--workload {w}: valid are {', '.join(WORKLOADS)}")
-    cmd = [args.opbench, "--workload", ",".join(names)] + (["--quick"] if args.quick else [])
+    cmd = [args.opbench, "--workload", ",".join(names)] + (["--quick"] if args.quick else []) + \
+        (["--device", "cuda"] if args.device == "cuda" else [])
     cpp = {}
     for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines():
         if line.startswith("{"):
@@ -269,7 +289,7 @@ def main():
         key = "ops_per_s" if WORKLOADS[name][1] else "gbps"
         ratio = py[key] / c[key] if c[key] else 0.0
         ok &= py["verified"]
-        print(json.dumps({"workload": name, "python": py,
+        print(json.dumps({"workload": name, "device": args.device, "python": py,
                           "cpp": {k: c[k] for k in ("ops_per_s", "gbps", "p50_ms", "verified")},
                           "python_vs_cpp": round(ratio, 3), "measure": key}), flush=True)
     return 0 if ok else 1

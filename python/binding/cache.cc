@@ -89,7 +89,41 @@ PyHiCache::PyHiCache(const std::string& config_json, std::shared_ptr<PyStore> st
 void PyHiCache::close() {
   py::gil_scoped_release nogil;  // calls in flight finish first; none of them needs the GIL
   std::unique_lock lock(life_);
+  {
+    MutexLock streams(streams_mu_);
+    write_ready_.reset();
+    load_ready_.reset();
+    streams_.clear();
+  }
   cache_.reset();
+}
+
+Stream* PyHiCache::engine_stream(HiCache& hc, std::optional<std::uintptr_t> stream) {
+  if (!stream) return nullptr;
+  MutexLock lock(streams_mu_);
+  for (auto& [handle, wrapped] : streams_) {
+    if (handle == *stream) return wrapped.get();
+  }
+  // An engine has a handful of streams (compute, and perhaps one per overlap worker): kept.
+  streams_.emplace_back(*stream, hc.device().wrap_stream(reinterpret_cast<void*>(*stream)));
+  return streams_.back().second.get();
+}
+
+Event* PyHiCache::record_on(HiCache& hc, std::optional<std::uintptr_t> stream, std::unique_ptr<Event>& event) {
+  Stream* s = engine_stream(hc, stream);
+  if (s == nullptr) return nullptr;
+  MutexLock lock(streams_mu_);
+  if (!event) event = hc.device().create_event();
+  s->record(*event);
+  return event.get();
+}
+
+Event* PyHiCache::ready_for_write(HiCache& hc, std::optional<std::uintptr_t> stream) {
+  return record_on(hc, stream, write_ready_);
+}
+
+Event* PyHiCache::ready_for_load(HiCache& hc, std::optional<std::uintptr_t> stream) {
+  return record_on(hc, stream, load_ready_);
 }
 
 void PyHiCache::detach_storage() {

@@ -149,13 +149,38 @@ class PyHiCache {
   // `hc`'s storage controller; StateError when no L3 store is attached.
   StorageController& storage_controller(HiCache& hc);
 
+  // Device-side ordering with the engine's compute stream, instead of a host synchronisation.
+  // `stream` is the engine's stream as a native handle (a cudaStream_t: torch's
+  // Stream.cuda_stream, 0 for the legacy default stream); none means no ordering (nullptr
+  // returned). The stream is wrapped once
+  // and kept until close(); a cache without CUDA refuses a nonzero handle (InvalidArgument,
+  // Device::wrap_stream).
+  //   ready_for_write: an event recorded now on `stream`, for write()'s ready_after (the copy
+  //     starts on the device after the work queued so far, which wrote the slots).
+  //   ready_for_load: the same for start_loading()'s ready_after (a batch's copies start after
+  //     the work queued so far, which may still read the slots they overwrite).
+  //   engine_stream: the wrapped stream, for LayerDoneCounter::wait_on_stream.
+  // Each event is re-recorded by the next call of its kind; the controller waits on it at the
+  // call, so that is safe, and a call that finds it re-recorded by another thread waits on a
+  // later point (longer, never too short).
+  Event* ready_for_write(HiCache& hc, std::optional<std::uintptr_t> stream);
+  Event* ready_for_load(HiCache& hc, std::optional<std::uintptr_t> stream);
+  Stream* engine_stream(HiCache& hc, std::optional<std::uintptr_t> stream);
   // The page keys of `tokens` (whole pages) chained after `prior_hex` (a page's hex digest, as
   // SGLang's get_hash_str gives), and each page's hex digest.
   std::pair<std::vector<std::string>, std::vector<std::string>> page_keys(
       const std::vector<std::int32_t>& tokens, const std::optional<std::string>& prior_hex);
 
  private:
+  Event* record_on(HiCache& hc, std::optional<std::uintptr_t> stream, std::unique_ptr<Event>& event);
   std::unique_ptr<EngineSlots> engine_slots_;  // outlives cache_ (declared first)
+  // The engine's streams wrapped so far and the two ready events; released by close() before
+  // the cache (their device).
+  Mutex streams_mu_;
+  std::vector<std::pair<std::uintptr_t, std::unique_ptr<Stream>>> streams_
+      HICACHE_GUARDED_BY(streams_mu_);
+  std::unique_ptr<Event> write_ready_ HICACHE_GUARDED_BY(streams_mu_);
+  std::unique_ptr<Event> load_ready_ HICACHE_GUARDED_BY(streams_mu_);
   std::unique_ptr<PageKeyer> keyer_;
   std::shared_ptr<PyStore> store_;
   std::vector<py::object> keep_;

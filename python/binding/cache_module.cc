@@ -171,10 +171,13 @@ void register_cache(py::module_& m) {
           py::arg("slots"))
       .def(
           "write",
-          [](PyHiCache& c, const std::vector<std::int64_t>& device_slots, NodeId node) {
-            return c.use().hc.controller().write(device_slots, 0, node);
+          [](PyHiCache& c, const std::vector<std::int64_t>& device_slots, NodeId node,
+             std::optional<std::uintptr_t> stream) {
+            auto u = c.use();
+            return u.hc.controller().write(device_slots, 0, node,
+                                           c.ready_for_write(u.hc, stream));
           },
-          py::arg("device_slots"), py::arg("node_id"))
+          py::arg("device_slots"), py::arg("node_id"), py::arg("stream") = py::none())
       .def(
           "load_into",
           [](PyHiCache& c, const std::vector<std::int64_t>& host_slots,
@@ -189,12 +192,15 @@ void register_cache(py::module_& m) {
             return c.use().hc.controller().evict_device(device_slots, host_slots);
           },
           py::arg("device_slots"), py::arg("host_slots"))
-      .def("start_loading",
-           [](PyHiCache& c) {
-             auto u = c.use();
-             py::gil_scoped_release nogil;  // blocks while every layer slot is still in use
-             return u.hc.controller().start_loading();
-           })
+      .def(
+          "start_loading",
+          [](PyHiCache& c, std::optional<std::uintptr_t> stream) {
+            auto u = c.use();
+            const Event* ready = c.ready_for_load(u.hc, stream);
+            py::gil_scoped_release nogil;  // blocks while every layer slot is still in use
+            return u.hc.controller().start_loading(ready);
+          },
+          py::arg("stream") = py::none())
       .def(
           "wait_for_layer",
           [](PyHiCache& c, std::int32_t layer) {
@@ -263,12 +269,17 @@ void register_cache(py::module_& m) {
           py::arg("host_slots"))
       .def(
           "wait_layer",
-          [](PyHiCache& c, std::int32_t slot, std::int32_t layer) {
+          [](PyHiCache& c, std::int32_t slot, std::int32_t layer, std::optional<std::uintptr_t> stream) {
             auto u = c.use();
+            Stream* compute = c.engine_stream(u.hc, stream);
             py::gil_scoped_release nogil;
-            return u.hc.controller().layer_done_counter().wait_until(slot, layer);
+            LayerDoneCounter& counter = u.hc.controller().layer_done_counter();
+            // With a stream: the host waits only until the layer's copy is enqueued, and the
+            // stream waits for the copy on the device.
+            return compute != nullptr ? counter.wait_on_stream(slot, layer, *compute)
+                                      : counter.wait_until(slot, layer);
           },
-          py::arg("slot"), py::arg("layer"))
+          py::arg("slot"), py::arg("layer"), py::arg("stream") = py::none())
       .def_property_readonly("num_layers",
                              [](PyHiCache& c) { return c.use().hc.config().geometry.num_layers; })
       .def("reset_controllers",

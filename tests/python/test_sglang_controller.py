@@ -9,7 +9,14 @@ get_key_buffer) -> compute the rest into slots from the engine's allocator -> wr
 the backup acks and revokes -> evict device and host pages under pressure, leaves first.
 The device pool is SGLang's shape (per-layer k_buffer / v_buffer with a padding page), the host
 pool SGLang's kv_buffer in each layout. The "model" checks every byte it reads from a cached
-page against the bytes that page was computed with (per page, layer, K/V and TP rank)."""
+page against the bytes that page was computed with (per page, layer, K/V and TP rank).
+
+HICACHE_TEST_DEVICE=cuda puts the engine's device buffers on the GPU (torch's own CUDA tensors;
+the driver's slot indices stay CPU tensors) and makes every forward pass start with long GPU
+work on torch's current stream (busy()), before it writes the new pages and before the loads
+start: a write copied without waiting for that work would back up stale bytes, a layer read
+before its copy landed would be stale, and the model's checks would say so. The default, cpu,
+runs on the host backend."""
 import hashlib
 import json
 import os
@@ -37,6 +44,30 @@ from hicache._testing import throwing_store  # noqa: E402
 
 P, L, H, D = 4, 3, 2, 8
 
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"HICACHE_TEST_DEVICE={DEVICE!r}: valid are cpu, cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError("HICACHE_TEST_DEVICE=cuda, but torch sees no GPU")
+
+
+def busy():
+    """Long work on the engine's compute stream (about a millisecond on a GPU; nothing on the
+    host backend), so that whatever is queued after it lands late."""
+    if DEVICE == "cuda":
+        torch.cuda._sleep(2_000_000)
+
+
+def put(buf, slots, values):
+    """The forward pass writes KV into the engine's device buffer (on its current stream)."""
+    buf[slots] = values.to(buf.device)
+
+
+def read(buf, slots):
+    """The bytes of `slots` in the engine's device buffer, on the CPU (on a GPU: copied on the
+    current stream, so after everything queued there, the layer waits included)."""
+    return buf[slots].view(torch.int16).cpu()
+
 
 class DevicePool:
     """SGLang's MHATokenToKVPool / MLATokenToKVPool: one tensor per layer, a padding page."""
@@ -47,11 +78,14 @@ class DevicePool:
         rows = self.size + P
         if mla:
             self.kv_lora_rank, self.qk_rope_head_dim = D - 4, 4
-            self.kv_buffer = [torch.zeros((rows, 1, D), dtype=self.dtype) for _ in range(L)]
+            self.kv_buffer = [torch.zeros((rows, 1, D), dtype=self.dtype, device=DEVICE)
+                              for _ in range(L)]
         else:
             self.head_num, self.head_dim = H, D
-            self.k_buffer = [torch.zeros((rows, H, D), dtype=self.dtype) for _ in range(L)]
-            self.v_buffer = [torch.zeros((rows, H, D), dtype=self.dtype) for _ in range(L)]
+            self.k_buffer = [torch.zeros((rows, H, D), dtype=self.dtype, device=DEVICE)
+                             for _ in range(L)]
+            self.v_buffer = [torch.zeros((rows, H, D), dtype=self.dtype, device=DEVICE)
+                             for _ in range(L)]
         self.layer_transfer_counter = None
 
     def register_layer_transfer_counter(self, counter):
@@ -481,6 +515,7 @@ class Driver:
             producer = self.ctrl.layer_done_counter.next_producer()
             self.event.set()
         else:
+            busy()  # the loads' copies start after it (they may overwrite slots it reads)
             producer = self.ctrl.start_loading()
         self.ctrl.layer_done_counter.set_consumer(producer)
         # The forward pass: read the cached pages layer by layer, write the new ones.
@@ -492,14 +527,15 @@ class Driver:
             buffers = self.pool.get_key_buffer(layer)
             for node in matched:
                 for which, buf in enumerate(buffers):
-                    got = buf[node.device].view(torch.int16)
+                    got = read(buf, node.device)
                     want = pattern(node.hash, layer, which, self.rank, self.mla)
                     assert torch.equal(got, want), (
                         f"rank {self.rank}: page {node.hash[:12]} layer {layer} buffer {which}")
+            busy()  # the new pages' KV lands late: their writes below must wait for it
             for j in range(n - i):
                 for which, buf in enumerate(buffers):
-                    buf[new[j * P:(j + 1) * P]] = pattern(
-                        hashes[i + j], layer, which, self.rank, self.mla).view(torch.bfloat16)
+                    put(buf, new[j * P:(j + 1) * P], pattern(
+                        hashes[i + j], layer, which, self.rank, self.mla).view(torch.bfloat16))
         for node in matched:
             kind = "prefetched" if id(node) in from_l3 else "loaded" if id(node) in loaded \
                 else "device"
@@ -862,7 +898,7 @@ def written(c, device, host):
     for layer in range(L):
         for which, buf in enumerate(pool.layer_buffers(layer)):
             got = c.mem_pool_host.kv_buffer[which, host] if not pool.mla else None
-            if got is None or not torch.equal(buf[device].view(torch.int16),
+            if got is None or not torch.equal(read(buf, device),
                                               got[:, layer].view(torch.int16)):
                 return False
     return True
@@ -877,7 +913,7 @@ def test_a_write_ack_is_queued_at_write_and_its_finish_event_follows_the_copy(tm
     dev = d.alloc.alloc(P)
     for layer in range(L):
         for which, buf in enumerate(d.pool.layer_buffers(layer)):
-            buf[dev] = pattern("ab" * 32, layer, which, 0, False).view(torch.bfloat16)
+            put(buf, dev, pattern("ab" * 32, layer, which, 0, False).view(torch.bfloat16))
     held = Withheld(c)
     c._cache = held
     host = c.write(dev, node_id=7)
@@ -1173,8 +1209,8 @@ def test_the_l3_keys_and_the_prefetch_chain_are_get_hash_strs(tmp_path):
     for layer in range(L):
         for which, buf in enumerate(d.pool.layer_buffers(layer)):
             for i in range(4):
-                buf[dev[i * P:(i + 1) * P]] = pattern(hashes[i], layer, which, 0, False).view(
-                    torch.bfloat16)
+                put(buf, dev[i * P:(i + 1) * P],
+                    pattern(hashes[i], layer, which, 0, False).view(torch.bfloat16))
     host = c.write(dev, node_id=1)
     c.ack_write_queue[0].finish_event.synchronize()
     with pytest.raises(ValueError, match="one per page"):
@@ -1490,3 +1526,37 @@ def test_two_tp_ranks_in_two_processes_agree_over_gloo(tmp_path):
 
 if __name__ == "__main__":
     _tp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the host backend's refusal")
+def test_an_engine_stream_on_the_host_backend_is_refused_naming_it_and_changes_nothing(tmp_path):
+    """The host backend has no native streams: the drop-in passes none there, and a handle
+    passed anyway is a ValueError from write, start_loading and wait_layer before anything
+    changed (on a GPU the handle is torch's current stream, waited on by hicache's copies)."""
+    d = Driver("page_first", tmp_path, storage=False)
+    c = d.ctrl
+    assert c._compute_stream() is None
+    dev = d.alloc.alloc(P)
+    for layer in range(L):
+        for which, buf in enumerate(d.pool.layer_buffers(layer)):
+            put(buf, dev, pattern("cd" * 32, layer, which, 0, False).view(torch.bfloat16))
+    free = c._cache.host_free_tokens
+    with pytest.raises(ValueError, match="wrap_stream.*no native streams"):
+        c._cache.write(dev.tolist(), 1, 0)
+    assert c._cache.host_free_tokens == free and len(c.ack_write_queue) == 0
+    host = c.write(dev, node_id=1)  # and the same call without a stream goes through
+    c.ack_write_queue[0].finish_event.synchronize()
+    assert c.evict_device(dev, host) == P
+    back = c.load(host, node_id=2)
+    with pytest.raises(ValueError, match="no native streams"):
+        c._cache.start_loading(0)
+    slot = c.start_loading()  # the load queued before the refusal is still there
+    assert slot >= 0
+    with pytest.raises(ValueError, match="no native streams"):
+        c._cache.wait_layer(slot, 0, 0)
+    c.layer_done_counter.set_consumer(slot)
+    for layer in range(L):
+        for which, buf in enumerate(d.pool.get_key_buffer(layer)):
+            assert torch.equal(read(buf, back), pattern("cd" * 32, layer, which, 0, False))
+    assert written(c, back, host)
+    c.close()

@@ -314,7 +314,10 @@ class LayerDoneCounter:
             raise HiCacheDeviceError(
                 f"hicache: load batch {slot} was dropped by reset() or never started; its bytes "
                 "are not in device memory")
-        if not moved_on and not self._c._cache.wait_layer(slot, int(threshold)):
+        # On a GPU the wait is the engine's current stream's, on the device: the host returns
+        # once the layer's copy is enqueued, and the kernels queued after this call read it.
+        if not moved_on and not self._c._cache.wait_layer(slot, int(threshold),
+                                                          self._c._compute_stream()):
             raise HiCacheDeviceError(
                 f"hicache: layer {threshold} of load batch {slot} failed or the controller "
                 "stopped: its bytes are not in device memory")

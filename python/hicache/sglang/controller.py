@@ -212,6 +212,9 @@ class HiCacheController:
                                        dim_order="sglang", engine_allocator=True)
         self._keep = (mem_pool_host.kv_buffer, device_k, device_v)
         self._cuda = config["device"] == "cuda"
+        if self._cuda:
+            import torch
+            self._torch_cuda = torch.cuda
         self._host_slots = _SlotTable(mem_pool_host.size, self.page_size, mem_pool_host.kv_buffer)
         self._device_slots = _SlotTable(int(device_k[0].shape[0]), self.page_size, device_k[0])
         self.storage_backend = _StorageView(self._cache) if self.enable_storage else None
@@ -355,10 +358,9 @@ class HiCacheController:
         is; until then the host pages are protected (evicting, loading or backing them up to
         L3 raises) and the queue view (qsize, get) does not count the ack."""
         _no_priority(priority, "write")
-        self._sync_compute()
         token = next(self._write_tokens)
         device = _as_list(device_indices)
-        host = self._cache.write(device, token)
+        host = self._cache.write(device, token, self._compute_stream())
         if host is None:
             return None
         self._remember_host_copy(device, host)
@@ -377,7 +379,6 @@ class HiCacheController:
         device_indices = self.mem_pool_device_allocator.alloc(len(host))
         if device_indices is None:
             return None
-        self._sync_compute()
         device = _as_list(device_indices)
         try:
             queued = self._cache.load_into(host, device, int(node_id))
@@ -398,13 +399,15 @@ class HiCacheController:
         for i in range(0, len(device), p):
             self._host_copy[device[i] // p] = host[i]
 
-    def _sync_compute(self):
-        """On a GPU, as SGLang's controller: the work queued so far on the compute stream
-        (the forward pass that wrote the pages, the batch that last read the slots a load will
-        overwrite) finishes before hicache's copy streams touch the slots."""
-        if self._cuda:
-            import torch
-            torch.cuda.current_stream().synchronize()
+    def _compute_stream(self):
+        """On a GPU, the engine's current stream (a cudaStream_t handle; 0 is the legacy default
+        stream), else None. hicache
+        records an event on it and its copy streams wait for that event on the device: a write
+        copies the pages only after the work queued so far (the forward pass that wrote them),
+        a load batch overwrites its slots only after the work that may still read them, and
+        the host never blocks for either (SGLang's 2025-08 controller synchronised the stream
+        instead)."""
+        return self._torch_cuda.current_stream().cuda_stream if self._cuda else None
 
     def start_loading(self):
         """Starts every load queued since the last call as one batch; its producer index (the
@@ -413,7 +416,7 @@ class HiCacheController:
             return -1
         self._loads_queued = 0
         self.layer_done_counter._make_room()
-        slot = self._cache.start_loading()
+        slot = self._cache.start_loading(self._compute_stream())
         if slot >= 0:
             self.layer_done_counter._started(slot)
         return slot
