@@ -87,9 +87,15 @@ echo "[gpu-bench] building in $build"
 # preloads the system's libstdc++ (README: Python).
 cmake -S . -B "$build" -G Ninja -DHICACHE_CUDA=ON -DHICACHE_WERROR="${GPU_BENCH_WERROR:-ON}" \
   -DHICACHE_ALLOW_STATIC_CXX_RUNTIME=ON "${extra[@]}" "${python_args[@]}" >/dev/null
-targets=(hicache transfer_test kernels_test controller_test storage_test hicache-gpubench
-         hicache-bench hicache-stress hicache-opbench)
-if want python; then targets+=(hicache_python hicache_python_testing); fi
+targets=(hicache)  # what the stages asked for run
+if want tests || want sanitizer; then
+  targets+=(transfer_test kernels_test controller_test storage_test)
+fi
+if want main; then targets+=(hicache-bench); fi
+if want stress; then targets+=(hicache-stress); fi
+if want python; then targets+=(hicache_python hicache_python_testing hicache-opbench); fi
+if want opbench; then targets+=(hicache-opbench); fi
+if want transfers; then targets+=(hicache-gpubench); fi
 if ! cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$build/build.log" 2>&1; then
   tail -60 "$build/build.log"; echo "[gpu-bench] FAIL: build (whole log: $build/build.log)"; exit 1
 fi
