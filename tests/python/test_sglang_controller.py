@@ -14,7 +14,7 @@ page against the bytes that page was computed with (per page, layer, K/V and TP 
 HICACHE_TEST_DEVICE=cuda puts the engine's device buffers on the GPU (torch's own CUDA tensors;
 the driver's slot indices stay CPU tensors) and makes every forward pass start with long GPU
 work on torch's current stream (busy()), before it writes the new pages and before the loads
-start: a write copied without waiting for that work would back up stale bytes, a layer read
+start (page_first then takes the kernel I/O path, which hicache requires for it on a GPU): a write copied without waiting for that work would back up stale bytes, a layer read
 before its copy landed would be stale, and the model's checks would say so. The default, cpu,
 runs on the host backend."""
 import hashlib
@@ -49,6 +49,12 @@ if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"HICACHE_TEST_DEVICE={DEVICE!r}: valid are cpu, cuda")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     raise RuntimeError("HICACHE_TEST_DEVICE=cuda, but torch sees no GPU")
+
+
+def io_backend_for(layout):
+    """direct, but kernel for page_first on a GPU: its direct copies are one token of one layer
+    each, which hicache refuses there (SGLang's own rule)."""
+    return "kernel" if DEVICE == "cuda" and layout == "page_first" else "direct"
 
 
 def busy():
@@ -181,7 +187,7 @@ class Driver:
         cfg = {"storage": {"backend": "file", "root": str(root)}} if storage else {}
         self.ctrl = HiCacheController(
             self.alloc, self.host, P, tp_group, load_cache_event=self.event,
-            write_policy=write_policy, io_backend="direct",
+            write_policy=write_policy, io_backend=io_backend_for(layout),
             storage_backend="hicache" if storage else None, prefetch_threshold=P,
             model_name="drop-in-test",
             storage_backend_extra_config=json.dumps(cfg["storage"] | ({"hicache": extra}

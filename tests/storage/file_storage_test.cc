@@ -830,7 +830,9 @@ struct TmpfsMount {
     mounted = ::geteuid() == 0 && std::system(mount.c_str()) == 0;
   }
   ~TmpfsMount() {
-    if (mounted) (void)std::system(("umount -l " + dir.string()).c_str());
+    if (mounted && std::system(("umount -l " + dir.string()).c_str()) != 0) {
+      // Best effort: a mount left behind is a temporary tmpfs.
+    }
     fs::remove_all(dir);
   }
 };
