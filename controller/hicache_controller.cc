@@ -29,7 +29,16 @@ WritePolicy parse_write_policy(std::string_view name) {
 IoBackend parse_io_backend(std::string_view name) {
   if (name == "direct") return IoBackend::kDirect;
   if (name == "kernel") return IoBackend::kKernel;
-  throw InvalidArgument(str_cat("unknown io backend '", name, "': valid are direct, kernel"));
+  if (name == "auto") return IoBackend::kAuto;
+  throw InvalidArgument(str_cat("unknown io backend '", name, "': valid are direct, kernel, auto"));
+}
+
+IoBackend choose_io_backend(IoBackend configured, DeviceBackend device, HostLayout host_layout,
+                            bool to_host, std::int64_t bytes) {
+  if (configured != IoBackend::kAuto) return configured;
+  if (host_layout == HostLayout::kPageFirst) return IoBackend::kKernel;
+  if (device != DeviceBackend::kCuda) return IoBackend::kDirect;
+  return to_host && bytes >= kAutoKernelWriteBytes ? IoBackend::kKernel : IoBackend::kDirect;
 }
 
 std::string_view to_string(WritePolicy policy) {
@@ -44,7 +53,17 @@ std::string_view to_string(WritePolicy policy) {
   return "unknown";
 }
 
-std::string_view to_string(IoBackend io) { return io == IoBackend::kDirect ? "direct" : "kernel"; }
+std::string_view to_string(IoBackend io) {
+  switch (io) {
+    case IoBackend::kDirect:
+      return "direct";
+    case IoBackend::kKernel:
+      return "kernel";
+    case IoBackend::kAuto:
+      return "auto";
+  }
+  return "unknown";
+}
 
 struct HiCacheController::AckQueues {
   moodycamel::ConcurrentQueue<Ack> write, load;
@@ -61,6 +80,7 @@ struct HiCacheController::Scratch {
   std::int64_t* pinned_host = nullptr;
   std::int64_t* pinned_device = nullptr;
   std::vector<NodeId> ack_nodes;  // the finished op's nodes, acked after its lists went back
+  IoBackend io = IoBackend::kDirect;  // the path prepare_pages chose for the op
 };
 
 HiCacheController::HiCacheController(Device& device, DeviceKVPool& device_pool,
@@ -407,15 +427,18 @@ std::size_t HiCacheController::drain_load_acks(std::vector<Ack>& out) {
   return drain_queue(acks_->load, out);
 }
 
-void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s) {
+void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s, bool to_host) {
   const std::int32_t ps = device_pool_.geometry().page_size;
+  s.io = choose_io_backend(config_.io_backend, device_.backend(), host_pool_.host_layout(),
+                           to_host, op.num_tokens() * device_pool_.geometry().token_bytes());
+  (s.io == IoBackend::kDirect ? direct_ops_ : kernel_ops_) += 1;
   s.host_pages.clear();
   s.device_pages.clear();
   slots_to_pages(op.host_slots, ps, host_pool_.num_pages(), "controller host slots",
                  s.host_pages);
   slots_to_pages(op.device_slots, ps, device_pool_.num_pages(),
                  "controller device slots", s.device_pages);
-  if (config_.io_backend == IoBackend::kDirect) {
+  if (s.io == IoBackend::kDirect) {
     // Sorted host pages read or write host memory in address order (as the reference does).
     s.pairs.clear();
     for (std::size_t i = 0; i < s.host_pages.size(); ++i) {
@@ -442,7 +465,7 @@ void HiCacheController::enqueue_copy(Stream& stream, Scratch& s, bool to_host, s
                                      std::int32_t le) {
   const LayoutDesc& host = host_pool_.layout();
   const LayoutDesc& dev = device_pool_.layout();
-  if (config_.io_backend == IoBackend::kDirect) {
+  if (s.io == IoBackend::kDirect) {
     s.regions.clear();
     if (to_host) {
       append_page_copies(host, s.host_pages, dev, s.device_pages, lb, le, s.regions);
@@ -463,7 +486,7 @@ void HiCacheController::run_write(CacheOperation& op, Scratch& s, int ops) {
   bool ok = true;
   const auto started = std::chrono::steady_clock::now();
   try {
-    prepare_pages(op, s);
+    prepare_pages(op, s, /*to_host=*/true);
     enqueue_copy(*write_stream_, s, /*to_host=*/true, 0, device_pool_.geometry().num_layers);
     const std::uint64_t sidecar_bytes =
         op.sidecars.empty() ? 0 : enqueue_sidecar_copies(*write_stream_, s, op, /*to_host=*/true);
@@ -500,7 +523,7 @@ void HiCacheController::run_load(LoadBatch& batch, Scratch& s) {
   const auto started = std::chrono::steady_clock::now();
   try {
     std::int32_t layer = 0;
-    prepare_pages(batch.op, s);
+    prepare_pages(batch.op, s, /*to_host=*/false);
     // A hybrid model's state is read from its first layer on: it lands before layer 0's mark.
     const std::uint64_t sidecar_bytes =
         batch.op.sidecars.empty()
@@ -674,7 +697,9 @@ ControllerStats HiCacheController::stats() const {
                          static_cast<double>(load_ns_.value()) * 1e-9,
                          sidecar_bytes_written_.value(), sidecar_bytes_loaded_.value(),
                          write_batches_done_.value(),
-                         static_cast<double>(write_ns_.value()) * 1e-9};
+                         static_cast<double>(write_ns_.value()) * 1e-9,
+                         direct_ops_.value(),
+                         kernel_ops_.value()};
 }
 
 void HiCacheController::unregister_metrics() {

@@ -43,7 +43,10 @@
 namespace hicache {
 
 enum class WritePolicy { kWriteThrough, kWriteThroughSelective, kWriteBack };
-enum class IoBackend { kDirect, kKernel };
+// How host <-> device copies are issued: kDirect, a list of contiguous copies (one
+// cudaMemcpyBatchAsync on CUDA: the copy engines); kKernel, one gather/scatter launch (SMs);
+// kAuto, chosen per op by choose_io_backend().
+enum class IoBackend { kDirect, kKernel, kAuto };
 
 // Throw InvalidArgument naming the value and the valid ones.
 WritePolicy parse_write_policy(std::string_view name);
@@ -51,9 +54,23 @@ IoBackend parse_io_backend(std::string_view name);
 std::string_view to_string(WritePolicy policy);
 std::string_view to_string(IoBackend io);
 
+// The path one op's copies take (never kAuto). `configured` other than kAuto is kept. kAuto:
+//   - page_first host memory: kernel (its runs are one token of one layer; direct on CUDA is
+//     refused, and on the host backend both walk the same units);
+//   - otherwise on the host backend: direct;
+//   - on CUDA, a write (device -> host) of at least kAutoKernelWriteBytes: kernel; smaller
+//     writes and every load (host -> device, layer by layer): direct.
+// Measured on an H200 (hicache-opbench --device cuda, 2026-11-29, docs/performance.md):
+// writes of 8 MiB pages reached 0.70-0.74 of the copy engine's ceiling with direct and
+// 0.91-0.95 with the kernel; 2 KiB writes ran 171k ops/s direct against 117k kernel; loads
+// reached 0.83 (one page) and 0.99 (16 pages) with direct against 0.66 and 0.88 with the kernel.
+inline constexpr std::int64_t kAutoKernelWriteBytes = std::int64_t{1} << 20;
+IoBackend choose_io_backend(IoBackend configured, DeviceBackend device, HostLayout host_layout,
+                            bool to_host, std::int64_t bytes);
+
 struct ControllerConfig {
   WritePolicy write_policy = WritePolicy::kWriteThrough;  // for the radix cache
-  IoBackend io_backend = IoBackend::kDirect;
+  IoBackend io_backend = IoBackend::kAuto;
   std::int32_t layer_slots = 3;         // LayerDoneCounter slots (batches in flight)
   std::size_t queue_capacity = 4096;    // ops queued per queue before write()/load() push back
   std::int32_t kernel_max_blocks = 0;   // CUDA block cap of the kernel io path (0: none)
@@ -90,6 +107,9 @@ struct ControllerStats {
   // counted once) and their wall time, from the copy's start to its synchronisation.
   std::uint64_t write_batches_done = 0;
   double write_seconds = 0;
+  // Copy batches (write batches and load batches, failed ones too) by the I/O path they took:
+  // with io_backend auto, what choose_io_backend() picked.
+  std::uint64_t direct_batches = 0, kernel_batches = 0;
 };
 
 class HiCacheController {
@@ -210,8 +230,9 @@ class HiCacheController {
   void write_loop();
   void load_loop();
   struct Scratch;  // per-thread reusable page lists and copy regions
-  // Turns op's slots into page lists in `scratch` (pinned memory for the kernel path).
-  void prepare_pages(const CacheOperation& op, Scratch& scratch);
+  // Chooses the op's I/O path (choose_io_backend) and turns its slots into page lists in
+  // `scratch` (pinned memory for the kernel path).
+  void prepare_pages(const CacheOperation& op, Scratch& scratch, bool to_host);
   // Enqueues the copy of the prepared pages for layers [lb, le) on `stream`.
   void enqueue_copy(Stream& stream, Scratch& scratch, bool to_host, std::int32_t lb,
                     std::int32_t le);
@@ -263,7 +284,7 @@ class HiCacheController {
   std::unique_ptr<AckQueues> acks_;
   Counter sidecar_bytes_written_, sidecar_bytes_loaded_;
   Counter writes_done_, write_failures_, load_batches_done_, load_failures_, bytes_written_,
-      bytes_loaded_, load_ns_, write_batches_done_, write_ns_;
+      bytes_loaded_, load_ns_, write_batches_done_, write_ns_, direct_ops_, kernel_ops_;
   Histogram write_latency_, load_latency_;
   std::atomic<bool> timed_{false};  // registered: ops are timed for the latency histograms
   MetricsScope metrics_;  // after what it registers: it goes first

@@ -18,7 +18,7 @@
 #              with CUDA): tests/python/test_package.py's CUDA cases, the drop-in replay
 #              (tests/python/test_sglang_controller.py with HICACHE_TEST_DEVICE=cuda) and
 #              tools/controller_bench.py --device cuda
-#   opbench    hicache-opbench --device cuda, direct and kernel I/O (ratio_to_ceiling)
+#   opbench    hicache-opbench --device cuda, auto, direct and kernel I/O (ratio_to_ceiling)
 #   transfers  hicache-gpubench for the three host layouts, and the pinned pool bring-up
 # Each stage prints its wall time.
 #
@@ -157,7 +157,7 @@ if want python; then
 fi
 if want opbench; then
   stage opbench
-  for io in direct kernel; do
+  for io in auto direct kernel; do
     "$build/tools/hicache-opbench" --device cuda --io-backend "$io" \
       --workload write_p1,write_p16,load_p1,load_p16,write_p1_tiny,load_p1_tiny || failed=1
   done

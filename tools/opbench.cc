@@ -116,8 +116,10 @@ engine's rate for the same bytes).
   --quick                    every op, step and round count divided by 10, rounded up (warm-ups
                              unchanged): the whole suite in under 30 s on 2 cores
   --device host|cuda         device backend (host)
-  --io-backend direct|kernel the controller's I/O path (direct: copy lists; kernel: one gather
-                             or scatter launch per op and layer range)
+  --io-backend auto|direct|kernel
+                             the controller's I/O path (default auto, the library's default:
+                             per op; direct: copy lists; kernel: one gather or scatter launch
+                             per op and layer range)
   --storage-dir DIR          file store root for backup/prefetch (default: a fresh directory
                              under the temp directory, removed at exit)
   --help
@@ -140,7 +142,7 @@ struct Options {
   std::vector<std::string> workloads;  // empty: all
   std::string storage_dir;             // empty: a temporary directory
   std::string device = "host";
-  std::string io_backend = "direct";
+  std::string io_backend = "auto";
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -196,8 +198,8 @@ Options parse(int argc, char** argv) {
       }
       o.device = *value;
     } else if (flag == "--io-backend") {
-      if (*value != "direct" && *value != "kernel") {
-        usage_error(str_cat("--io-backend: '", *value, "': valid are direct, kernel"));
+      if (*value != "auto" && *value != "direct" && *value != "kernel") {
+        usage_error(str_cat("--io-backend: '", *value, "': valid are auto, direct, kernel"));
       }
       o.io_backend = *value;
     } else {
@@ -238,6 +240,7 @@ struct Measure {
   std::vector<double> latency_ms;  // submit -> ack, one per timed op
   enum class Copy { kNone, kToHost, kToDevice } direction = Copy::kNone;  // the ceiling's
   bool verified = true;
+  std::uint64_t kernel_batches = 0, direct_batches = 0;  // the controller's copy batches by path
   std::string problem;  // the first reason verified is false
   nlohmann::ordered_json extra = nlohmann::ordered_json::object();
 
@@ -386,6 +389,10 @@ bool report(std::string_view name, Rig& rig, const Measure& m, bool pools_clean)
   nlohmann::ordered_json j;
   j["workload"] = name;
   j["io_backend"] = std::string(hicache::to_string(rig.hc->config().controller.io_backend));
+  if (m.kernel_batches + m.direct_batches > 0) {  // what auto chose (all of it, warm-up too)
+    j["kernel_batches"] = m.kernel_batches;
+    j["direct_batches"] = m.direct_batches;
+  }
   j["ops"] = m.ops;
   j["pages"] = m.pages;
   j["page_bytes"] = rig.g.page_bytes();
@@ -534,6 +541,8 @@ Measure run_writes(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, 
   // count once), their rate from the batch's start to its stream synchronisation, and the
   // share of the run the thread spent in them. copy_gbps near the ceiling with a low busy share
   // means the time goes between batches; copy_gbps itself low means inside the copy.
+  m.kernel_batches = after.kernel_batches - before.kernel_batches;
+  m.direct_batches = after.direct_batches - before.direct_batches;
   const double write_s = after.write_seconds - before.write_seconds;
   m.extra["write_batches"] = after.write_batches_done - before.write_batches_done;
   const double wall_s = m.seconds + warmup_s;
@@ -641,6 +650,8 @@ Measure run_loads(Rig& rig, std::uint64_t workload, std::int64_t pages_per_op, s
   for (const auto& slots : host) rig.controller.evict_host(slots);
 
   const hicache::ControllerStats after = rig.controller.stats();
+  m.kernel_batches = after.kernel_batches - before.kernel_batches;
+  m.direct_batches = after.direct_batches - before.direct_batches;
   const auto batches = static_cast<std::uint64_t>(steps + kWarmupSteps);
   const auto all_bytes =
       batches * kInFlight * static_cast<std::uint64_t>(pages_per_op * rig.g.page_bytes());

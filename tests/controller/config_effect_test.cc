@@ -314,23 +314,32 @@ TEST(ConfigEffect, IoBackendAndKernelMaxBlocksChooseTheCopyPath) {
     const char* max_blocks;  // null: the default
     bool kernel;
     int blocks_seen;
+    const char* layout = nullptr;  // null: the default (layer_first)
   };
-  for (const Case& c : {Case{"direct", "5", false, -1}, Case{"kernel", "5", true, 5},
-                        Case{"kernel", nullptr, true, 0}}) {
-    SCOPED_TRACE(str_cat(c.io, " ", c.max_blocks ? c.max_blocks : "(default)"));
+  // auto on the host backend: direct, but the kernel for page_first (choose_io_backend).
+  for (const Case& c :
+       {Case{"direct", "5", false, -1}, Case{"kernel", "5", true, 5}, Case{"kernel", nullptr, true, 0},
+        Case{"auto", nullptr, false, -1}, Case{"auto", "3", true, 3, "page_first"},
+        Case{"auto", nullptr, false, -1, "page_first_direct"}}) {
+    SCOPED_TRACE(str_cat(c.io, " ", c.max_blocks ? c.max_blocks : "(default)", " ",
+                         c.layout ? c.layout : "(default layout)"));
     testing::FaultyDevice device;  // counts the copies by path
     HiCacheParts parts;
     parts.device = &device;
     std::map<std::string, std::string> keys = {{"io_backend", json_string(c.io)}};
     if (c.max_blocks != nullptr) keys["kernel_max_blocks"] = c.max_blocks;
+    if (c.layout != nullptr) keys["host_layout"] = json_string(c.layout);
     HiCache hc(config_with(keys), std::move(parts));
     const int batches = device.copy_batches, transfers = device.page_transfers;
     insert_fresh(hc, tokens_of(1, 2));  // written through to the host at once
     settle(hc);
-    ASSERT_EQ(hc.controller().stats().writes_done, 1u);
+    const ControllerStats stats = hc.controller().stats();
+    ASSERT_EQ(stats.writes_done, 1u);
     EXPECT_EQ(device.copy_batches > batches, !c.kernel);
     EXPECT_EQ(device.page_transfers > transfers, c.kernel);
     EXPECT_EQ(device.max_blocks_seen, c.blocks_seen);
+    EXPECT_EQ(stats.kernel_batches, c.kernel ? 1u : 0u);
+    EXPECT_EQ(stats.direct_batches, c.kernel ? 0u : 1u);
   }
 }
 

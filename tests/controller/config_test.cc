@@ -100,7 +100,7 @@ TEST(HiCacheConfig, DefaultsAndMla) {
   EXPECT_EQ(c.geometry.page_size, 64);
   EXPECT_EQ(c.host_tokens(), 100000000 / c.geometry.page_bytes() * 64);
   EXPECT_EQ(c.controller.write_policy, WritePolicy::kWriteThrough);
-  EXPECT_EQ(c.controller.io_backend, IoBackend::kDirect);
+  EXPECT_EQ(c.controller.io_backend, IoBackend::kAuto);
 }
 
 // Each bad document raises an error that names the offending key or value.

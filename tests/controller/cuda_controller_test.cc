@@ -21,7 +21,7 @@ TEST(CudaController, RoundTripEveryLayoutAndIoBackend) {
   const auto g = KVGeometry::mha(8, 8, 128, DType::kFloat16, 64);
   const std::int32_t ps = g.page_size;
   auto stream = device->create_stream();
-  for (IoBackend io : {IoBackend::kDirect, IoBackend::kKernel}) {
+  for (IoBackend io : {IoBackend::kDirect, IoBackend::kKernel, IoBackend::kAuto}) {
     for (HostLayout layout :
          {HostLayout::kLayerFirst, HostLayout::kPageFirst, HostLayout::kPageFirstDirect}) {
       DeviceKVPool dev(*device, g, 16 * ps);
@@ -86,6 +86,16 @@ TEST(CudaController, RoundTripEveryLayoutAndIoBackend) {
       c.evict_host(*h);
       EXPECT_EQ(host.free_tokens(), host.capacity_tokens());
       EXPECT_EQ(dev.allocator().free_tokens(), dev.capacity_tokens());
+      // One write of 12 MiB and one load: auto takes the kernel for the write (and for
+      // page_first's load), direct for the others.
+      const ControllerStats stats = c.stats();
+      const bool page_first = layout == HostLayout::kPageFirst;
+      const std::uint64_t kernel = io == IoBackend::kKernel ? 2
+                                   : io == IoBackend::kDirect ? 0
+                                   : page_first               ? 2
+                                                              : 1;
+      EXPECT_EQ(stats.kernel_batches, kernel) << to_string(io) << " " << to_string(layout);
+      EXPECT_EQ(stats.direct_batches, 2 - kernel) << to_string(io) << " " << to_string(layout);
     }
   }
 }

@@ -250,7 +250,47 @@ TEST(HiCacheController, ConfigNamesAreParsedAndUnknownOnesRejected) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("'write_sometimes'"), std::string::npos);
   }
-  EXPECT_THROW(parse_io_backend("dma"), InvalidArgument);
+  EXPECT_EQ(parse_io_backend("auto"), IoBackend::kAuto);
+  for (const IoBackend io : {IoBackend::kDirect, IoBackend::kKernel, IoBackend::kAuto}) {
+    EXPECT_EQ(parse_io_backend(to_string(io)), io);
+  }
+  try {
+    parse_io_backend("dma");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'dma': valid are direct, kernel, auto"),
+              std::string::npos);
+  }
+}
+
+// io_backend auto, op by op: the kernel for page_first (token-sized runs) and for CUDA writes
+// of 1 MiB and more, direct otherwise; a configured path is kept whatever the op.
+TEST(HiCacheController, AutoChoosesThePathPerOp) {
+  constexpr auto kAuto = IoBackend::kAuto, kDirect = IoBackend::kDirect,
+                 kKernel = IoBackend::kKernel;
+  constexpr auto kCuda = DeviceBackend::kCuda, kHost = DeviceBackend::kHost;
+  constexpr std::int64_t kBig = kAutoKernelWriteBytes, kSmall = kAutoKernelWriteBytes - 1;
+  for (const HostLayout layout : {HostLayout::kLayerFirst, HostLayout::kPageFirstDirect}) {
+    SCOPED_TRACE(to_string(layout));
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/true, kBig), kKernel);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/true, kSmall), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/false, kBig), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/false, kSmall), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, /*to_host=*/true, kBig), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, /*to_host=*/false, kBig), kDirect);
+  }
+  for (const DeviceBackend device : {kCuda, kHost}) {
+    for (const bool to_host : {true, false}) {
+      for (const std::int64_t bytes : {kSmall, kBig}) {
+        EXPECT_EQ(choose_io_backend(kAuto, device, HostLayout::kPageFirst, to_host, bytes),
+                  kKernel);
+        for (const HostLayout layout : {HostLayout::kLayerFirst, HostLayout::kPageFirst}) {
+          EXPECT_EQ(choose_io_backend(kDirect, device, layout, to_host, bytes), kDirect);
+          EXPECT_EQ(choose_io_backend(kKernel, device, layout, to_host, bytes), kKernel);
+        }
+      }
+    }
+  }
 }
 
 TEST(HiCacheController, ResetUnderLoadReturnsEverySlot) {
