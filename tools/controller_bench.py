@@ -116,9 +116,10 @@ class Allocator:
         return self.table[pages[0]] if k == 1 else self.table[pages].flatten()
 
     def free(self, indices):
-        self.free_pages.extend(range(int(indices[0]) // PAGE, int(indices[0]) // PAGE + 1)
-                               if len(indices) == PAGE else
-                               sorted({i // PAGE for i in indices.tolist()}))
+        if indices._base is self.table._base and len(indices) == PAGE:  # a row alloc() handed out
+            self.free_pages.append(indices.storage_offset() // PAGE)
+            return
+        self.free_pages.extend(sorted({i // PAGE for i in indices.tolist()}))
 
 
 class HostPool:

@@ -218,6 +218,21 @@ void register_cache(py::module_& m) {
       // --- for a drop-in controller over the engine's allocators (hicache.sglang) -----
       .def("take_returned_device_slots", &PyHiCache::take_returned_device_slots)
       .def(
+          "evict_device_returning",
+          // evict_device, then the device slots hicache handed back (engine_allocator mode):
+          // (pages' tokens evicted, None when they are exactly `device_slots`, else the list).
+          // One call and no list back in the common case, for the drop-in's hot path.
+          [](PyHiCache& c, const std::vector<std::int64_t>& device_slots,
+             const std::vector<std::int64_t>& host_slots)
+              -> std::pair<std::int64_t, std::optional<std::vector<std::int64_t>>> {
+            const std::int64_t n =
+                c.use().hc.controller().evict_device(device_slots, host_slots);
+            std::vector<std::int64_t> returned = c.take_returned_device_slots();
+            if (!returned.empty() && returned == device_slots) return {n, std::nullopt};
+            return {n, std::move(returned)};
+          },
+          py::arg("device_slots"), py::arg("host_slots"))
+      .def(
           "host_alloc",
           [](PyHiCache& c, std::int64_t tokens) { return c.use().hc.host_pool().alloc(tokens); },
           py::arg("tokens"))

@@ -214,7 +214,13 @@ class HiCacheController:
         self._cuda = config["device"] == "cuda"
         if self._cuda:
             import torch
-            self._torch_cuda = torch.cuda
+            self._cuda_index = device_k[0].device.index
+            if self._cuda_index is None:
+                self._cuda_index = torch.cuda.current_device()
+            # The current stream's handle without building a Stream object per call (the raw
+            # getter torch's compiled code uses), else the public way.
+            self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                lambda index: torch.cuda.current_stream(index).cuda_stream)
         self._host_slots = _SlotTable(mem_pool_host.size, self.page_size, mem_pool_host.kv_buffer)
         self._device_slots = _SlotTable(int(device_k[0].shape[0]), self.page_size, device_k[0])
         self.storage_backend = _StorageView(self._cache) if self.enable_storage else None
@@ -407,7 +413,7 @@ class HiCacheController:
         a load batch overwrites its slots only after the work that may still read them, and
         the host never blocks for either (SGLang's 2025-08 controller synchronised the stream
         instead)."""
-        return self._torch_cuda.current_stream().cuda_stream if self._cuda else None
+        return self._raw_stream(self._cuda_index) if self._cuda else None
 
     def start_loading(self):
         """Starts every load queued since the last call as one batch; its producer index (the
@@ -439,10 +445,13 @@ class HiCacheController:
                 host.append(start + slot % p)
         else:
             host = _as_list(host_indices)
-        n = self._cache.evict_device(device, host)
+        n, returned = self._cache.evict_device_returning(device, host)
         for slot in device[::p]:
             self._host_copy.pop(slot // p, None)
-        self._return_device_slots(device, device_indices)
+        if returned is None:  # exactly the caller's slots: its own tensor goes back
+            self.mem_pool_device_allocator.free(device_indices)
+        elif returned:
+            self.mem_pool_device_allocator.free(self._device_slots(returned))
         return n
 
     def evict_host(self, host_indices, backup_only=True):
@@ -456,13 +465,10 @@ class HiCacheController:
         if slots:
             self._cache.host_free(slots)
 
-    def _return_device_slots(self, expected=None, expected_tensor=None):
-        """Hands the device slots hicache freed back to the engine's allocator; when they are
-        exactly `expected`, as the caller's own tensor."""
+    def _return_device_slots(self):
+        """Hands the device slots hicache freed back to the engine's allocator."""
         slots = self._cache.take_returned_device_slots()
-        if slots and slots == expected:
-            self.mem_pool_device_allocator.free(expected_tensor)
-        elif slots:
+        if slots:
             self.mem_pool_device_allocator.free(self._device_slots(slots))
 
     def _writes_done(self, acks):
