@@ -19,7 +19,8 @@
 #              (tests/python/test_sglang_controller.py with HICACHE_TEST_DEVICE=cuda) and
 #              tools/controller_bench.py --device cuda
 #   opbench    hicache-opbench --device cuda, auto, direct and kernel I/O (ratio_to_ceiling)
-#   transfers  hicache-gpubench for the three host layouts, and the pinned pool bring-up
+#   transfers  hicache-gpubench for the three host layouts, for fragments of 8 and 64 KiB, and
+#              the pinned pool bring-up
 # Each stage prints its wall time.
 #
 # For a GPU machine without the Debian packages (the lent device machines), on a Debian 12
@@ -167,6 +168,8 @@ if want transfers; then
   for layout in layer_first page_first page_first_direct; do
     "$build/tools/hicache-gpubench" "$layout"
   done
+  # Small scattered fragments: runs of 8 KiB and 64 KiB per layer and K/V.
+  for tokens in 4 32; do "$build/tools/hicache-gpubench" layer_first "$tokens"; done
   "$build/tools/hicache-gpubench" pin "${PIN_GIB:-32}"
 fi
 stage end

@@ -1,11 +1,16 @@
-// hicache-gpubench: H2D and D2H throughput of scattered KV pages through the `direct` path (one
-// cudaMemcpyAsync per run) and the `kernel` path (one gather/scatter launch), against a
-// contiguous pinned copy of the same bytes on the same stream (the ceiling), all measured in one
-// run. Standard geometry: 32 layers, 8 KV heads, head dim 128, fp16, page 64 (8 MiB per page).
+// hicache-gpubench: H2D and D2H throughput of scattered KV pages through the `direct` path (the
+// copy list of the runs, one cudaMemcpyBatchAsync where the runtime has it) and the `kernel`
+// path (one gather/scatter launch), against a contiguous pinned copy of the same bytes on the
+// same stream (the ceiling), all measured in one run. Standard geometry: 32 layers, 8 KV heads,
+// head dim 128, fp16, page 64 (8 MiB per page, runs of 128 KiB per layer and K/V).
+//   hicache-gpubench [LAYOUT [PAGE_TOKENS]]   LAYOUT: layer_first (default), page_first,
+//                                             page_first_direct; PAGE_TOKENS: 64 (default)
+//   hicache-gpubench pin [GIB]                the pinned pool's bring-up
 // Exits 0 with a note when no GPU answers.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -70,7 +75,15 @@ int main(int argc, char** argv) {
   // moves pages between, built from the same config an engine passes.
   constexpr std::int64_t kPool = 320;  // pages in each pool
   hicache::HiCacheConfig config;
-  config.geometry = hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, 64);
+  // `hicache-gpubench LAYOUT TOKENS`: pages of TOKENS tokens (default 64), so that each page's
+  // run per layer and K/V is TOKENS x 2 KiB: 4 tokens give the 8 KiB fragments, 32 the 64 KiB.
+  const int page_tokens = argc > 2 ? std::atoi(argv[2]) : 64;
+  if (page_tokens < 1 || page_tokens > 1024) {
+    std::fprintf(stderr, "hicache-gpubench: page tokens '%s': valid are 1..1024\n", argv[2]);
+    return 2;
+  }
+  config.geometry =
+      hicache::KVGeometry::mha(32, 8, 128, hicache::DType::kFloat16, page_tokens);
   config.device_tokens = kPool * config.geometry.page_size;
   config.host_size = hicache::HostPoolSize{.tokens = config.device_tokens};
   config.host_layout = hicache::parse_host_layout(layout_name);
