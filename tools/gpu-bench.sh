@@ -18,7 +18,8 @@
 #              with CUDA): tests/python/test_package.py's CUDA cases, the drop-in replay
 #              (tests/python/test_sglang_controller.py with HICACHE_TEST_DEVICE=cuda) and
 #              tools/controller_bench.py --device cuda
-#   opbench    hicache-opbench --device cuda, auto, direct and kernel I/O (ratio_to_ceiling)
+#   opbench    hicache-opbench --device cuda, auto, direct and kernel I/O (ratio_to_ceiling), and
+#              the kernel's writes capped at 8 and 32 blocks
 #   transfers  hicache-gpubench for the three host layouts, for fragments of 8 and 64 KiB, and
 #              the pinned pool bring-up
 # Each stage prints its wall time.
@@ -161,6 +162,11 @@ if want opbench; then
   for io in auto direct kernel; do
     "$build/tools/hicache-opbench" --device cuda --io-backend "$io" \
       --workload write_p1,write_p16,load_p1,load_p16,write_p1_tiny,load_p1_tiny || failed=1
+  done
+  # The kernel's writes on a few SMs (kernel_max_blocks), leaving the rest to the model.
+  for cap in 8 32; do
+    "$build/tools/hicache-opbench" --device cuda --io-backend kernel --kernel-max-blocks "$cap" \
+      --workload write_p1,write_p16 || failed=1
   done
 fi
 if want transfers; then

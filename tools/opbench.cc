@@ -120,6 +120,8 @@ engine's rate for the same bytes).
                              the controller's I/O path (default auto, the library's default:
                              per op; direct: copy lists; kernel: one gather or scatter launch
                              per op and layer range)
+  --kernel-max-blocks N      the kernel path's block cap (the config's kernel_max_blocks;
+                             default 0, no cap)
   --storage-dir DIR          file store root for backup/prefetch (default: a fresh directory
                              under the temp directory, removed at exit)
   --help
@@ -143,6 +145,7 @@ struct Options {
   std::string storage_dir;             // empty: a temporary directory
   std::string device = "host";
   std::string io_backend = "auto";
+  std::int64_t kernel_max_blocks = 0;  // the config's default: no cap
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -182,7 +185,7 @@ Options parse(int argc, char** argv) {
       continue;
     }
     if (flag != "--workload" && flag != "--storage-dir" && flag != "--device" &&
-        flag != "--io-backend") {
+        flag != "--io-backend" && flag != "--kernel-max-blocks") {
       usage_error(str_cat("unknown flag '", argv[i], "'"));
     }
     if (!value) {
@@ -202,6 +205,14 @@ Options parse(int argc, char** argv) {
         usage_error(str_cat("--io-backend: '", *value, "': valid are auto, direct, kernel"));
       }
       o.io_backend = *value;
+    } else if (flag == "--kernel-max-blocks") {
+      char* end = nullptr;
+      const std::string text(*value);
+      const long long n = std::strtoll(text.c_str(), &end, 10);
+      if (end == nullptr || *end != '\0' || n < 0 || n > (1 << 20)) {
+        usage_error(str_cat("--kernel-max-blocks: '", text, "': valid are 0..1048576"));
+      }
+      o.kernel_max_blocks = n;
     } else {
       o.storage_dir = *value;
     }
@@ -257,7 +268,7 @@ std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
                                                const hicache::KVGeometry& g,
                                                const std::string& storage_root,
                                                const std::string& fingerprint,
-                                               const std::string& io_backend) {
+                                               const Options& o) {
   nlohmann::json c = {
       {"page_size", g.page_size},
       {"device_tokens", kDevicePages * g.page_size},
@@ -266,7 +277,8 @@ std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
        {{"layers", g.num_layers}, {"kv_heads", g.num_kv_heads}, {"head_dim", g.head_dim},
         {"dtype", hicache::to_string(g.dtype)}}},
       {"write_policy", "write_through"},
-      {"io_backend", io_backend},
+      {"io_backend", o.io_backend},
+      {"kernel_max_blocks", o.kernel_max_blocks},
       {"host_layout", "layer_first"},
       {"model_name", "hicache-opbench"},
       {"model_fingerprint", fingerprint},
@@ -281,9 +293,9 @@ std::unique_ptr<hicache::HiCache> make_hicache(hicache::Device& device,
 class Rig {
  public:
   Rig(hicache::Device& device, const hicache::KVGeometry& geometry,
-      const std::string& io_backend, const std::string& storage_root = "",
+      const Options& o, const std::string& storage_root = "",
       const std::string& fingerprint = "unversioned")
-      : hc(make_hicache(device, geometry, storage_root, fingerprint, io_backend)),
+      : hc(make_hicache(device, geometry, storage_root, fingerprint, o)),
         g(geometry),
         dev(hc->device_pool()),
         host(hc->host_pool()),
@@ -389,6 +401,9 @@ bool report(std::string_view name, Rig& rig, const Measure& m, bool pools_clean)
   nlohmann::ordered_json j;
   j["workload"] = name;
   j["io_backend"] = std::string(hicache::to_string(rig.hc->config().controller.io_backend));
+  if (const std::int32_t cap = rig.hc->config().controller.kernel_max_blocks; cap != 0) {
+    j["kernel_max_blocks"] = cap;
+  }
   if (m.kernel_batches + m.direct_batches > 0) {  // what auto chose (all of it, warm-up too)
     j["kernel_batches"] = m.kernel_batches;
     j["direct_batches"] = m.direct_batches;
@@ -959,8 +974,8 @@ int run(const Options& o) {
   auto rig_for = [&](bool is_tiny) -> Rig& {
     auto& rig = is_tiny ? tiny : standard;
     if (!rig) {
-      rig = is_tiny ? std::make_unique<Rig>(*device, tiny_geometry, o.io_backend)
-                    : std::make_unique<Rig>(*device, standard_geometry, o.io_backend,
+      rig = is_tiny ? std::make_unique<Rig>(*device, tiny_geometry, o)
+                    : std::make_unique<Rig>(*device, standard_geometry, o,
                                             root.string(), fingerprint);
     }
     return *rig;
