@@ -12,7 +12,7 @@
 # GPU_BENCH_STAGES=list runs only those stages, in this order (default: all of them):
 #   tests      the C++ GPU tests and the kernels' register check
 #   sanitizer  compute-sanitizer over the CUDA tests
-#   main       hicache-bench on the GPU (direct and kernel I/O)
+#   main       hicache-bench on the GPU (auto, direct and kernel I/O)
 #   stress     hicache-stress on the GPU, 30 s per I/O backend
 #   python     the Python package built for $PYTHON (default python3, which must import torch
 #              with CUDA): tests/python/test_package.py's CUDA cases, the drop-in replay
@@ -132,7 +132,7 @@ if want sanitizer && [ -x "$sanitizer" ]; then
 fi
 if want main; then
   stage main
-  for io in direct kernel; do
+  for io in auto direct kernel; do
     "$build/tools/hicache-bench" --device cuda --io-backend "$io" --no-progress || failed=1
   done
 fi
