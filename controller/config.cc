@@ -211,12 +211,14 @@ const std::vector<Key>& keys() {
         "host <-> device copies: copy-engine batches (direct), the gather/scatter kernel, or "
         "auto: chosen per op",
         "--hicache-io-backend",
-        "SGLang's default is kernel. auto: on CUDA, writes of 1 MiB and more take the kernel "
-        "and everything else direct; page_first takes the kernel; the host backend takes "
-        "direct. On an H200 writes of 8 MiB pages reached 0.70-0.74 of the copy engine's "
-        "ceiling with direct and 0.91-0.95 with the kernel, while loads reached 0.83-0.99 "
-        "with direct and 0.66-0.88 with the kernel, and 2 KiB ops ran faster direct. direct "
-        "leaves the SMs to the model; page_first with direct is refused on CUDA"},
+        "SGLang's default is kernel. auto: on CUDA, runs under 32 KiB, 16 or more per copy "
+        "call, take the kernel, then writes of 1 MiB and more, and everything else direct; "
+        "page_first takes the kernel; the host backend takes direct. On an H200 writes of 8 "
+        "MiB pages reached 0.71-0.74 of the copy engine's ceiling with direct and 0.90-0.95 "
+        "with the kernel (0.89-0.94 on 8 blocks: kernel_max_blocks), loads 0.84-0.99 with "
+        "direct and 0.68-0.89 with the kernel, 2 KiB ops ran faster direct, and runs of 8 KiB "
+        "at 0.17-0.35 direct against 0.81-0.94 kernel from 16 pages up. direct leaves the SMs "
+        "to the model; page_first with direct is refused on CUDA"},
        -kInf, kInf, false,
        [](Draft& d, const json& v) {
          d.c.controller.io_backend = parse_io_backend(v.get<std::string>());

@@ -34,11 +34,14 @@ IoBackend parse_io_backend(std::string_view name) {
 }
 
 IoBackend choose_io_backend(IoBackend configured, DeviceBackend device, HostLayout host_layout,
-                            bool to_host, std::int64_t bytes) {
+                            const CopyShape& op) {
   if (configured != IoBackend::kAuto) return configured;
   if (host_layout == HostLayout::kPageFirst) return IoBackend::kKernel;
   if (device != DeviceBackend::kCuda) return IoBackend::kDirect;
-  return to_host && bytes >= kAutoKernelWriteBytes ? IoBackend::kKernel : IoBackend::kDirect;
+  if (op.run_bytes < kAutoSmallRunBytes && op.runs_per_call >= kAutoKernelMinRuns) {
+    return IoBackend::kKernel;
+  }
+  return op.to_host && op.bytes >= kAutoKernelWriteBytes ? IoBackend::kKernel : IoBackend::kDirect;
 }
 
 std::string_view to_string(WritePolicy policy) {
@@ -429,8 +432,15 @@ std::size_t HiCacheController::drain_load_acks(std::vector<Ack>& out) {
 
 void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s, bool to_host) {
   const std::int32_t ps = device_pool_.geometry().page_size;
-  s.io = choose_io_backend(config_.io_backend, device_.backend(), host_pool_.host_layout(),
-                           to_host, op.num_tokens() * device_pool_.geometry().token_bytes());
+  const KVGeometry& g = device_pool_.geometry();
+  const LayoutDesc& host = host_pool_.layout();
+  const std::int64_t pages = op.num_tokens() / ps;
+  const CopyShape shape{
+      .to_host = to_host,
+      .bytes = op.num_tokens() * g.token_bytes(),
+      .run_bytes = page_run_contiguous(host) ? page_run_bytes(host) : host.unit_bytes,
+      .runs_per_call = pages * host.num_kv * (to_host ? host.num_layers : 1)};
+  s.io = choose_io_backend(config_.io_backend, device_.backend(), host_pool_.host_layout(), shape);
   (s.io == IoBackend::kDirect ? direct_ops_ : kernel_ops_) += 1;
   s.host_pages.clear();
   s.device_pages.clear();

@@ -54,19 +54,32 @@ IoBackend parse_io_backend(std::string_view name);
 std::string_view to_string(WritePolicy policy);
 std::string_view to_string(IoBackend io);
 
+// What choose_io_backend() weighs about one op.
+struct CopyShape {
+  bool to_host = false;           // device -> host (a write); else a layer-by-layer load
+  std::int64_t bytes = 0;         // every byte the op moves
+  std::int64_t run_bytes = 0;     // one contiguous run in both layouts (a direct copy's size)
+  std::int64_t runs_per_call = 0;  // runs one copy call moves: a write's all, a load's per layer
+};
+
 // The path one op's copies take (never kAuto). `configured` other than kAuto is kept. kAuto:
 //   - page_first host memory: kernel (its runs are one token of one layer; direct on CUDA is
 //     refused, and on the host backend both walk the same units);
 //   - otherwise on the host backend: direct;
-//   - on CUDA, a write (device -> host) of at least kAutoKernelWriteBytes: kernel; smaller
-//     writes and every load (host -> device, layer by layer): direct.
-// Measured on an H200 (hicache-opbench --device cuda, 2026-11-29, docs/performance.md):
-// writes of 8 MiB pages reached 0.70-0.74 of the copy engine's ceiling with direct and
-// 0.91-0.95 with the kernel; 2 KiB writes ran 171k ops/s direct against 117k kernel; loads
-// reached 0.83 (one page) and 0.99 (16 pages) with direct against 0.66 and 0.88 with the kernel.
+//   - on CUDA, runs under kAutoSmallRunBytes, kAutoKernelMinRuns or more per copy call: kernel
+//     (the copy engines move small runs slowly); then writes (device -> host) of at least
+//     kAutoKernelWriteBytes: kernel; the rest (every other load, small writes): direct.
+// Measured on an H200 (2026-11-29, docs/performance.md): writes of 8 MiB pages cycling through
+// the pools reached 0.71-0.74 of the copy engine's ceiling with direct and 0.90-0.95 with the
+// kernel (hicache-opbench); loads 0.84 (one page) and 0.99 (16 pages) direct against 0.68 and
+// 0.89 kernel; 2 KiB ops ran 172k writes/s direct against 119k. Runs of 8 KiB (hicache-gpubench
+// layer_first 4): 16 pages, all layers, 0.17-0.35 direct against 0.81-0.83 kernel; one layer
+// of one page (2 runs) 0.95 direct against 0.47; runs of 64 KiB: direct 0.95-1.01 for loads.
 inline constexpr std::int64_t kAutoKernelWriteBytes = std::int64_t{1} << 20;
+inline constexpr std::int64_t kAutoSmallRunBytes = std::int64_t{32} << 10;
+inline constexpr std::int64_t kAutoKernelMinRuns = 16;
 IoBackend choose_io_backend(IoBackend configured, DeviceBackend device, HostLayout host_layout,
-                            bool to_host, std::int64_t bytes);
+                            const CopyShape& op);
 
 struct ControllerConfig {
   WritePolicy write_policy = WritePolicy::kWriteThrough;  // for the radix cache

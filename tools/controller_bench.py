@@ -22,12 +22,13 @@ V); `verified` says whether they matched.
 
     PYTHONPATH=build/python /usr/bin/python3 tools/controller_bench.py \
         [--opbench build/tools/hicache-opbench] [--quick] [--workload write_p1,...] \
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--io-backend direct|kernel]
 
 --device cuda puts the engine's device buffers on the GPU (torch's own CUDA tensors; the
 slot indices stay CPU tensors, as SGLang's host indices are) and runs hicache-opbench with
 --device cuda: the Python calls then order hicache's copies after torch's current stream on
 the device (no host synchronisation), and the figures compare with the C++ path on the same GPU.
+--io-backend is SGLang's (default direct), given to the drop-in and to hicache-opbench alike.
 """
 import argparse
 import json
@@ -69,6 +70,7 @@ WORKLOADS = {  # name: (load, tiny, pages per op, count), hicache-opbench's
 
 
 DEVICE = ["cpu"]
+IO_BACKEND = ["direct"]  # SGLang's io_backend, passed to the drop-in and to hicache-opbench
 
 
 def device_tensor(shape, dtype):
@@ -136,7 +138,7 @@ def rig(tiny):
     alloc = Allocator(dev)
     host = HostPool(160, layers, heads, head_dim)
     ctrl = HiCacheController(alloc, host, PAGE, None, write_policy="write_through",
-                             io_backend="direct", model_name="controller-bench")
+                             io_backend=IO_BACKEND[0], model_name="controller-bench")
     page_bytes = 2 * layers * PAGE * heads * head_dim * 2
     return dev, alloc, host, ctrl, page_bytes
 
@@ -268,7 +270,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a tenth of the ops")
     ap.add_argument("--workload", default=",".join(WORKLOADS))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--io-backend", default="direct", choices=("direct", "kernel"),
+                    help="SGLang's io_backend for the drop-in; hicache-opbench takes the same")
     args = ap.parse_args()
+    IO_BACKEND[0] = args.io_backend
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no GPU")
     DEVICE[0] = args.device
@@ -277,7 +282,7 @@ def main():
         if w not in WORKLOADS:
             sys.exit(f"--workload {w}: valid are {', '.join(WORKLOADS)}")
     cmd = [args.opbench, "--workload", ",".join(names)] + (["--quick"] if args.quick else []) + \
-        (["--device", "cuda"] if args.device == "cuda" else [])
+        (["--device", "cuda"] if args.device == "cuda" else []) + ["--io-backend", args.io_backend]
     cpp = {}
     for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines():
         if line.startswith("{"):
@@ -290,7 +295,8 @@ def main():
         key = "ops_per_s" if WORKLOADS[name][1] else "gbps"
         ratio = py[key] / c[key] if c[key] else 0.0
         ok &= py["verified"]
-        print(json.dumps({"workload": name, "device": args.device, "python": py,
+        print(json.dumps({"workload": name, "device": args.device,
+                          "io_backend": args.io_backend, "python": py,
                           "cpp": {k: c[k] for k in ("ops_per_s", "gbps", "p50_ms", "verified")},
                           "python_vs_cpp": round(ratio, 3), "measure": key}), flush=True)
     return 0 if ok else 1

@@ -17,7 +17,7 @@
 #   python     the Python package built for $PYTHON (default python3, which must import torch
 #              with CUDA): tests/python/test_package.py's CUDA cases, the drop-in replay
 #              (tests/python/test_sglang_controller.py with HICACHE_TEST_DEVICE=cuda) and
-#              tools/controller_bench.py --device cuda
+#              tools/controller_bench.py --device cuda (direct and kernel I/O)
 #   opbench    hicache-opbench --device cuda, auto, direct and kernel I/O (ratio_to_ceiling), and
 #              the kernel's writes capped at 8 and 32 blocks
 #   transfers  hicache-gpubench for the three host layouts, for fragments of 8 and 64 KiB, and
@@ -154,8 +154,10 @@ if want python; then
   run_py "$py" -m pytest -q -p no:cacheprovider tests/python/test_package.py -k cuda || failed=1
   HICACHE_TEST_DEVICE=cuda run_py "$py" -m pytest -q -p no:cacheprovider \
     tests/python/test_sglang_controller.py || failed=1
-  run_py "$py" tools/controller_bench.py --device cuda --opbench "$build/tools/hicache-opbench" \
-    || failed=1
+  for io in direct kernel; do  # SGLang's two io_backends, the C++ run on the same one
+    run_py "$py" tools/controller_bench.py --device cuda --io-backend "$io" \
+      --opbench "$build/tools/hicache-opbench" || failed=1
+  done
 fi
 if want opbench; then
   stage opbench

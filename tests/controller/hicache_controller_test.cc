@@ -263,30 +263,56 @@ TEST(HiCacheController, ConfigNamesAreParsedAndUnknownOnesRejected) {
   }
 }
 
-// io_backend auto, op by op: the kernel for page_first (token-sized runs) and for CUDA writes
-// of 1 MiB and more, direct otherwise; a configured path is kept whatever the op.
+// io_backend auto, op by op: the kernel for page_first (token-sized runs), for small runs in
+// numbers and for CUDA writes of 1 MiB and more, direct otherwise; a configured path is kept
+// whatever the op.
 TEST(HiCacheController, AutoChoosesThePathPerOp) {
   constexpr auto kAuto = IoBackend::kAuto, kDirect = IoBackend::kDirect,
                  kKernel = IoBackend::kKernel;
   constexpr auto kCuda = DeviceBackend::kCuda, kHost = DeviceBackend::kHost;
   constexpr std::int64_t kBig = kAutoKernelWriteBytes, kSmall = kAutoKernelWriteBytes - 1;
+  constexpr std::int64_t kRun = 128 << 10;  // the standard geometry's run (64 tokens x 2 KiB)
+  constexpr std::int64_t kSmallRun = kAutoSmallRunBytes - 1, kMany = kAutoKernelMinRuns;
+  auto op = [](bool to_host, std::int64_t bytes, std::int64_t run, std::int64_t runs) {
+    return CopyShape{.to_host = to_host, .bytes = bytes, .run_bytes = run, .runs_per_call = runs};
+  };
   for (const HostLayout layout : {HostLayout::kLayerFirst, HostLayout::kPageFirstDirect}) {
     SCOPED_TRACE(to_string(layout));
-    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/true, kBig), kKernel);
-    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/true, kSmall), kDirect);
-    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/false, kBig), kDirect);
-    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, /*to_host=*/false, kSmall), kDirect);
-    EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, /*to_host=*/true, kBig), kDirect);
-    EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, /*to_host=*/false, kBig), kDirect);
+    // Large runs: writes by size, loads direct.
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(true, kBig, kRun, 64)), kKernel);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(true, kSmall, kRun, 64)), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(false, kBig, kRun, 64)), kDirect);
+    EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(false, kSmall, kRun, 2)), kDirect);
+    // Small runs: the kernel once there are many per call, whatever the direction.
+    for (const bool to_host : {true, false}) {
+      EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(to_host, kSmall, kSmallRun, kMany)),
+                kKernel);
+      EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout, op(to_host, kSmall, kSmallRun, kMany - 1)),
+                kDirect);
+      EXPECT_EQ(choose_io_backend(kAuto, kCuda, layout,
+                                  op(to_host, kSmall, kAutoSmallRunBytes, kMany * 8)),
+                kDirect);
+    }
+    // The host backend: direct.
+    for (const bool to_host : {true, false}) {
+      EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, op(to_host, kBig, kRun, 64)), kDirect);
+      EXPECT_EQ(choose_io_backend(kAuto, kHost, layout, op(to_host, kSmall, kSmallRun, kMany)),
+                kDirect);
+    }
   }
   for (const DeviceBackend device : {kCuda, kHost}) {
     for (const bool to_host : {true, false}) {
       for (const std::int64_t bytes : {kSmall, kBig}) {
-        EXPECT_EQ(choose_io_backend(kAuto, device, HostLayout::kPageFirst, to_host, bytes),
+        EXPECT_EQ(choose_io_backend(kAuto, device, HostLayout::kPageFirst,
+                                    op(to_host, bytes, 2048, 2)),
                   kKernel);
         for (const HostLayout layout : {HostLayout::kLayerFirst, HostLayout::kPageFirst}) {
-          EXPECT_EQ(choose_io_backend(kDirect, device, layout, to_host, bytes), kDirect);
-          EXPECT_EQ(choose_io_backend(kKernel, device, layout, to_host, bytes), kKernel);
+          for (const std::int64_t run : {kSmallRun, kRun}) {
+            EXPECT_EQ(choose_io_backend(kDirect, device, layout, op(to_host, bytes, run, kMany)),
+                      kDirect);
+            EXPECT_EQ(choose_io_backend(kKernel, device, layout, op(to_host, bytes, run, kMany)),
+                      kKernel);
+          }
         }
       }
     }
