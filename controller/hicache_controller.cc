@@ -441,7 +441,7 @@ void HiCacheController::prepare_pages(const CacheOperation& op, Scratch& s, bool
       .run_bytes = page_run_contiguous(host) ? page_run_bytes(host) : host.unit_bytes,
       .runs_per_call = pages * host.num_kv * (to_host ? host.num_layers : 1)};
   s.io = choose_io_backend(config_.io_backend, device_.backend(), host_pool_.host_layout(), shape);
-  (s.io == IoBackend::kDirect ? direct_ops_ : kernel_ops_) += 1;
+  (s.io == IoBackend::kDirect ? direct_batches_ : kernel_batches_) += 1;
   s.host_pages.clear();
   s.device_pages.clear();
   slots_to_pages(op.host_slots, ps, host_pool_.num_pages(), "controller host slots",
@@ -708,8 +708,8 @@ ControllerStats HiCacheController::stats() const {
                          sidecar_bytes_written_.value(), sidecar_bytes_loaded_.value(),
                          write_batches_done_.value(),
                          static_cast<double>(write_ns_.value()) * 1e-9,
-                         direct_ops_.value(),
-                         kernel_ops_.value()};
+                         direct_batches_.value(),
+                         kernel_batches_.value()};
 }
 
 void HiCacheController::unregister_metrics() {

@@ -297,7 +297,7 @@ class HiCacheController {
   std::unique_ptr<AckQueues> acks_;
   Counter sidecar_bytes_written_, sidecar_bytes_loaded_;
   Counter writes_done_, write_failures_, load_batches_done_, load_failures_, bytes_written_,
-      bytes_loaded_, load_ns_, write_batches_done_, write_ns_, direct_ops_, kernel_ops_;
+      bytes_loaded_, load_ns_, write_batches_done_, write_ns_, direct_batches_, kernel_batches_;
   Histogram write_latency_, load_latency_;
   std::atomic<bool> timed_{false};  // registered: ops are timed for the latency histograms
   MetricsScope metrics_;  // after what it registers: it goes first

@@ -109,7 +109,8 @@ Stream* PyHiCache::engine_stream(HiCache& hc, std::optional<std::uintptr_t> stre
   return streams_.back().second.get();
 }
 
-Event* PyHiCache::record_on(HiCache& hc, std::optional<std::uintptr_t> stream, std::unique_ptr<Event>& event) {
+Event* PyHiCache::record_on(HiCache& hc, std::optional<std::uintptr_t> stream,
+                            std::unique_ptr<Event>& event) {
   Stream* s = engine_stream(hc, stream);
   if (s == nullptr) return nullptr;
   MutexLock lock(streams_mu_);

@@ -407,12 +407,11 @@ class HiCacheController:
 
     def _compute_stream(self):
         """On a GPU, the engine's current stream (a cudaStream_t handle; 0 is the legacy default
-        stream), else None. hicache
-        records an event on it and its copy streams wait for that event on the device: a write
-        copies the pages only after the work queued so far (the forward pass that wrote them),
-        a load batch overwrites its slots only after the work that may still read them, and
-        the host never blocks for either (SGLang's 2025-08 controller synchronised the stream
-        instead)."""
+        stream), else None. hicache records an event on it and its copy streams wait for that
+        event on the device: a write copies the pages only after the work queued so far (the
+        forward pass that wrote them), a load batch overwrites its slots only after the work
+        that may still read them, and the host never blocks for either (SGLang's 2025-08
+        controller synchronised the stream instead)."""
         return self._raw_stream(self._cuda_index) if self._cuda else None
 
     def start_loading(self):
