@@ -109,22 +109,22 @@ Stream* PyHiCache::engine_stream(HiCache& hc, std::optional<std::uintptr_t> stre
   return streams_.back().second.get();
 }
 
-Event* PyHiCache::record_on(HiCache& hc, std::optional<std::uintptr_t> stream,
-                            std::unique_ptr<Event>& event) {
+Event* PyHiCache::record_on(HiCache& hc, std::optional<std::uintptr_t> stream, bool for_load) {
   Stream* s = engine_stream(hc, stream);
   if (s == nullptr) return nullptr;
   MutexLock lock(streams_mu_);
+  std::unique_ptr<Event>& event = for_load ? load_ready_ : write_ready_;
   if (!event) event = hc.device().create_event();
   s->record(*event);
   return event.get();
 }
 
 Event* PyHiCache::ready_for_write(HiCache& hc, std::optional<std::uintptr_t> stream) {
-  return record_on(hc, stream, write_ready_);
+  return record_on(hc, stream, /*for_load=*/false);
 }
 
 Event* PyHiCache::ready_for_load(HiCache& hc, std::optional<std::uintptr_t> stream) {
-  return record_on(hc, stream, load_ready_);
+  return record_on(hc, stream, /*for_load=*/true);
 }
 
 void PyHiCache::detach_storage() {

@@ -172,8 +172,8 @@ class PyHiCache {
       const std::vector<std::int32_t>& tokens, const std::optional<std::string>& prior_hex);
 
  private:
-  Event* record_on(HiCache& hc, std::optional<std::uintptr_t> stream,
-                   std::unique_ptr<Event>& event);
+  // Records the write's (or, for_load, the load's) ready event on `stream`; null without one.
+  Event* record_on(HiCache& hc, std::optional<std::uintptr_t> stream, bool for_load);
   std::unique_ptr<EngineSlots> engine_slots_;  // outlives cache_ (declared first)
   // The engine's streams wrapped so far and the two ready events; released by close() before
   // the cache (their device).
