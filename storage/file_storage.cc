@@ -2,8 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/uio.h>
@@ -14,112 +12,37 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <filesystem>
 #include <latch>
 #include <list>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
-#include "storage/json_fields.h"
+#include "storage/file_index_snapshot.h"
+#include "storage/file_trash.h"
+#include "storage/file_usage.h"
 #include "storage/page_key.h"
+#include "storage/posix_file.h"
 #include "storage/record.h"
 #include "transfer/errors.h"
 #include "transfer/mutex.h"
-#include <xxhash.h>
 
 namespace hicache {
 
 namespace fs = std::filesystem;
 
-FileStorageConfig FileStorageConfig::from_json_text(std::string_view json_text) {
-  constexpr std::string_view what = "file storage config";
-  const auto j = json_fields::parse_object(json_text, what);
-  json_fields::reject_unknown(j, kJsonKeys, what);
-  FileStorageConfig c;
-  c.root = json_fields::get<std::string>(j, "root", "", what);
-  if (c.root.empty()) throw InvalidArgument(str_cat(what, ": 'root' (a directory) is required"));
-  c.capacity_bytes = static_cast<std::uint64_t>(
-      json_fields::get_int(j, "capacity_bytes", 0, 0, INT64_MAX, what));
-  if (j.contains("disk_reserve")) {
-    if (!j["disk_reserve"].is_number() || !(j["disk_reserve"].get<double>() >= 0.0) ||
-        !(j["disk_reserve"].get<double>() <= 0.9)) {
-      throw InvalidArgument(str_cat(what, ": disk_reserve ", j["disk_reserve"].dump(),
-                                    " is not a fraction of the filesystem in [0, 0.9]"));
-    }
-    c.disk_reserve = j["disk_reserve"].get<double>();
-  }
-  const auto durability = json_fields::get<std::string>(j, "durability", "none", what);
-  if (durability == "none") {
-    c.durability = Durability::kNone;
-  } else if (durability == "group_commit") {
-    c.durability = Durability::kGroupCommit;
-  } else {
-    throw InvalidArgument(str_cat(what, ": durability '", durability,
-                                  "' (valid: none, group_commit)"));
-  }
-  c.io_threads = static_cast<int>(json_fields::get_int(j, "io_threads", 4, 0, 256, what));
-  if (j.contains("shared")) c.shared = json_fields::get<bool>(j, "shared", false, what);
-  return c;
-}
-
-namespace {
-
-std::string errno_text(const char* op, const fs::path& path, int err) {
-  return str_cat(op, " ", path.string(), ": ", std::strerror(err));
-}
-
-// Full-length positional vector I/O (retries short transfers and EINTR). Returns the bytes
-// moved, or -errno.
-template <bool kWrite>
-ssize_t full_iov(int fd, iovec* iov, int iovcnt) {
-  std::size_t total = 0;
-  off_t offset = 0;
-  while (iovcnt > 0) {
-    const ssize_t n = kWrite ? ::pwritev(fd, iov, iovcnt, offset) : ::preadv(fd, iov, iovcnt, offset);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (n == 0) break;  // EOF on read
-    total += static_cast<std::size_t>(n);
-    offset += n;
-    auto left = static_cast<std::size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
-  return static_cast<ssize_t>(total);
-}
-
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-};
-
-}  // namespace
+using posix_file::errno_text;
+using posix_file::Fd;
+using posix_file::full_iov;
 
 class FileStorage::Impl {
  public:
   Impl(FileStorage& owner, const FileStorageConfig& config)
       : owner_(owner), config_(config), root_(config.root), tmp_(root_ / ".tmp"),
-        trash_(root_ / ".trash") {
+        trash_(root_ / ".trash", [this] { ensure_dirs(); }) {
     std::error_code ec;
     fs::create_directories(root_, ec);
     if (!fs::is_directory(root_)) {
@@ -133,7 +56,7 @@ class FileStorage::Impl {
     ensure_dirs();
     root_fd_ = ::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (root_fd_ < 0) throw IoError(errno_text("file storage: open", root_, errno));
-    // Before anything reads the directory: whether another instance is live (see Usage).
+    // Before anything reads the directory: whether another instance is live (file_usage.h).
     try {
       open_usage();
     } catch (...) {
@@ -144,17 +67,14 @@ class FileStorage::Impl {
       MutexLock lock(mu_);
       removals_at_open_ = foreign_removals_locked();
     }
-    // Crash debris: half-written temporaries and records evicted but not yet unlinked.
+    // Crash debris: records evicted but not yet unlinked, and half-written temporaries.
     // (Beside a live instance, its temporaries are its writes in progress; only those of
     // processes that are gone are debris.)
+    trash_.adopt_leftovers();
     for (const auto& entry : fs::directory_iterator(tmp_, ec)) {
-      if (alone_at_start() || !writer_alive(entry.path())) queue_trash_file(entry.path());
+      if (alone_at_start() || !writer_alive(entry.path())) trash_.take(entry.path());
     }
-    for (const auto& entry : fs::directory_iterator(trash_, ec)) {
-      trash_queue_.push_back({entry.path(), 0});
-    }
-    trash_pending_ = trash_queue_.size();
-    Snapshot snapshot;
+    MappedIndexSnapshot snapshot;
     std::vector<std::string_view> unverified;  // into `snapshot`
     from_snapshot_ = load_snapshot(snapshot, unverified);
     if (!from_snapshot_) rebuild_index();
@@ -168,7 +88,7 @@ class FileStorage::Impl {
     if (config_.io_threads > 0) {
       pool_ = std::make_unique<boost::asio::thread_pool>(static_cast<std::size_t>(config_.io_threads));
     }
-    trash_thread_ = std::thread([this] { trash_loop(); });
+    trash_.start();
     if (from_snapshot_) {  // also an empty snapshot: the directory may hold records it lacks
       // The views stay valid: the mapping moves with the thread.
       verify_thread_ = std::thread(
@@ -183,12 +103,7 @@ class FileStorage::Impl {
     // No call runs any more: the index is final. Only the root's last live instance writes a
     // snapshot (one beside live instances would describe a directory they go on changing).
     if (!usage_ || usage_->last_at_close()) write_snapshot();
-    {
-      MutexLock lock(trash_mu_);
-      trash_stop_ = true;
-    }
-    trash_cv_.notify_all();
-    trash_thread_.join();  // what is left in .trash/ is unlinked at the next start
+    trash_.stop();  // what is left in .trash/ is unlinked at the next start
     ::close(root_fd_);
   }
 
@@ -269,21 +184,21 @@ class FileStorage::Impl {
   // another live instance counted in .usage (a load from the shared mapping, no system call).
   bool shared_now() const {
     if (config_.shared.has_value()) return *config_.shared;
-    return usage_ == nullptr || !usage_->locked || usage_->instances() > 1;
+    return usage_ == nullptr || !usage_->locked() || usage_->instances() > 1;
   }
   // Whether no other instance was live when this one started (one opened with "shared": false
   // made sure of it).
-  bool alone_at_start() const { return usage_ == nullptr || usage_->alone; }
+  bool alone_at_start() const { return usage_ == nullptr || usage_->alone(); }
 
   // Records the other instances published since this one opened (more precisely: every
   // publication counted in .usage less this instance's own; they are counted under mu_).
   std::uint64_t foreign_publications_locked() const HICACHE_REQUIRES(mu_) {
-    return std::atomic_ref(usage_->count[2]).load() - own_publications_;
+    return usage_->at(FileUsage::kPublications).load() - own_publications_;
   }
   // The same for records taken out of the root (evicted, removed, dropped as bad): an index entry
   // found on disk while it stood still (Entry::confirmed) is trusted without asking again.
   std::uint64_t foreign_removals_locked() const HICACHE_REQUIRES(mu_) {
-    return std::atomic_ref(usage_->count[3]).load() - own_removals_;
+    return usage_->at(FileUsage::kRemovals).load() - own_removals_;
   }
 
   std::vector<IoResult> get(std::span<const std::string> keys, std::span<const ByteSpan> dst) {
@@ -372,10 +287,7 @@ class FileStorage::Impl {
 
   bool from_snapshot() const { return from_snapshot_; }
 
-  void flush_trash() {
-    MutexLock lock(trash_mu_);
-    while (trash_pending_ != 0) trash_mu_.wait(trash_idle_cv_);
-  }
+  void flush_trash() { trash_.flush(); }
 
   void gauges(StorageStats& s) const {
     MutexLock lock(mu_);
@@ -640,7 +552,7 @@ class FileStorage::Impl {
     // May be below what is stored: the store then evicts down to it. Records in the trash are
     // free space to come (the trash thread unlinks them): counting them as used would evict
     // far more than the disk needs whenever the thread lags.
-    const std::uint64_t usable = total_bytes_ + free_bytes + trash_bytes_.load();
+    const std::uint64_t usable = total_bytes_ + free_bytes + trash_.pending_bytes();
     std::uint64_t capacity = usable > reserve ? usable - reserve : 1;
     if (usage_ && shared_now()) {
       // Shared: up to an equal share of what the root's records and the free space give (less
@@ -651,7 +563,7 @@ class FileStorage::Impl {
       // high); those above it give that back by evicting their own on their next write, until
       // the shares are even.
       const std::uint64_t root_usable =
-          std::atomic_ref(usage_->count[0]).load() + free_bytes + trash_bytes_.load();
+          usage_->at(FileUsage::kBytes).load() + free_bytes + trash_.pending_bytes();
       if (root_usable > reserve && usable > reserve / 2) {
         const std::uint64_t share = (root_usable - reserve) / usage_->instances();
         capacity = std::max(capacity, std::min(share, usable - reserve / 2));
@@ -699,9 +611,9 @@ class FileStorage::Impl {
       return IoResult::error(errno_text("rename into", path, err));
     }
     if (usage_ != nullptr) {
-      std::atomic_ref(usage_->count[0]).fetch_add(bytes);
+      usage_->at(FileUsage::kBytes).fetch_add(bytes);
       // After the rename: another instance that sees the count moved finds the record.
-      std::atomic_ref(usage_->count[2]).fetch_add(1);
+      usage_->at(FileUsage::kPublications).fetch_add(1);
       ++own_publications_;
       absent_.erase(key);
     }
@@ -778,127 +690,30 @@ class FileStorage::Impl {
     unindex_locked(it);
     if (count_eviction) ++owner_.counters_.evictions;
     bool moved = false;
-    if (!queue_trash_file(path, bytes, &moved) && count_eviction) {
+    if (!trash_.take(path, bytes, &moved) && count_eviction) {
       ++owner_.counters_.eviction_failures;
     }
     if (moved && usage_) {
-      std::atomic_ref(usage_->count[0]).fetch_sub(bytes);
+      usage_->at(FileUsage::kBytes).fetch_sub(bytes);
       // After the rename, as publications are counted (see indexed_locked).
-      std::atomic_ref(usage_->count[3]).fetch_add(1);
+      usage_->at(FileUsage::kRemovals).fetch_add(1);
       ++own_removals_;
     }
   }
 
-  // <root>/.usage: what the instances on one root share (every instance opens it).
-  // Its counts, mapped shared, 8 bytes each:
-  //  [0] the bytes of every record in the root: each instance adds what it renames in and takes
-  //      off what it renames out, and, shared with capacity_bytes, evicts while the sum is over
-  //      the capacity;
-  //  [1] the live instances: more than one makes an instance without a "shared" key shared;
-  //  [2] the records all of them published: an instance's memory of absent keys (absent_)
-  //      holds while the others' part of it stands still;
-  //  [3] the records all of them took out of the root: an index entry found on disk holds while
-  //      the others' part of it stands still.
-  // Its locks are open-file-description locks (fcntl F_OFD_SETLK: one per open of the file, so
-  // two instances in one process exclude each other too; a crash releases them; a lock converts
-  // between read and write atomically):
-  //  byte 0, for life: a read lock by every instance, a write lock by one opened with
-  //    "shared": false, so neither kind opens beside the other;
-  //  byte 1: a starting instance tries a write lock. Granted, no other is live: it scans, sets
-  //    [0] and [1] to what it found (mending an instance that died between a rename and its
-  //    count, or died counted), then converts to a read lock held for life. Refused, it waits for
-  //    a read lock (a lone starter finishing its start), then scans and adds itself to [1] (its
-  //    scan would undo the renames the others count meanwhile). At close a conversion to a write
-  //    lock that is granted proves the instance is the last one live.
-  struct Usage {
-    int fd = -1;
-    std::uint64_t* count = nullptr;  // bytes, live instances, publications, removals
-    bool locked = false;   // the locks work on this filesystem (else never provably alone)
-    bool alone = false;    // no other instance was live at the start
-    bool counted = false;  // in [1]
-    ~Usage() {
-      if (counted) std::atomic_ref(count[1]).fetch_sub(1);
-      if (count != nullptr) ::munmap(count, kUsageBytes);
-      if (fd >= 0) ::close(fd);  // releases the locks
-    }
-    void settle(std::uint64_t scanned) {
-      if (alone) {
-        std::atomic_ref(count[0]).store(scanned);
-        std::atomic_ref(count[1]).store(1);
-        lock_byte(fd, F_RDLCK, 1, /*wait=*/true);  // a conversion: granted at once
-      } else {
-        std::atomic_ref(count[1]).fetch_add(1);
-      }
-      counted = true;
-    }
-    bool last_at_close() const { return locked && lock_byte(fd, F_WRLCK, 1, false) == 0; }
-    std::uint64_t instances() const {
-      return std::max<std::uint64_t>(1, std::atomic_ref(count[1]).load());
-    }
-  };
-  static constexpr std::size_t kUsageBytes = 32;
   // Remembered absent keys (absent_) at most; beyond, the memory starts over.
   static constexpr std::size_t kMaxAbsent = std::size_t{1} << 16;
 
-  // An open-file-description lock on byte `byte` of `fd`: 0, or the errno (EAGAIN or EACCES:
-  // another open holds a conflicting lock).
-  static int lock_byte(int fd, short type, off_t byte, bool wait) {
-    struct flock fl {};
-    fl.l_type = type;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = byte;
-    fl.l_len = 1;
-    while (::fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) != 0) {
-      if (errno != EINTR) return errno;
-    }
-    return 0;
-  }
-
-  // Opens <root>/.usage and takes this instance's locks (see Usage): into usage_, or, for
-  // "shared": false, into exclusive_ (no counts). Throws IoError when the root is held by an
-  // instance of the other kind.
+  // Opens <root>/.usage (storage/file_usage.h): into usage_, or, for "shared": false, into
+  // exclusive_ (its lock, no counts).
   void open_usage() {
-    auto u = std::make_unique<Usage>();
-    const fs::path path = root_ / ".usage";
-    u->fd = ::openat(root_fd_, ".usage", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (u->fd < 0) throw IoError(errno_text("file storage: open", path, errno));
-    if (config_.shared == false) {
-      const int err = lock_byte(u->fd, F_WRLCK, 0, false);
-      if (err == EAGAIN || err == EACCES) {
-        throw IoError(str_cat("file storage: root '", config_.root,
-                              "' is in use by another live instance, and this one was opened "
-                              "with \"shared\": false (the root to itself); leave \"shared\" "
-                              "unset to share the root"));
-      }
-      u->alone = true;  // (a filesystem without locks: the config's word is taken)
-      exclusive_ = std::move(u);
-      return;
-    }
-    struct stat st {};
-    if (::fstat(u->fd, &st) != 0 ||
-        (st.st_size < static_cast<off_t>(kUsageBytes) && ::ftruncate(u->fd, kUsageBytes) != 0)) {
-      throw IoError(errno_text("file storage: size", path, errno));
-    }
-    void* p = ::mmap(nullptr, kUsageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, u->fd, 0);
-    if (p == MAP_FAILED) throw IoError(errno_text("file storage: map", path, errno));
-    u->count = static_cast<std::uint64_t*>(p);
-    const int err = lock_byte(u->fd, F_RDLCK, 0, false);
-    if (err == EAGAIN || err == EACCES) {
-      throw IoError(str_cat("file storage: root '", config_.root,
-                            "' is held by a live instance opened with \"shared\": false (it "
-                            "shares the root with no other instance)"));
-    }
-    u->locked = err == 0;
-    if (u->locked) {
-      u->alone = lock_byte(u->fd, F_WRLCK, 1, false) == 0;
-      if (!u->alone) u->locked = lock_byte(u->fd, F_RDLCK, 1, /*wait=*/true) == 0;
-    }
-    usage_ = std::move(u);
+    auto u = FileUsage::open(root_fd_, root_, /*exclusive=*/config_.shared == false);
+    (u->exclusive() ? exclusive_ : usage_) = std::move(u);
   }
   // What the capacity bounds: the root's total (shared, with capacity_bytes) or this index's
   // (a capacity that follows the filesystem counts this index's records plus the free space).
   std::uint64_t used_locked() const HICACHE_REQUIRES(mu_) {
-    return usage_ && !capacity_from_disk_ && shared_now() ? std::atomic_ref(usage_->count[0]).load()
+    return usage_ && !capacity_from_disk_ && shared_now() ? usage_->at(FileUsage::kBytes).load()
                                                            : total_bytes_;
   }
 
@@ -936,59 +751,10 @@ class FileStorage::Impl {
     return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM);
   }
 
-  // Moves a file to the trash; `bytes` (its size where known) counts as space about to be
-  // freed until the trash thread has unlinked it.
-  // `moved`: set when this call took the record out of the root (not when it was gone already).
-  bool queue_trash_file(const fs::path& path, std::uint64_t bytes = 0, bool* moved = nullptr) {
-    const fs::path to = trash_ / str_cat(::getpid(), ".", seq_.fetch_add(1));
-    if (::rename(path.c_str(), to.c_str()) != 0) {
-      if (errno == ENOENT && ::access(path.c_str(), F_OK) != 0) {
-        if (!fs::exists(trash_)) {  // the trash folder itself vanished: recreate it and retry
-          ensure_dirs();
-          if (::rename(path.c_str(), to.c_str()) == 0) {
-            if (moved != nullptr) *moved = true;
-            return push_trash(to, bytes);
-          }
-        }
-        return true;  // the record is gone already
-      }
-      return false;
-    }
-    if (moved != nullptr) *moved = true;
-    return push_trash(to, bytes);
-  }
-
-  bool push_trash(fs::path to, std::uint64_t bytes) {
-    {
-      MutexLock lock(trash_mu_);
-      trash_queue_.push_back({std::move(to), bytes});
-      ++trash_pending_;
-      trash_bytes_ += bytes;
-    }
-    trash_cv_.notify_one();
-    return true;
-  }
-
-  void trash_loop() {
-    UniqueLock lock(trash_mu_);
-    while (true) {
-      while (!trash_stop_ && trash_queue_.empty()) trash_mu_.wait(trash_cv_);
-      if (trash_stop_) return;
-      auto [path, bytes] = std::move(trash_queue_.front());
-      trash_queue_.pop_front();
-      lock.unlock();
-      std::error_code ec;
-      fs::remove_all(path, ec);  // a failure leaves it for the next start; nothing waits on it
-      lock.lock();
-      trash_bytes_ -= bytes;
-      if (--trash_pending_ == 0) trash_idle_cv_.notify_all();
-    }
-  }
-
   void ensure_dirs() {
     std::error_code ec;
     fs::create_directories(tmp_, ec);
-    fs::create_directories(trash_, ec);
+    fs::create_directories(trash_.dir(), ec);
   }
 
   std::string syncfs_root() {
@@ -996,116 +762,56 @@ class FileStorage::Impl {
     return {};
   }
 
-  // The index snapshot (<root>/.index) lets a restart skip the directory scan (about 5 us per
-  // record). It is written only at a clean close, and removed (durably) when the next store
-  // opens, before it accepts a write: so a snapshot on disk always describes the directory as
-  // the last clean close left it, and a crash (no snapshot) falls back to the full scan. Shared
-  // mode writes none (other processes change the directory) and removes one it finds.
-  // Format: magic, version, count, then per record (oldest first) the key's length, the key and
-  // the record's bytes, then an XXH3 of everything before; anything else means a scan.
-  static constexpr std::uint64_t kSnapshotMagic = 0x7865646e69636869;  // "hicindex"
-  static constexpr std::uint64_t kSnapshotVersion = 1;
-  static constexpr const char* kSnapshotName = ".index";
-
-  // A read-only mapping of the snapshot file (it stays readable after the file is removed).
-  struct Snapshot {
-    const char* base = nullptr;
-    std::size_t bytes = 0;
-    Snapshot() = default;
-    Snapshot(Snapshot&& o) noexcept : base(std::exchange(o.base, nullptr)), bytes(o.bytes) {}
-    Snapshot& operator=(Snapshot&&) = delete;
-    ~Snapshot() {
-      if (base != nullptr) ::munmap(const_cast<char*>(base), bytes);
-    }
-    bool map(int fd, std::size_t n) {
-      void* p = ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
-      if (p == MAP_FAILED) return false;
-      base = static_cast<const char*>(p);
-      bytes = n;
-      return true;
-    }
-    const char* data() const { return base; }
-    std::size_t size() const { return bytes; }
-  };
-
+  // The index snapshot (storage/file_index_snapshot.h) lets a restart skip the directory scan.
+  // It is written only at a clean close, and removed (durably) when the next store opens, before
+  // it accepts a write: so a snapshot on disk always describes the directory as the last clean
+  // close left it, and a crash (no snapshot) falls back to the full scan. Shared mode writes
+  // none (other processes change the directory) and removes one it finds.
   void write_snapshot() {
-    std::string buf;
-    auto put = [&buf](std::uint64_t v) { buf.append(reinterpret_cast<const char*>(&v), 8); };
+    std::string data;
     {
       MutexLock lock(mu_);
-      buf.reserve(24 + lru_.size() * 64);
-      put(kSnapshotMagic);
-      put(kSnapshotVersion);
-      put(lru_.size());
-      for (const std::string* key : lru_) {
-        put(key->size());
-        buf += *key;
-        put(index_.at(*key).bytes);
-      }
+      IndexSnapshotWriter w(lru_.size());
+      for (const std::string* key : lru_) w.add(*key, index_.at(*key).bytes);
+      data = w.finish();
     }
-    put(XXH3_64bits(buf.data(), buf.size()));
-    const fs::path tmp = tmp_ / str_cat(kSnapshotName, ".", ::getpid(), ".0");
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    bool ok = fd.fd >= 0;
-    for (std::size_t at = 0; ok && at < buf.size();) {
-      const ssize_t n = ::write(fd.fd, buf.data() + at, buf.size() - at);
-      if (n < 0 && errno == EINTR) continue;
-      ok = n > 0;
-      at += ok ? static_cast<std::size_t>(n) : 0;
-    }
-    // A snapshot that could not be written whole is not published: the next start scans.
-    ok = ok && ::fdatasync(fd.fd) == 0;
-    if (!ok || ::renameat(AT_FDCWD, tmp.c_str(), root_fd_, kSnapshotName) != 0) {
-      ::unlink(tmp.c_str());
-    }
+    publish_index_snapshot(data, tmp_ / str_cat(kIndexSnapshotName, ".", ::getpid(), ".0"),
+                           root_fd_);
   }
 
   // Loads the snapshot into the index and removes it; false (and the index empty) when there
   // is none, it does not check, or it cannot be removed. `buf` keeps the snapshot and `keys`
   // its keys, to check against the directory in the background (verify).
-  bool load_snapshot(Snapshot& buf, std::vector<std::string_view>& keys) {
-    Fd fd(::openat(root_fd_, kSnapshotName, O_RDONLY | O_CLOEXEC));
+  bool load_snapshot(MappedIndexSnapshot& buf, std::vector<std::string_view>& keys) {
+    Fd fd(::openat(root_fd_, kIndexSnapshotName, O_RDONLY | O_CLOEXEC));
     if (fd.fd < 0) return false;
     // Removed first: from here on the directory changes, and a snapshot left behind would
     // describe it wrongly after a crash. (Not synced: after a power loss that undoes the
     // removal, the background check of the next start reconciles the stale snapshot.)
-    if (::unlinkat(root_fd_, kSnapshotName, 0) != 0) return false;
+    if (::unlinkat(root_fd_, kIndexSnapshotName, 0) != 0) return false;
     if (!alone_at_start()) return false;
     struct stat st {};
     if (::fstat(fd.fd, &st) != 0 || st.st_size < 32) return false;
     // Mapped, not read: the page cache's pages serve it without a fresh page (and its fault,
     // 10-16 us per 4 KiB on these machines) per 4 KiB of index.
     if (!buf.map(fd.fd, static_cast<std::size_t>(st.st_size))) return false;
-    const std::size_t end = buf.size() - 8;  // the checksum follows
-    std::size_t at = 0;
-    auto get = [&](std::uint64_t& v) {
-      if (end - at < 8) return false;
-      std::memcpy(&v, buf.data() + at, 8);
-      at += 8;
-      return true;
-    };
-    std::uint64_t checksum = 0;
-    std::memcpy(&checksum, buf.data() + end, 8);
-    std::uint64_t magic = 0, version = 0, count = 0;
-    if (XXH3_64bits(buf.data(), end) != checksum || !get(magic) || magic != kSnapshotMagic ||
-        !get(version) || version != kSnapshotVersion || !get(count) || count > end / 17) {
-      return false;
-    }
+    IndexSnapshotReader reader;
+    if (!reader.open(buf.data(), buf.size())) return false;
     MutexLock lock(mu_);
-    index_.reserve(static_cast<std::size_t>(count));
-    keys.reserve(static_cast<std::size_t>(count));
-    for (std::uint64_t i = 0; i < count; ++i) {
-      std::uint64_t len = 0, bytes = 0;
-      if (!get(len) || len > kMaxKeyBytes || end - at < len) return forget_snapshot_locked(keys);
-      const std::string_view key(buf.data() + at, static_cast<std::size_t>(len));
-      at += static_cast<std::size_t>(len);
-      if (!get(bytes) || bytes == 0 || !valid_key(key)) return forget_snapshot_locked(keys);
+    index_.reserve(static_cast<std::size_t>(reader.count()));
+    keys.reserve(static_cast<std::size_t>(reader.count()));
+    for (std::uint64_t i = 0; i < reader.count(); ++i) {
+      std::string_view key;
+      std::uint64_t bytes = 0;
+      if (!reader.next(key, bytes, kMaxKeyBytes) || bytes == 0 || !valid_key(key)) {
+        return forget_snapshot_locked(keys);
+      }
       const std::size_t before = index_.size();
       insert_locked(std::string(key), bytes);
       if (index_.size() == before) return forget_snapshot_locked(keys);  // a key twice: not a snapshot we wrote
       keys.push_back(key);
     }
-    if (at != end) return forget_snapshot_locked(keys);
+    if (!reader.at_end()) return forget_snapshot_locked(keys);
     return true;
   }
 
@@ -1150,7 +856,7 @@ class FileStorage::Impl {
       }
       auto at = insert_locked(key, static_cast<std::uint64_t>(st.st_size));
       // The start counted only the snapshot's records in .usage.
-      if (usage_) std::atomic_ref(usage_->count[0]).fetch_add(at->second.bytes);
+      if (usage_) usage_->at(FileUsage::kBytes).fetch_add(at->second.bytes);
       lru_.splice(lru_.begin(), lru_, at->second.lru);
       evict_locked();
     }
@@ -1184,7 +890,7 @@ class FileStorage::Impl {
 
   FileStorage& owner_;
   const FileStorageConfig& config_;
-  const fs::path root_, tmp_, trash_;
+  const fs::path root_, tmp_;
   int root_fd_ = -1;
   std::atomic<std::uint64_t> seq_{0};
 
@@ -1199,17 +905,10 @@ class FileStorage::Impl {
 
   std::unique_ptr<boost::asio::thread_pool> pool_;
 
-  Mutex trash_mu_;
-  std::condition_variable trash_cv_, trash_idle_cv_;
-  // path, bytes (0: unknown)
-  std::deque<std::pair<fs::path, std::uint64_t>> trash_queue_ HICACHE_GUARDED_BY(trash_mu_);
-  std::atomic<std::uint64_t> trash_bytes_{0};  // queued for unlinking: free space to come
-  std::size_t trash_pending_ HICACHE_GUARDED_BY(trash_mu_) = 0;
-  bool trash_stop_ HICACHE_GUARDED_BY(trash_mu_) = false;
-  std::thread trash_thread_;
+  FileTrash trash_;  // <root>/.trash: evicted and removed records, unlinked in the background
   bool from_snapshot_ = false;
-  std::unique_ptr<Usage> usage_;      // <root>/.usage, mapped (none with "shared": false)
-  std::unique_ptr<Usage> exclusive_;  // "shared": false: its lock on .usage, no counts
+  std::unique_ptr<FileUsage> usage_;      // <root>/.usage, mapped (none with "shared": false)
+  std::unique_ptr<FileUsage> exclusive_;  // "shared": false: its lock on .usage, no counts
   // Shared: keys found absent on disk while the other instances' publications stood at
   // absent_epoch_ (see adopt_locked); own_publications_: this instance's part of that count.
   std::unordered_set<std::string> absent_ HICACHE_GUARDED_BY(mu_);
