@@ -2,8 +2,6 @@
 
 #include <fcntl.h>
 #include <hiredis/read.h>
-#include <pthread.h>
-#include <signal.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -19,7 +17,6 @@
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 #include <cerrno>
-#include <charconv>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -28,6 +25,7 @@
 #include <thread>
 
 #include "storage/record.h"
+#include "storage/redis_io_threads.h"
 #include "transfer/errors.h"
 
 namespace hicache::redis {
@@ -49,95 +47,6 @@ void Completion::finish_one() {
 void Completion::wait() {
   MutexLock lock(mu_);
   while (remaining_ != 0) mu_.wait(cv_);
-}
-
-std::size_t bulk_reply_bytes(std::size_t len) {
-  std::size_t digits = 1;
-  for (std::size_t v = len; v >= 10; v /= 10) ++digits;
-  return 1 + digits + 2 + len + 2;  // "$<len>\r\n<bytes>\r\n"
-}
-
-namespace {
-
-void append_count(std::string& out, char kind, std::size_t n) {
-  char buf[24];
-  buf[0] = kind;
-  char* end = std::to_chars(buf + 1, buf + sizeof(buf) - 2, n).ptr;
-  *end++ = '\r';
-  *end++ = '\n';
-  out.append(buf, end);
-}
-
-}  // namespace
-
-void append_array_head(std::string& out, std::size_t args) { append_count(out, '*', args); }
-void append_bulk_head(std::string& out, std::size_t len) { append_count(out, '$', len); }
-
-void append_bulk(std::string& out, std::string_view arg) {
-  append_count(out, '$', arg.size());
-  out += arg;
-  out += "\r\n";
-}
-
-class IoThreads::Impl {
- public:
-  // One io_context per thread, each with its own reactor: asio performs a socket's reads and
-  // its continued writes in the thread running the reactor, so threads sharing one io_context
-  // would still do the I/O of every connection in one thread at a time.
-  struct Shard {
-    asio::io_context io{1};
-    asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
-  };
-  std::vector<std::unique_ptr<Shard>> shards;
-  std::vector<std::thread> threads;
-  std::atomic<std::size_t> next{0};
-  std::atomic<std::uint64_t> handler_failures{0};
-
-  // The shard for a new connection: round robin.
-  asio::io_context& pick() {
-    return shards[next.fetch_add(1, std::memory_order_relaxed) % shards.size()]->io;
-  }
-};
-
-IoThreads::IoThreads(int threads) : impl_(std::make_unique<Impl>()) {
-  for (int i = 0; i < std::max(threads, 1); ++i) {
-    impl_->shards.push_back(std::make_unique<Impl::Shard>());
-  }
-  for (auto& shard : impl_->shards) {
-    impl_->threads.emplace_back([impl = impl_.get(), io = &shard->io] {
-      // splice() to a socket the peer reset raises SIGPIPE (it takes no MSG_NOSIGNAL), which
-      // would end the process: these threads, the only ones that write to the sockets, keep it
-      // blocked; the call fails with EPIPE instead.
-      sigset_t pipe_signal;
-      sigemptyset(&pipe_signal);
-      sigaddset(&pipe_signal, SIGPIPE);
-      pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
-      // A handler that throws (an allocation failing) must not end the thread, or the process:
-      // the run goes on, and the connection it was serving fails its requests at their
-      // timeout.
-      for (;;) {
-        try {
-          io->run();
-          return;
-        } catch (const std::exception&) {
-          impl->handler_failures.fetch_add(1, std::memory_order_relaxed);
-        }
-      }
-    });
-  }
-}
-
-IoThreads::~IoThreads() { stop(); }
-
-std::uint64_t IoThreads::handler_failures() const {
-  return impl_->handler_failures.load(std::memory_order_relaxed);
-}
-
-void IoThreads::stop() {
-  for (auto& shard : impl_->shards) shard->work.reset();
-  for (auto& t : impl_->threads) {
-    if (t.joinable()) t.join();
-  }
 }
 
 namespace {
