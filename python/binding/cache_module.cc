@@ -284,7 +284,8 @@ void register_cache(py::module_& m) {
           py::arg("host_slots"))
       .def(
           "wait_layer",
-          [](PyHiCache& c, std::int32_t slot, std::int32_t layer, std::optional<std::uintptr_t> stream) {
+          [](PyHiCache& c, std::int32_t slot, std::int32_t layer,
+             std::optional<std::uintptr_t> stream) {
             auto u = c.use();
             Stream* compute = c.engine_stream(u.hc, stream);
             py::gil_scoped_release nogil;
